@@ -1,0 +1,219 @@
+"""Configuration dataclasses: what the model is (ModelConfig) and how the engine runs it (EngineConfig).
+
+Both are validated once, at construction, so a bad value fails before any memory is allocated and
+never in the middle of a batch. Field names follow vLLM so a vLLM user needs no dictionary.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The architecture of a Llama-family checkpoint, read from its HF ``config.json``.
+
+    Llama, Mistral, Qwen2 and Qwen3 differ only by a few flags here: q/k/v bias (Qwen2),
+    per-head q/k RMSNorm (Qwen3), an explicit ``head_dim`` and the rotary scaling.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    torch_dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r} (config.json 'architectures'={archs}); "
+                f"minfer supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        # transformers 5 writes `rope_parameters` (theta inside); older checkpoints `rope_theta` + `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "linear", "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
+            scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+        window = cfg.get("sliding_window")
+        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            window = None
+        dtype_name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
+        eos = cfg.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window) if window else None,
+            torch_dtype=DTYPES.get(dtype_name, torch.float32),
+            eos_token_ids=_as_ids(eos),
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face model folder")
+        config = cls.from_dict(json.loads(path.read_text()))
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            gen_eos = _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+            config.eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + gen_eos))
+        return config
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_DTYPES = ("auto",)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every knob of the engine, with vLLM's names and defaults.
+
+    ``num_kv_blocks`` sizes the cache exactly; otherwise ``kv_cache_memory_bytes`` does, and
+    without it the cache takes ``gpu_memory_utilization`` of the GPU (on CPU: 2 GiB).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+    revision: str | None = None
+    download_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        _check_choice("dtype", self.dtype, ("auto", *DTYPES))
+        _check_choice("device", self.device, ("auto", "cuda", "cpu"))
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_int("seed", self.seed, 0)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        _check_int("block_size", self.block_size, 1, 256)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs room for its decode token"
+            )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA GPU is available; use device='cpu' or 'auto'")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from keyword arguments, naming any unknown one together with the allowed names."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**kwargs)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        return model_config.torch_dtype if self.resolved_device().type == "cuda" else torch.float32
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+

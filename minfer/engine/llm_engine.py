@@ -1,0 +1,229 @@
+"""LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
+
+The offline ``LLM`` and the HTTP server both drive it through ``add_request`` / ``step`` /
+``abort_request``. Each request of ``n`` samples becomes ``n`` sequences.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from minfer.config import EngineConfig, ModelConfig
+from minfer.engine.block_manager import BlockManager
+from minfer.engine.detokenizer import IncrementalDetokenizer
+from minfer.engine.model_runner import ModelRunner
+from minfer.engine.scheduler import Scheduler
+from minfer.engine.sequence import Sequence
+from minfer.model.loader import resolve_model_path
+from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("minfer")
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, stream_text: bool = True) -> None:
+        """``stream_text``: detokenize every step so partial outputs carry text (for streaming);
+        when False, text is decoded once at the end unless stop strings need it earlier."""
+        if config.model is None:
+            raise ValueError("model is required (a local folder or a Hugging Face hub id)")
+        self.config = config
+        self.stream_text = stream_text
+        self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir)
+        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.max_model_len = self._resolve_max_model_len()
+        tok_path = config.tokenizer or self.model_dir
+        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(str(tok_path))))
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids or
+                                       ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
+        self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._next_seq_id = 0
+
+    def _resolve_max_model_len(self) -> int:
+        mc, limit = self.model_config, self.model_config.max_position_embeddings
+        length = self.config.max_model_len or limit
+        if length > limit:
+            raise ValueError(f"max_model_len ({length}) exceeds the model's max_position_embeddings ({limit})")
+        if mc.sliding_window is not None and mc.sliding_window < length:
+            raise ValueError(f"this model uses sliding-window attention (window {mc.sliding_window}), which minfer "
+                             f"does not implement; set max_model_len <= {mc.sliding_window} (now {length})")
+        return length
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; errors here leave the engine untouched."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        self._check_prompt(ids, params)
+        max_total = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens,
+                                                                             self.max_model_len)
+        seqs = []
+        for i in range(params.n):
+            if params.seed is None:
+                seed = self._rng.getrandbits(63)
+            else:
+                seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
+            seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed, self.eos_token_ids, max_total)
+            if params.stop_strings or self.stream_text:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            self._next_seq_id += 1
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs,
+                                            RequestMetrics(arrival_time or time.time()))
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got min {min(ids)}, max {max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                             f"it must be shorter to leave room for at least one output token")
+        total = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens,
+                                                                         self.max_model_len)
+        need = self.block_manager.blocks_needed(total)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"this request needs up to {need} KV blocks ({total} tokens) but the whole cache has "
+                             f"{self.block_manager.num_blocks}; lower max_tokens or give the cache more memory")
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward; return outputs of requests that produced a token or finished."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.time()
+        out = self.runner.run(batch)
+        sampled = [s for s in batch.seqs if s.samples_this_step]
+        for seq in batch.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_full_blocks(seq)
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(sampled):
+            lp = out.logprobs[i] if out.logprobs is not None else None
+            self._append_token(seq, out.token_ids[i], lp)
+            if seq.is_finished and not isinstance(seq.stop_reason, str):  # stop strings already cut the text
+                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        now_done = time.time()
+        outputs = []
+        for req in touched.values():
+            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+            req.metrics.first_token_time = req.metrics.first_token_time or now_done
+            if req.finished:
+                req.metrics.finished_time = now_done
+                del self.requests[req.request_id]
+            outputs.append(self._make_output(req))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token]
+        p = seq.params
+        may_stop = seq.num_output_tokens >= p.min_tokens
+        if may_stop and token in p.stop_token_ids:
+            return self.scheduler.finish(seq, "stop", token)
+        if may_stop and not p.ignore_eos and token in seq.eos_token_ids:
+            return self.scheduler.finish(seq, "stop")
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.step(token)
+            if delta and may_stop and p.stop_strings and self._check_stop_strings(seq, len(delta)):
+                return
+        if seq.num_tokens >= seq.max_total_tokens:
+            self.scheduler.finish(seq, "length")
+
+    def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
+        """Find a stop string that the new text completed (it may span tokens); cut the text there."""
+        text = seq.detokenizer.text
+        for stop in seq.params.stop_strings:
+            at = text.find(stop, max(0, len(text) - delta_len - len(stop) + 1))
+            if at >= 0:
+                end = at + len(stop) if seq.params.include_stop_str_in_output else at
+                seq.text = text[:end]
+                self.scheduler.finish(seq, "stop", stop)
+                return True
+        return False
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            text = seq.text if seq.is_finished else (seq.detokenizer.text if seq.detokenizer else "")
+            wants_lp = seq.params.logprobs is not None
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if wants_lp else None,
+                logprobs=list(seq.output_logprobs) if wants_lp else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, req.metrics)
+
+    # ---- introspection --------------------------------------------------------------------
+    def get_stats(self) -> dict[str, int]:
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "num_cached_kv_blocks": len(bm.cached),
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_preemptions": sched.num_preemptions,
+            "prefix_cache_hit_tokens": bm.hit_tokens,
+            "prefix_cache_queried_tokens": bm.queried_tokens,
+        }
+

@@ -1,0 +1,151 @@
+"""ModelRunner: owns the model, the paged KV cache and the sampler; runs one flattened step.
+
+Step inputs are built with numpy over per-sequence arrays (no per-token Python loops) and copied
+to the device once; the only device→host copy of a step is the sampled token ids (and the
+logprobs, when asked for).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minfer.config import EngineConfig, ModelConfig, cdiv
+from minfer.engine.sampler import Sampler, SamplerOutput
+from minfer.engine.scheduler import SchedulerOutput
+from minfer.model.attention import AttentionMetadata
+from minfer.model.loader import build_model
+
+logger = logging.getLogger("minfer")
+
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(model_config)
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        if config.attention_backend == "triton":
+            raise ValueError("attention_backend='triton' is not available yet; use 'auto' or 'torch'")
+        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, "torch")
+        self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.num_kv_blocks = self._count_kv_blocks()
+        shape = (self.num_kv_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_kv_blocks, self.block_size,
+                    self.num_kv_blocks * self.block_bytes / 2**30, self.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V of one block across all layers."""
+        c = self.model_config
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * itemsize
+
+    def _count_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        blocks = budget // self.block_bytes
+        if blocks < 1:
+            raise ValueError(f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no block of "
+                             f"{self.block_bytes / 2**20:.2f} MiB; raise gpu_memory_utilization or kv_cache_memory_bytes")
+        return int(blocks)
+
+    @torch.no_grad()
+    def _profile_free_gpu_memory(self) -> int:
+        """Bytes left for the KV cache after the weights and a forward at the full token budget."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        c = self.model_config
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = cdiv(n, self.block_size)
+        shape = (blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        meta, ids, pos = self._dummy_prefill(n)
+        hidden = self.model(ids, pos, meta)
+        self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        temp_cache = blocks * self.block_bytes
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        del hidden
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - temp_cache
+        free, total = torch.cuda.mem_get_info(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)
+        sampler = self.config.max_num_seqs * c.vocab_size * 4 * 8  # logits, noise and sort temporaries
+        return int(total * self.config.gpu_memory_utilization - peak - others - sampler)
+
+    def _dummy_prefill(self, n: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+        dev = self.device
+        blocks = cdiv(n, self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None, :],
+            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            num_decodes=0, max_query_len=n, max_context_len=n, block_size=self.block_size,
+            context_lens_host=[n], query_lens_host=[n])
+        ids = torch.randint(0, self.model_config.vocab_size, (n,), device=dev)
+        return meta, ids, torch.arange(n, device=dev)
+
+    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
+        seqs = batch.seqs
+        q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        ctx_lens = starts + q_lens
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+        ids: list[int] = []
+        for s in seqs:
+            ids += s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
+        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(total) - cu[seq_of_token] + starts[seq_of_token]
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        bs = self.block_size
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        samples = np.fromiter((s.samples_this_step for s in seqs), dtype=bool, count=len(seqs))
+        logit_rows = cu[1:][samples] - 1
+        dev = self.device
+
+        def to_dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=to_dev(slots), block_tables=to_dev(tables),
+            context_lens=to_dev(ctx_lens.astype(np.int32)), query_start_loc=to_dev(cu.astype(np.int32)),
+            num_decodes=batch.num_decodes, max_query_len=int(q_lens.max()), max_context_len=int(ctx_lens.max()),
+            block_size=bs, context_lens_host=ctx_lens.tolist(), query_lens_host=q_lens.tolist())
+        return to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions), meta, to_dev(logit_rows)
+
+    @torch.no_grad()
+    def run(self, batch: SchedulerOutput) -> SamplerOutput:
+        """One forward over the step's tokens; sample for the sequences that reached their end."""
+        ids, positions, meta, logit_rows = self.prepare(batch)
+        hidden = self.model(ids, positions, meta)
+        sampling = [s for s in batch.seqs if s.samples_this_step]
+        if not sampling:
+            return SamplerOutput([], None)
+        logits = self.model.compute_logits(hidden[logit_rows])
+        return self.sampler(logits, sampling)

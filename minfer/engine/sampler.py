@@ -1,0 +1,144 @@
+"""Sampler: turns the logits of the sampling rows into next tokens, on the device, batched.
+
+Randomness comes from a counter-based hash of (the sample's seed, its output index, the token
+id) rather than from a shared generator, so a seeded request draws the same numbers whatever else
+is in the batch, after a preemption too, and no per-request generator objects are needed. With
+uniform noise u, ``argmax(logits/T - log(-log u))`` is an exact draw from softmax(logits/T)
+(the Gumbel-max trick).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minfer.engine.sequence import Sequence
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche finaliser on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u[r, v] in (0, 1), a pure function of (seeds[r], counters[r], v)."""
+    row = _mix32((_mix32(seeds & _M32) ^ (seeds >> 32)) ^ ((counters * 0x9E3779B1) & _M32))
+    col = _mix32((torch.arange(vocab_size, device=seeds.device) * 0x27D4EB2F + 0x165667B1) & _M32)
+    bits = _mix32(row[:, None] ^ col[None, :]) >> 8  # 24 random bits
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # per row: chosen token and the top-k, or None
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: float32 [len(seqs), vocab] of the rows that sample this step."""
+        params = [s.params for s in seqs]
+        want_logprobs = [p.logprobs for p in params]
+        raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_logprobs) else None
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, seqs)
+        if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+            logits = self._block_early_stops(logits, seqs)
+        token_ids = logits.argmax(-1)
+        if not all(p.greedy for p in params):
+            token_ids = torch.where(self._tensor([p.greedy for p in params], torch.bool), token_ids,
+                                    self._sample(logits, seqs))
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids.tolist(), None)
+        return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, want_logprobs))
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        temps = self._tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
+        logits = logits / temps[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, params)
+        if any(p.min_p > 0 for p in params):
+            probs = logits.softmax(-1)
+            min_p = self._tensor([p.min_p for p in params], torch.float32)
+            cutoff = probs.max(-1, keepdim=True).values * min_p[:, None]
+            logits = logits.masked_fill(probs < cutoff, float("-inf"))
+        seeds = self._tensor([s.sample_seed for s in seqs], torch.int64)
+        counters = self._tensor([s.num_output_tokens for s in seqs], torch.int64)
+        gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
+        return (logits + gumbel).argmax(-1)
+
+    def _top_k_top_p(self, logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Keep the k most likely tokens and the smallest set whose probability reaches top_p."""
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        top_k = self._tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        drop = rank >= top_k[:, None]
+        top_p = self._tensor([p.top_p for p in params], torch.float32)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # the most likely token always stays
+        drop |= mass_before >= top_p[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """repetition_penalty over prompt + output tokens (HF/vLLM); presence and frequency
+        penalties over output tokens only (OpenAI)."""
+        rows, vocab = logits.shape
+        out_counts = torch.zeros(rows, vocab, device=logits.device)
+        seen = torch.zeros(rows, vocab, dtype=torch.bool, device=logits.device)
+        for r, s in enumerate(seqs):  # one row per penalised sequence, not per token
+            if not s.params.has_penalties:
+                continue
+            out = torch.tensor(s.output_token_ids, dtype=torch.int64, device=logits.device)
+            out_counts[r].index_add_(0, out, torch.ones(len(out), device=logits.device))
+            seen[r, torch.tensor(s.token_ids, dtype=torch.int64, device=logits.device)] = True
+        params = [s.params for s in seqs]
+        rep = self._tensor([p.repetition_penalty for p in params], torch.float32)[:, None]
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+        freq = self._tensor([p.frequency_penalty for p in params], torch.float32)[:, None]
+        pres = self._tensor([p.presence_penalty for p in params], torch.float32)[:, None]
+        return logits - freq * out_counts - pres * (out_counts > 0).float()
+
+    def _block_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Before min_tokens, EOS and stop_token_ids cannot be sampled."""
+        logits = logits.clone()
+        for r, s in enumerate(seqs):
+            if s.num_output_tokens < s.params.min_tokens:
+                ids = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(s.eos_token_ids))
+                ids = [i for i in ids if i < logits.shape[-1]]
+                if ids:
+                    logits[r, ids] = float("-inf")
+        return logits
+
+    def _gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
+                         want: list[int | None]) -> list[dict[int, float] | None]:
+        k = max(w or 0 for w in want)
+        chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
+        top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+        top_vals, top_ids, ids = top_vals.tolist(), top_ids.tolist(), token_ids.tolist()
+        result: list[dict[int, float] | None] = []
+        for r, w in enumerate(want):
+            if w is None:
+                result.append(None)
+                continue
+            entry = {ids[r]: chosen[r]}
+            entry.update((i, v) for i, v in zip(top_ids[r][:w], top_vals[r][:w]) if i not in entry)
+            result.append(entry)
+        return result

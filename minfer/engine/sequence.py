@@ -1,0 +1,73 @@
+"""Sequence: one stream of tokens being generated, and the state the scheduler keeps for it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from minfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Prompt plus generated tokens of one sample of a request.
+
+    ``num_computed_tokens`` counts tokens whose K/V sit in the cache. A step schedules the next
+    ``num_scheduled_tokens`` of ``token_ids`` (a prompt chunk, or the one last token when
+    decoding); the sequence samples when that brings it to the end of its known tokens. After a
+    preemption it is recomputed from scratch over prompt + output, which the prefix cache
+    usually turns into a cheap hit on its own just-freed blocks.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_seed: int  # the seed of this sample's random stream (see Sampler)
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # prompt + output may not exceed this (max_model_len / max_tokens)
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_scheduled_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    detokenizer: object | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def samples_this_step(self) -> bool:
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens

@@ -1,0 +1,100 @@
+"""LLM: the offline API — ``LLM(model=...).generate(prompts, SamplingParams(...))`` as in vLLM."""
+from __future__ import annotations
+
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from minfer.config import EngineConfig
+from minfer.engine.llm_engine import LLMEngine, PromptType
+from minfer.outputs import RequestOutput
+from minfer.sampling_params import SamplingParams
+
+
+def builtin_model_path() -> Path:
+    """The small Python-code model shipped inside the package (trained by ``minfer train``)."""
+    return Path(str(resources.files("minfer") / "assets" / "builtin-model"))
+
+
+class LLM:
+    """An engine plus a blocking ``generate``: all prompts are batched continuously until done.
+
+    ``LLM()`` with no model loads the built-in model. Every engine argument of ``EngineConfig``
+    (vLLM's names) is accepted as a keyword; an unknown or invalid one fails here.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        config = EngineConfig.from_kwargs(model=str(model or builtin_model_path()), **kwargs)
+        self.llm_engine = LLMEngine(config, stream_text=False)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> dict[str, int]:
+        return self.llm_engine.get_stats()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(str(self._counter))
+                self._counter += 1
+                engine.add_request(ids[-1], prompt, p)
+        except Exception:
+            for rid in ids:  # one bad prompt rejects the call and leaves nothing queued
+                engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass chat_template=... or use generate()")
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template)
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.0f} out tok/s")
+        except BaseException:
+            for rid in request_ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in request_ids]

@@ -1,0 +1,96 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
+
+Every layer but attention sees a ``[num_tokens, hidden]`` matrix; the model differs between
+families only by q/k/v bias (Qwen2) and per-head q/k RMSNorm before rotary (Qwen3).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minfer.config import ModelConfig
+from minfer.model.attention import Attention, AttentionMetadata
+from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias, dtype)
+        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta).reshape(t, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` returns final hidden states; ``compute_logits`` only for
+    the rows that sample, since the LM head is the largest matmul of a decode step."""
+
+    # checkpoint name fragment -> (fused parameter's module name, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, backend: str = "torch") -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # a weight holder
+            self.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, meta)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head for the selected rows, as float32 logits."""
+        return nn.functional.linear(self.norm(hidden), self.lm_head.weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]

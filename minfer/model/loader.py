@@ -1,0 +1,108 @@
+"""Find a checkpoint (local folder or HF hub id) and load its safetensors into the engine's model.
+
+Shards are read one tensor at a time straight into the (fused) parameters, so host memory never
+holds a second full copy of the weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from minfer.model.llama import LlamaForCausalLM
+
+
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """A local folder as is; otherwise an HF hub id, downloaded (config, tokenizer, safetensors)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model path {model!r} does not exist (expected a folder with config.json "
+                                f"and *.safetensors, or a Hugging Face hub id like 'org/name')")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown id, gated repo ...
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = "HF_HUB_OFFLINE=1 is set and it is not in the local cache" if offline else \
+            "it is not a local folder and could not be downloaded (no network, or unknown id)"
+        raise FileNotFoundError(f"model {model!r}: {hint}: {type(exc).__name__}: {exc}") from exc
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir} (other formats are not supported)")
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into its parameter; fail if any parameter stays unloaded."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if "rotary_emb" in name:
+                    continue
+                target = _target(model, name)
+                if target is None:
+                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                        continue  # some tied checkpoints still store it
+                    raise ValueError(f"unexpected tensor {name!r} in {file.name}")
+                module_name, attr, shard = target
+                module = model.get_submodule(module_name)
+                tensor = f.get_tensor(name)
+                if shard is None:
+                    param = getattr(module, attr)
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                else:
+                    module.load_shard(attr, tensor, shard)
+                loaded.add(f"{module_name}.{attr}" + ("" if shard is None else f"#{shard}"))
+    expected = set()
+    for pname, param in params.items():
+        module_name, attr = pname.rsplit(".", 1)
+        shards = getattr(model.get_submodule(module_name), "shard_sizes", None)
+        expected |= {pname} if shards is None else {f"{pname}#{i}" for i in range(len(shards))}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] | None:
+    """Map an HF tensor name to (module path in our model, attribute, shard index or None)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    elif name == "lm_head.weight":
+        return None if model.config.tie_word_embeddings else ("lm_head", "weight", None)
+    module_name, attr = name.rsplit(".", 1)
+    parts = module_name.split(".")
+    if parts[-1] in LlamaForCausalLM.packed_modules:
+        fused, shard = LlamaForCausalLM.packed_modules[parts[-1]]
+        return ".".join(parts[:-1] + [fused]), attr, shard
+    try:
+        model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    return module_name, attr, None
+
+
+@torch.no_grad()
+def build_model(model_dir: Path, config, dtype: torch.dtype, device: torch.device, max_position: int,
+                backend: str) -> LlamaForCausalLM:
+    with torch.device(device):
+        model = LlamaForCausalLM(config, dtype, max_position, backend)
+    load_weights(model, model_dir)
+    return model.eval()

@@ -1,0 +1,94 @@
+"""SamplingParams: how one request samples and when it stops (vLLM's names and defaults)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping rules.
+
+    ``temperature=0`` is greedy. ``top_k=0`` (or -1) and ``top_p=1`` disable those filters.
+    ``seed`` makes a request's samples reproducible whatever else shares its batch.
+    ``logprobs=k`` returns, per generated token, the log-probabilities (of the model's raw
+    distribution, before temperature and filters) of the chosen token and the top ``k``.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    _stop_strings: tuple[str, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        _int_at_least("n", self.n, 1)
+        _number_at_least("temperature", self.temperature, 0.0)
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _int_at_least("top_k", self.top_k, -1)
+        if self.top_k == -1:
+            self.top_k = 0
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None:
+            _int_at_least("seed", self.seed, 0)
+        if self.max_tokens is not None:
+            _int_at_least("max_tokens", self.max_tokens, 1)
+        _int_at_least("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _int_at_least("logprobs", self.logprobs, 0)
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        self._stop_strings = tuple(stops)
+        ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self._stop_strings
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _number_at_least(name: str, value: object, lo: float) -> None:
+    if not _is_number(value) or value < lo:  # type: ignore[operator]
+        raise ValueError(f"{name} must be a number >= {lo}, got {value!r}")
+
+
+def _int_at_least(name: str, value: object, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")

@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny random-weight HF checkpoints of every supported architecture.
+
+Weights are drawn with a large scale so that logits are far from ties and greedy decoding is a
+sharp test of exactness against HF transformers.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+VOCAB = 320
+_CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "The quick brown fox jumps over the lazy dog. Hello, world! " * 3,
+    "import os\nimport sys\nfor i in range(10):\n    print(i, os.getcwd(), sys.argv)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n        self.items.append(x)\n",
+]
+
+ARCHS: dict[str, dict] = {
+    # Llama 3.x style: GQA, llama3 rope scaling, untied head
+    "llama3": dict(arch="LlamaForCausalLM", model_type="llama", tie=False,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
+    # TinyLlama / Llama 2 style with linear rope scaling, tied embeddings
+    "llama_linear": dict(arch="LlamaForCausalLM", model_type="llama", tie=True,
+                         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "mistral": dict(arch="MistralForCausalLM", model_type="mistral", tie=False, sliding_window=None),
+    "qwen2": dict(arch="Qwen2ForCausalLM", model_type="qwen2", tie=True),
+    "qwen3": dict(arch="Qwen3ForCausalLM", model_type="qwen3", tie=True, head_dim=32),
+}
+
+
+def make_tokenizer(out: Path) -> None:
+    """A byte-level BPE tokenizer trained on a few lines, saved as an HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant:{% endif %}")
+    fast.save_pretrained(str(out))
+
+
+def make_checkpoint(out: Path, name: str, *, scale: float = 2.0, layers: int = 2, seed: int = 0,
+                    dtype: torch.dtype = torch.float32, max_positions: int = 512) -> Path:
+    """Write a tiny random-weight checkpoint of architecture ``name`` (see ARCHS) with a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = ARCHS[name]
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+              tie_word_embeddings=spec["tie"], bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
+    for key in ("rope_parameters", "head_dim", "sliding_window"):
+        if key in spec:
+            kw[key] = spec[key]
+    config = AutoConfig.for_model(spec["model_type"], **kw)
+    config.architectures = [spec["arch"]]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1:  # biases
+                p.copy_(0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * scale / p.shape[-1] ** 0.5 * (2.0 if "embed" in pname else 1.0))
+    model.save_pretrained(str(out))
+    make_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: make_checkpoint(root / name, name) for name in ARCHS}
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy continuation by HF transformers (full recompute each step) and each step's logits."""
+    model = _hf_model(model_dir)
+    ids = torch.tensor([prompt_ids])
+    steps = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(ids).logits[0, -1].float()
+            steps.append(logits)
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt_ids):].tolist(), steps
+
+
+_HF_CACHE: dict[str, object] = {}
+
+
+def _hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    key = str(model_dir)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    return _HF_CACHE[key]
+
+
+def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: list[torch.Tensor], tie_gap: float = 1e-3) -> None:
+    """Tokens must be equal; where they part, the reference's top two logits must be a near-tie."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = ref_logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < tie_gap, f"diverged at output token {i}: ours {a}, HF {b}, HF top-2 gap {gap:.4g}"
+            return
+    assert len(ours) == len(ref), f"length differs: {len(ours)} vs {len(ref)}"

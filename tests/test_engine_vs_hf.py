@@ -1,0 +1,102 @@
+"""Greedy tokens and logprobs of the engine equal HF transformers' on the same weights (float32, CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import ARCHS, assert_greedy_match, hf_greedy
+from minfer import LLM, SamplingParams
+
+# 1 token, exactly one block, one block + 1, several blocks (block_size 16)
+PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
+NEW = 12
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+
+SCENARIOS = {
+    "default": dict(num_kv_blocks=64),
+    # every prompt is split into chunks of at most 6 tokens, mixed with decodes of the others
+    "chunked": dict(num_kv_blocks=64, max_num_batched_tokens=6, max_num_seqs=4),
+    # 4 blocks of 16 tokens: the longest request just fits alone, the others must take turns
+    "preempt": dict(num_kv_blocks=4),
+}
+
+
+def _check_all_free(llm: LLM) -> None:
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_matches_hf(checkpoints, arch, scenario):
+    llm = LLM(str(checkpoints[arch]), **SCENARIOS[scenario])
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+        assert out.outputs[0].finish_reason == "length"
+    stats = llm.get_stats()
+    if scenario == "preempt":
+        assert stats["num_preemptions"] > 0
+    _check_all_free(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_prefix_cache_hits_keep_outputs_exact(checkpoints, arch):
+    llm = LLM(str(checkpoints[arch]), num_kv_blocks=64)
+    shared = [(i * 11) % 290 + 3 for i in range(40)]
+    prompts = [shared + [7, 8, 9], shared + [100], shared[:33] + [250, 251]]
+    first = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["prefix_cache_hit_tokens"] >= 2 * 32, stats  # two full blocks of the shared prefix, twice
+    for prompt, out in zip(prompts, first + rest):
+        ref, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+    # the same prompt again: everything but its last token comes from the cache
+    again = llm.generate({"prompt_token_ids": prompts[0]}, GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    _check_all_free(llm)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_logprobs_match_hf_log_softmax(checkpoints, arch):
+    llm = LLM(str(checkpoints[arch]), num_kv_blocks=64)
+    prompt = PROMPTS[3]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True,
+                                                                     logprobs=3), use_tqdm=False)[0].outputs[0]
+    _, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
+    assert len(out.logprobs) == NEW
+    total = 0.0
+    for tok, entry, logits in zip(out.token_ids, out.logprobs, ref_logits):
+        ref = logits.log_softmax(-1)
+        top = ref.topk(3).indices.tolist()
+        assert set(top) | {tok} == set(entry)
+        for t, lp in entry.items():
+            assert abs(lp - float(ref[t])) < 1e-4
+        total += float(ref[tok])
+    assert abs(out.cumulative_logprob - total) < 1e-3
+
+
+def test_text_prompts_and_eos_stop(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    out = llm.generate("def fibonacci(n):", SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    ids = tok.encode("def fibonacci(n):")
+    assert out.prompt_token_ids == ids and out.prompt == "def fibonacci(n):"
+    ref, ref_logits = hf_greedy(checkpoints["llama3"], ids, NEW)
+    assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+    assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
+    # make the 3rd greedy token the stop token: generation ends there, the token is kept
+    stop_id = ref[2]
+    early = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=NEW, temperature=0,
+                                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    first = ref.index(stop_id)
+    assert early.outputs[0].token_ids == ref[:first + 1]
+    assert early.outputs[0].finish_reason == "stop" and early.outputs[0].stop_reason == stop_id
+    # min_tokens forbids that stop token until enough tokens exist
+    later = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=NEW, temperature=0, min_tokens=NEW,
+                                                                   stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    assert len(later.outputs[0].token_ids) == NEW and stop_id not in later.outputs[0].token_ids
