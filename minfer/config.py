@@ -150,7 +150,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
-    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False
     revision: str | None = None
     download_dir: str | None = None
 

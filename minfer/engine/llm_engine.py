@@ -53,10 +53,10 @@ class LLMEngine:
         self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
-        tok_path = config.tokenizer or self.model_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(str(tok_path))))
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids or
-                                       ([self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []))
+        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
+            str(resolve_model_path(config.tokenizer)) if config.tokenizer else str(self.model_dir))
+        tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ([tok_eos] if tok_eos is not None else []))
         self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -77,6 +77,8 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -94,6 +96,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         self._check_prompt(ids, params)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
         max_total = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens,
                                                                              self.max_model_len)
         seqs = []
@@ -103,7 +107,7 @@ class LLMEngine:
             else:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
             seq = Sequence(self._next_seq_id, request_id, i, ids, params, seed, self.eos_token_ids, max_total)
-            if params.stop_strings or self.stream_text:
+            if self.tokenizer is not None and (params.stop_strings or self.stream_text):
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             self._next_seq_id += 1
             seqs.append(seq)
@@ -157,7 +161,7 @@ class LLMEngine:
         for i, seq in enumerate(sampled):
             lp = out.logprobs[i] if out.logprobs is not None else None
             self._append_token(seq, out.token_ids[i], lp)
-            if seq.is_finished and not isinstance(seq.stop_reason, str):  # stop strings already cut the text
+            if seq.is_finished and not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
                 seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
             touched[seq.request_id] = self.requests[seq.request_id]
         now_done = time.time()

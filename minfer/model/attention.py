@@ -73,7 +73,8 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence against its whole context, padded to the longest context in the batch.
 
-    Heads of one KV group share the gathered K/V (no repeat across heads); softmax in float32.
+    Heads of one KV group share the gathered K/V (no repeat across heads); matmuls in the model
+    dtype and softmax in float32, as HF's eager attention does.
     """
     nd = meta.num_decodes
     if meta._decode_slots is None:
@@ -86,12 +87,11 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k = k_cache.view(-1, hkv, d)[slots]  # [B, L, Hkv, D]
     v = v_cache.view(-1, hkv, d)[slots]
     qg = q.view(nd, hkv, -1, d)  # [B, Hkv, G, D]
-    scores = torch.einsum("bkgd,blkd->bkgl", qg.float(), k.float()) * scale
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale
     valid = torch.arange(slots.shape[1], device=q.device)[None, :] < meta.context_lens[:nd, None]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-    return out.reshape(nd, -1, d).to(q.dtype)
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(nd, -1, d)
 
 
 def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
