@@ -1,0 +1,187 @@
+"""The user-facing contract: engine step/abort, stop strings, chat, loading, and clear errors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import hf_greedy, make_checkpoint
+from minfer import LLM, SamplingParams
+from minfer.cli import main as cli_main
+from minfer.config import EngineConfig
+from minfer.engine.llm_engine import LLMEngine
+
+
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), num_kv_blocks=kw.pop("num_kv_blocks", 32), **kw))
+
+
+def test_engine_streams_partial_outputs_and_abort_frees_blocks(checkpoints):
+    engine = _engine(checkpoints["llama3"])
+    engine.add_request("a", "def fibonacci(n):", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.add_request("b", {"prompt_token_ids": list(range(2, 40))}, SamplingParams(max_tokens=40, ignore_eos=True))
+    texts: list[str] = []
+    for _ in range(5):
+        for out in engine.step():
+            if out.request_id == "a":
+                assert not out.finished
+                texts.append(out.outputs[0].text)
+    assert len(texts) >= 3 and all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    assert engine.get_stats()["num_free_kv_blocks"] < engine.get_stats()["num_kv_blocks"]
+    engine.abort_request("a")
+    engine.abort_request("b")
+    engine.abort_request("unknown")  # ignored
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    stats = engine.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_running"] == 0
+    # a waiting (never scheduled) request can be aborted too
+    engine.add_request("c", "x", SamplingParams(max_tokens=3))
+    engine.abort_request("c")
+    assert engine.get_stats()["num_waiting"] == 0
+
+
+def test_stop_string_across_tokens_is_cut_from_text(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=32)
+    tok = llm.get_tokenizer()
+    prompt = [5, 6, 7, 8]
+    ref, _ = hf_greedy(checkpoints["llama3"], prompt, 20)
+    full = tok.decode(ref, skip_special_tokens=True)
+    # a stop string that starts inside one token's text and ends inside a later one
+    pieces = [tok.decode(ref[:i], skip_special_tokens=True) for i in range(1, 21)]
+    i = next(i for i in range(3, 19) if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i - 1]) >= 2)
+    start = len(pieces[i - 1]) - 1
+    stop = full[start:start + 3]
+    expected = full[:full.find(stop)]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=20, temperature=0, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == expected and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=20, temperature=0, stop=stop,
+                                                                     include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == expected + stop
+
+
+def test_output_capped_at_max_model_len(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=32, max_model_len=24)
+    out = llm.generate({"prompt_token_ids": list(range(2, 22))}, SamplingParams(max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_chat_uses_the_template(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=32)
+    msgs = [{"role": "user", "content": "hello"}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
+    assert out.prompt == "<s>user: hello\nassistant:"
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+
+
+def test_sharded_half_precision_checkpoint_loads(tmp_path, checkpoints):
+    src = checkpoints["qwen2"]
+    dst = tmp_path / "sharded"
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for k, part in enumerate([names[:half], names[half:]]):
+        fname = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n].to(torch.bfloat16) for n in part}, str(dst / fname))
+        weight_map |= {n: fname for n in part}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    llm = LLM(str(dst), num_kv_blocks=32, dtype="float32")
+    ours = llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    model = llm.llm_engine.runner.model
+    assert model.layers[0].self_attn.qkv_proj.bias is not None
+    expected_q = tensors["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16).float()
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.weight[: expected_q.shape[0]], expected_q)
+    assert len(ours) == 8
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(block_size=24), "block_size"),
+    (dict(dtype="int4"), "dtype"),
+    (dict(device="tpu"), "device"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(attention_backend="flash"), "attention_backend"),
+    (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
+    (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(num_kv_blocks=-1), "num_kv_blocks"),
+    (dict(bogus_arg=1), "bogus_arg"),
+])
+def test_bad_engine_arguments_name_the_field(checkpoints, kwargs, field):
+    with pytest.raises((ValueError, TypeError), match=field):
+        LLM(str(checkpoints["llama3"]), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-5), "max_tokens"), (dict(n=0), "n"), (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(seed=-1), "seed"), (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(temperature="hot"), "temperature"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_fail_cleanly_and_queue_nothing(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=8, max_model_len=64)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["ok", {"prompt_token_ids": list(range(2, 80))}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"\[0, 320\)"):
+        llm.generate({"prompt_token_ids": [5, 100000]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="KV blocks"):  # 58 tokens need 4 blocks of 16; the cache has 2
+        LLM(str(checkpoints["llama3"]), num_kv_blocks=2).generate(
+            {"prompt_token_ids": list(range(2, 40))}, SamplingParams(max_tokens=20), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["num_waiting"] == 0 and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    # the engine still works after the rejections
+    assert len(llm.generate("def", SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) >= 1
+
+
+def test_unsupported_architecture_and_missing_paths(tmp_path, checkpoints):
+    bad = tmp_path / "gpt2ish"
+    shutil.copytree(checkpoints["llama3"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        LLM(str(bad))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="could not be downloaded|HF_HUB_OFFLINE"):
+        LLM("some-org/some-model-that-is-not-cached")
+
+
+def test_mistral_sliding_window_shorter_than_context_is_rejected(tmp_path):
+    from conftest import ARCHS
+
+    ARCHS["mistral_sw"] = dict(ARCHS["mistral"], sliding_window=32)
+    try:
+        path = make_checkpoint(tmp_path / "msw", "mistral_sw", max_positions=128)
+    finally:
+        del ARCHS["mistral_sw"]
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(str(path))
+    assert LLM(str(path), max_model_len=32, num_kv_blocks=8) is not None
+
+
+def test_cli_generate(checkpoints, capsys):
+    rc = cli_main(["generate", "--model", str(checkpoints["llama3"]), "--max-tokens", "6", "--num-kv-blocks", "16",
+                   "def f():"])
+    assert rc == 0
+    assert capsys.readouterr().out.startswith("def f():")
+    assert cli_main(["generate", "--model", str(checkpoints["llama3"]), "--block-size", "7", "x"]) == 2
