@@ -185,3 +185,27 @@ def test_cli_generate(checkpoints, capsys):
     assert rc == 0
     assert capsys.readouterr().out.startswith("def f():")
     assert cli_main(["generate", "--model", str(checkpoints["llama3"]), "--block-size", "7", "x"]) == 2
+
+
+def test_generation_config_eos_ids_stop_too(tmp_path, checkpoints):
+    dst = tmp_path / "eos"
+    shutil.copytree(checkpoints["llama3"], dst)
+    prompt = [5, 6, 7, 8]
+    ref, _ = hf_greedy(checkpoints["llama3"], prompt, 12)
+    extra_eos = ref[4]
+    (dst / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, extra_eos]}))
+    out = LLM(str(dst), num_kv_blocks=16).generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=12, temperature=0),
+                                                   use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[:ref.index(extra_eos) + 1] and out.finish_reason == "stop"
+    ignored = LLM(str(dst), num_kv_blocks=16).generate({"prompt_token_ids": prompt},
+                                                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                                       use_tqdm=False)[0].outputs[0]
+    assert ignored.token_ids == ref
+
+
+def test_kv_cache_sizing_from_bytes(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), kv_cache_memory_bytes=1 << 20)
+    runner = llm.llm_engine.runner
+    # 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block
+    assert runner.block_bytes == 8192 and llm.get_stats()["num_kv_blocks"] == (1 << 20) // 8192
+    assert LLM(str(checkpoints["llama3"]), num_kv_blocks=7, kv_cache_memory_bytes=1 << 20).get_stats()["num_kv_blocks"] == 7
