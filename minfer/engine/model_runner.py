@@ -23,6 +23,17 @@ logger = logging.getLogger("minfer")
 CPU_DEFAULT_KV_BYTES = 2 << 30
 
 
+def _check_triton_interpreter() -> None:
+    """On the CPU, Triton kernels only run in its interpreter, which must be on before Triton loads."""
+    from minfer.kernels import rms_norm
+
+    try:
+        rms_norm(torch.ones(1, 16), torch.ones(16), 1e-6)
+    except Exception as exc:
+        raise ValueError("attention_backend='triton' on the CPU needs Triton's interpreter: start Python with "
+                         f"TRITON_INTERPRET=1 (Triton was loaded before minfer could set it): {exc}") from exc
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
         self.model_config = model_config
@@ -31,9 +42,8 @@ class ModelRunner:
         self.dtype = config.resolved_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        if config.attention_backend == "triton":
-            raise ValueError("attention_backend='triton' is not available yet; use 'auto' or 'torch'")
-        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, "torch")
+        self.backend = self._resolve_backend()
+        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.backend)
         self.sampler = Sampler(model_config.vocab_size, self.device)
         self.num_kv_blocks = self._count_kv_blocks()
         shape = (self.num_kv_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
@@ -42,6 +52,20 @@ class ModelRunner:
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_kv_blocks, self.block_size,
                     self.num_kv_blocks * self.block_bytes / 2**30, self.dtype)
+
+    def _resolve_backend(self) -> str:
+        """'auto' takes the Triton kernels on CUDA where they apply, the torch path otherwise."""
+        choice = self.config.attention_backend
+        hd = self.model_config.head_dim
+        fits = self.block_size >= 16 and hd & (hd - 1) == 0 and 16 <= hd <= 256
+        if choice == "triton" and not fits:
+            raise ValueError(f"attention_backend='triton' needs block_size >= 16 (got {self.block_size}) and a "
+                             f"power-of-two head_dim in [16, 256] (got {hd})")
+        if choice == "auto":
+            return "triton" if self.device.type == "cuda" and fits else "torch"
+        if choice == "triton" and self.device.type == "cpu":
+            _check_triton_interpreter()
+        return choice
 
     @property
     def block_bytes(self) -> int:
@@ -101,6 +125,7 @@ class ModelRunner:
             context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
             num_decodes=0, max_query_len=n, max_context_len=n, block_size=self.block_size,
+            prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev), max_prefill_query_len=n,
             context_lens_host=[n], query_lens_host=[n])
         ids = torch.randint(0, self.model_config.vocab_size, (n,), device=dev)
         return meta, ids, torch.arange(n, device=dev)
@@ -132,11 +157,14 @@ class ModelRunner:
         def to_dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(dev, non_blocking=True)
 
+        nd = batch.num_decodes
         meta = AttentionMetadata(
             slot_mapping=to_dev(slots), block_tables=to_dev(tables),
             context_lens=to_dev(ctx_lens.astype(np.int32)), query_start_loc=to_dev(cu.astype(np.int32)),
-            num_decodes=batch.num_decodes, max_query_len=int(q_lens.max()), max_context_len=int(ctx_lens.max()),
-            block_size=bs, context_lens_host=ctx_lens.tolist(), query_lens_host=q_lens.tolist())
+            num_decodes=nd, max_query_len=int(q_lens.max()), max_context_len=int(ctx_lens.max()),
+            block_size=bs, prefill_query_start_loc=to_dev((cu[nd:] - nd).astype(np.int32)),
+            max_prefill_query_len=int(q_lens[nd:].max()) if nd < len(seqs) else 0,
+            context_lens_host=ctx_lens.tolist(), query_lens_host=q_lens.tolist())
         return to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions), meta, to_dev(logit_rows)
 
     @torch.no_grad()

@@ -30,6 +30,8 @@ class AttentionMetadata:
     max_query_len: int
     max_context_len: int
     block_size: int
+    prefill_query_start_loc: torch.Tensor | None = None  # query_start_loc[num_decodes:] - num_decodes
+    max_prefill_query_len: int = 0
     context_lens_host: list[int] = field(default_factory=list)
     query_lens_host: list[int] = field(default_factory=list)
     _decode_slots: torch.Tensor | None = None  # torch backend: cache slots of the decodes' context
@@ -52,6 +54,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] → [T, Hq, D]."""
+        if self.backend == "triton":
+            return self._forward_triton(q, k, v, meta)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decodes
@@ -59,6 +63,22 @@ class Attention(nn.Module):
             out[:nd] = torch_decode_attention(q[:nd], self.k_cache, self.v_cache, meta, self.scale)
         if nd < q.shape[0]:
             out[nd:] = torch_prefill_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return out
+
+    def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from minfer.kernels import paged_decode_attention, paged_prefill_attention
+        from minfer.kernels import store_kv as store_kv_triton
+
+        store_kv_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
+                                   meta.context_lens[:nd], self.scale, out=out[:nd])
+        if nd < q.shape[0]:
+            paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
+                                    meta.prefill_query_start_loc, meta.context_lens[nd:],
+                                    meta.max_prefill_query_len, self.scale, out=out[nd:])
         return out
 
 

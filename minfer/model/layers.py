@@ -1,6 +1,7 @@
 """Building blocks of the decoder: fused linear layers that load HF shards, RMSNorm, rotary, SwiGLU.
 
-Torch reference implementations with HF's rounding; Triton kernels plug in behind the same calls.
+Each block has a torch path with HF's rounding (the reference, and the CPU path) and, when built
+with ``use_triton``, calls the fused Triton kernel of ``minfer.kernels`` instead.
 """
 from __future__ import annotations
 
@@ -43,12 +44,19 @@ class RMSNorm(nn.Module):
     the normed output together with the new residual stream.
     """
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, use_triton: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.use_triton = use_triton
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if self.use_triton:
+            from minfer.kernels import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps), residual  # residual updated in place
         if residual is None:
             return self.norm(x)
         x = x + residual
@@ -89,14 +97,22 @@ class RotaryEmbedding(nn.Module):
     Triton kernel reads too.
     """
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
+                 use_triton: bool = False) -> None:
         super().__init__()
+        self.use_triton = use_triton
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns rotated copies (HF rounding: products in the model dtype)."""
+        """q: [T, Hq, D], k: [T, Hkv, D]; returns them rotated (HF rounding: products in the model dtype;
+        the Triton kernel rotates in place in float32 and rounds once)."""
+        if self.use_triton:
+            from minfer.kernels import apply_rotary
+
+            apply_rotary(q, k, positions, self.cos_sin_cache)
+            return q, k
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -110,11 +126,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, use_triton: bool = False) -> None:
         super().__init__()
+        self.use_triton = use_triton
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], False, dtype)
         self.down_proj = FusedLinear(intermediate, [hidden], False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from minfer.kernels import silu_and_mul
+
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)

@@ -1,0 +1,272 @@
+"""AsyncLLMEngine: one background thread owns an LLMEngine; asyncio code streams from it.
+
+Why a thread and not an asyncio task: ``LLMEngine.step`` blocks for a whole forward. Run inline
+on the event loop it would freeze every HTTP connection for that long; run in a thread, the
+loop keeps accepting, parsing and streaming while torch (which releases the GIL inside its
+kernels and while waiting on the GPU) computes. The engine is not thread-safe, so exactly this
+one thread touches it: callers talk to it only through a thread-safe command queue, and it
+answers through ``loop.call_soon_threadsafe``, once per step for the whole batch of outputs.
+
+When no request is unfinished the thread blocks on the command queue (no busy spin) and the
+next command wakes it. Aborts travel the same queue, so they take effect before the next step.
+If the loop raises, every in-flight stream receives the error, later requests are refused
+with ``EngineDeadError`` and ``healthy`` turns False; nothing waits forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Protocol
+
+from minfer.engine.llm_engine import LLMEngine
+from minfer.outputs import RequestOutput
+from minfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("minfer.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (crashed or shut down); no request can be served."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are already waiting for their first token; retry later."""
+
+
+class EngineObserver(Protocol):
+    """Hooks called on the engine thread (e.g. to record metrics); they must be quick."""
+
+    def on_step(self, outputs: list[RequestOutput], new_tokens: list[int], now: float) -> None:
+        """``new_tokens[i]``: tokens ``outputs[i]`` gained this step, over all its samples."""
+
+    def on_abort(self, request_id: str) -> None:
+        """The request ended without finishing (client gone); forget what is kept for it."""
+
+
+class RequestStream:
+    """The newest cumulative output of one request, read on the event loop.
+
+    Outputs are cumulative, so a reader that falls behind needs only the latest one: ``put``
+    overwrites instead of queueing, which bounds memory per request whatever the client's pace
+    and lets a slow client receive several tokens in one chunk.
+    """
+
+    __slots__ = ("request_id", "started", "finished", "_latest", "_error", "_event")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.started = False  # has produced an output (so it no longer counts as waiting)
+        self.finished = False
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self._event.wait()
+        self._event.clear()
+        out, self._latest = self._latest, None
+        if out is None or (self._error is not None and not out.finished):
+            self.finished = True
+            raise self._error or EngineDeadError("the request stream closed without output")
+        self.finished = out.finished
+        return out
+
+
+class AsyncLLMEngine:
+    """Serve an ``LLMEngine`` to asyncio callers from a background thread.
+
+    ``max_waiting_requests`` bounds the requests admitted but not yet producing a token
+    (queued or in prefill); past it ``add_request`` raises ``QueueFullError``.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 observer: EngineObserver | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.observer = observer
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
+        self._num_waiting = 0
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stats: dict[str, Any] = dict(engine.get_stats(), generation_tokens_per_s=0.0)
+        self._token_times: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
+        self._num_tokens: dict[str, int] = {}  # engine thread: output tokens so far per request
+
+    # ---- lifecycle (event loop side) ------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the streams."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="minfer-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step; in-flight requests fail with EngineDeadError."""
+        if self._thread is None:
+            return
+        self._commands.put(("stop",))
+        self._thread.join(timeout)
+        self._thread = None
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters as of its last step, plus the server's waiting count."""
+        return dict(self._stats, num_waiting_requests=self._num_waiting, num_streams=len(self._streams))
+
+    # ---- requests (event loop side) -------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> RequestStream:
+        """Queue a request for the engine thread and return the stream its outputs arrive on."""
+        if self._error is not None or not self.healthy:
+            raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
+        limit = self.max_waiting_requests
+        if limit is not None and self._num_waiting >= limit:
+            raise QueueFullError(f"{self._num_waiting} requests are already waiting (limit {limit})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = RequestStream(request_id)
+        self._streams[request_id] = stream
+        self._num_waiting += 1
+        self._commands.put(("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids},
+                            params, time.time()))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its KV blocks are freed before the engine's next step."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        if not stream.started:
+            self._num_waiting -= 1
+        if not stream.finished:
+            stream.finished = True
+            self._commands.put(("abort", request_id))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if not stream.started:
+                stream.started = True
+                self._num_waiting -= 1
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            if not stream.started:
+                self._num_waiting -= 1
+            stream.fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._fail(request_id, error)
+
+    def _call_on_loop(self, fn: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block only when there is nothing to compute: that is the idle sleep.
+                if not self._handle_commands(block=not engine.has_unfinished_requests()):
+                    return
+                if not engine.has_unfinished_requests():
+                    continue
+                outputs = engine.step()
+                now = time.time()
+                new_tokens = self._count_new_tokens(outputs)
+                self._publish_stats(sum(new_tokens), now)
+                if self.observer is not None:
+                    self.observer.on_step(outputs, new_tokens, now)
+                if outputs:
+                    self._call_on_loop(self._deliver, outputs)
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting clients
+            logger.exception("the engine loop died; failing all in-flight requests")
+            self._error = exc
+            self._call_on_loop(self._fail_all, EngineDeadError(f"the engine loop died: {exc!r}"))
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if ``block``); False once told to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=None) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "abort":
+                self.engine.abort_request(cmd[1])
+                self._num_tokens.pop(cmd[1], None)
+                if self.observer is not None:
+                    self.observer.on_abort(cmd[1])
+            elif kind == "add":
+                _, request_id, prompt, params, arrival = cmd
+                try:
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                except (ValueError, TypeError) as exc:  # a bad request, not a broken engine
+                    self._call_on_loop(self._fail, request_id, exc)
+            self._stats = dict(self._stats, **self.engine.get_stats())
+
+    def _count_new_tokens(self, outputs: list[RequestOutput]) -> list[int]:
+        counts = self._num_tokens
+        new = []
+        for out in outputs:
+            total = sum(len(c.token_ids) for c in out.outputs)
+            new.append(total - counts.get(out.request_id, 0))
+            if out.finished:
+                counts.pop(out.request_id, None)
+            else:
+                counts[out.request_id] = total
+        return new
+
+    def _publish_stats(self, num_new_tokens: int, now: float) -> None:
+        """Refresh the stats snapshot (one dict assignment, so readers never see it half-built)."""
+        window = self._token_times
+        window.append((now, num_new_tokens))
+        while window and window[0][0] < now - 2.0:
+            window.popleft()
+        span = now - window[0][0] if len(window) > 1 else 0.0
+        rate = sum(n for _, n in list(window)[1:]) / span if span > 0 else 0.0
+        self._stats = dict(self.engine.get_stats(), generation_tokens_per_s=round(rate, 1))

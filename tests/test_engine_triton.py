@@ -1,0 +1,35 @@
+"""The whole engine on the Triton kernels (interpreter on CPU) gives HF's greedy tokens."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_greedy_match, hf_greedy
+from minfer import LLM, SamplingParams
+
+PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(40)]]
+NEW = 6
+
+
+@pytest.mark.parametrize("arch,kwargs", [
+    ("llama3", dict(num_kv_blocks=64)),
+    ("qwen3", dict(num_kv_blocks=64, max_num_batched_tokens=6, max_num_seqs=4)),  # chunks + decodes mixed
+    ("qwen2", dict(num_kv_blocks=4)),  # preemption + recompute through the prefix cache
+])
+def test_triton_backend_matches_hf(checkpoints, arch, kwargs):
+    llm = LLM(str(checkpoints[arch]), attention_backend="triton", **kwargs)
+    assert llm.llm_engine.runner.backend == "triton"
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    if kwargs.get("num_kv_blocks") == 4:
+        assert stats["num_preemptions"] > 0
+
+
+def test_auto_backend_is_torch_on_cpu_and_triton_checks_block_size(checkpoints):
+    assert LLM(str(checkpoints["llama3"]), num_kv_blocks=8).llm_engine.runner.backend == "torch"
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(checkpoints["llama3"]), num_kv_blocks=8, block_size=8, attention_backend="triton")
