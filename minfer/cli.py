@@ -100,6 +100,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from minfer import LLM
+    from minfer.eval_ppl import evaluate_perplexity
+
+    files = [Path(f) for f in args.files]
+    llm = LLM(args.model, **_engine_kwargs(args))
+    result = evaluate_perplexity(llm, files, args.window)
+    print(json.dumps({"model": args.model or "built-in", "files": len(files), "window": args.window,
+                      "perplexity": round(result.perplexity, 4), "nll_per_token": round(result.nll_per_token, 6),
+                      "tokens_scored": result.num_tokens_scored, "windows": result.num_windows,
+                      "kv_cache_dtype": args.kv_cache_dtype}, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minfer", description="A compact, fast LLM inference engine.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (KV cache size, ...)")
@@ -126,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true")
     _add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    ppl = sub.add_parser("eval-ppl", help="token-level perplexity of a model over text files")
+    ppl.add_argument("files", nargs="+")
+    ppl.add_argument("--window", type=int, default=None, help="tokens per scored window (default: max_model_len - 1)")
+    _add_engine_args(ppl)
+    ppl.set_defaults(func=cmd_eval_ppl)
 
     try:
         from minfer.train.command import add_train_parser

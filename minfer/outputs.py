@@ -38,3 +38,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token

@@ -11,7 +11,9 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k=0`` (or -1) and ``top_p=1`` disable those filters.
     ``seed`` makes a request's samples reproducible whatever else shares its batch.
     ``logprobs=k`` returns, per generated token, the log-probabilities (of the model's raw
-    distribution, before temperature and filters) of the chosen token and the top ``k``.
+    distribution, before temperature and filters) of the chosen token and the top ``k``;
+    ``prompt_logprobs=k`` does the same for every prompt token after the first (the prompt is then
+    computed in full, bypassing the prefix cache).
     """
 
     n: int = 1
@@ -29,6 +31,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     _stop_strings: tuple[str, ...] = field(default=(), repr=False)
@@ -58,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             _int_at_least("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _int_at_least("prompt_logprobs", self.prompt_logprobs, 0)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")

@@ -100,3 +100,28 @@ def test_text_prompts_and_eos_stop(checkpoints):
     later = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=NEW, temperature=0, min_tokens=NEW,
                                                                    stop_token_ids=[stop_id]), use_tqdm=False)[0]
     assert len(later.outputs[0].token_ids) == NEW and stop_id not in later.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_kv_blocks=64), dict(num_kv_blocks=64, max_num_batched_tokens=7, max_num_seqs=2),
+                                    dict(num_kv_blocks=4)])
+def test_prompt_logprobs_match_hf(checkpoints, kwargs):
+    """Teacher-forced logprobs of every prompt token, also when prompts are chunked or preempted."""
+    from conftest import _hf_model
+
+    llm = LLM(str(checkpoints["llama3"]), **kwargs)
+    prompts = [PROMPTS[3][:48], PROMPTS[1], PROMPTS[3][:30]]  # with 4 blocks, the first one's growth preempts
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=8, prompt_logprobs=2, ignore_eos=True), use_tqdm=False)
+    model = _hf_model(checkpoints["llama3"])
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        got = out.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for pos in range(1, len(prompt)):
+            entry = got[pos]
+            assert abs(entry[prompt[pos]] - float(ref[pos - 1, prompt[pos]])) < 1e-4
+            assert set(ref[pos - 1].topk(2).indices.tolist()) <= set(entry)
+    if kwargs["num_kv_blocks"] == 4:
+        assert llm.get_stats()["num_preemptions"] > 0
+    _check_all_free(llm)

@@ -237,9 +237,10 @@ class AsyncLLMEngine:
             if kind == "stop":
                 return False
             if kind == "abort":
+                known = cmd[1] in self.engine.requests  # it may have finished meanwhile
                 self.engine.abort_request(cmd[1])
                 self._num_tokens.pop(cmd[1], None)
-                if self.observer is not None:
+                if known and self.observer is not None:
                     self.observer.on_abort(cmd[1])
             elif kind == "add":
                 _, request_id, prompt, params, arrival = cmd

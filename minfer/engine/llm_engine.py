@@ -44,8 +44,9 @@ class Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, stream_text: bool = True) -> None:
-        """``stream_text``: detokenize every step so partial outputs carry text (for streaming);
-        when False, text is decoded once at the end unless stop strings need it earlier."""
+        """``stream_text``: ``step`` returns partial outputs, with text detokenized every step (for
+        streaming); when False it returns finished requests only, their text decoded once at the
+        end (unless stop strings need it earlier)."""
         if config.model is None:
             raise ValueError("model is required (a local folder or a Hugging Face hub id)")
         self.config = config
@@ -146,7 +147,8 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; return outputs of requests that produced a token or finished."""
+        """Run one scheduled forward; return outputs of requests that produced a token (or, without
+        ``stream_text``, only of those that finished)."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -154,6 +156,7 @@ class LLMEngine:
         out = self.runner.run(batch)
         sampled = [s for s in batch.seqs if s.samples_this_step]
         for seq in batch.seqs:
+            seq.prompt_logprobs += out.prompt_logprobs.get(seq.seq_id, ())
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.cache_full_blocks(seq)
@@ -169,10 +172,12 @@ class LLMEngine:
         for req in touched.values():
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
             req.metrics.first_token_time = req.metrics.first_token_time or now_done
-            if req.finished:
+            finished = req.finished
+            if finished:
                 req.metrics.finished_time = now_done
                 del self.requests[req.request_id]
-            outputs.append(self._make_output(req))
+            if finished or self.stream_text:
+                outputs.append(self._make_output(req))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
@@ -215,7 +220,9 @@ class LLMEngine:
                 cumulative_logprob=seq.cumulative_logprob if wants_lp else None,
                 logprobs=list(seq.output_logprobs) if wants_lp else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, req.metrics)
+        prompt_lp = list(req.seqs[0].prompt_logprobs) if req.params.prompt_logprobs is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, req.metrics,
+                             prompt_lp)
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> dict[str, int]:

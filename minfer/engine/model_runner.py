@@ -173,7 +173,29 @@ class ModelRunner:
         ids, positions, meta, logit_rows = self.prepare(batch)
         hidden = self.model(ids, positions, meta)
         sampling = [s for s in batch.seqs if s.samples_this_step]
-        if not sampling:
-            return SamplerOutput([], None)
-        logits = self.model.compute_logits(hidden[logit_rows])
-        return self.sampler(logits, sampling)
+        out = self.sampler(self.model.compute_logits(hidden[logit_rows]), sampling) if sampling \
+            else SamplerOutput([], None)
+        if any(s.params.prompt_logprobs is not None for s in batch.seqs):
+            out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        return out
+
+    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[dict[int, float]]]:
+        """Logprobs of each prompt token this step's rows predict (row at position p → token p+1),
+        skipping positions recorded before a preemption. Logits go in slices to bound memory."""
+        result: dict[int, list[dict[int, float]]] = {}
+        row = 0
+        for seq in batch.seqs:
+            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
+            if seq.params.prompt_logprobs is not None:
+                first = max(start, len(seq.prompt_logprobs) - 1)  # position whose next token is unrecorded
+                last = min(start + n, seq.num_prompt_tokens - 1)  # positions [first, last) predict prompt tokens
+                entries: list[dict[int, float]] = []
+                for lo in range(first, last, 1024):
+                    hi = min(lo + 1024, last)
+                    logprobs = self.model.compute_logits(hidden[row + lo - start:row + hi - start]).log_softmax(-1)
+                    targets = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=self.device)
+                    entries += self.sampler._gather_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * (hi - lo))
+                if entries:
+                    result[seq.seq_id] = entries
+            row += n
+        return result

@@ -8,7 +8,7 @@ uniform noise u, ``argmax(logits/T - log(-log u))`` is an exact draw from softma
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,7 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None  # per row: chosen token and the top-k, or None
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> new entries
 
 
 class Sampler:
@@ -127,7 +128,8 @@ class Sampler:
                     logits[r, ids] = float("-inf")
         return logits
 
-    def _gather_logprobs(self, logprobs: torch.Tensor, token_ids: torch.Tensor,
+    @staticmethod
+    def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
                          want: list[int | None]) -> list[dict[int, float] | None]:
         k = max(w or 0 for w in want)
         chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()

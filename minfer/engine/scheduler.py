@@ -63,7 +63,7 @@ class Scheduler:
         # Admit new work only when the running set fits: after a preemption, memory is short.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_computed_tokens == 0 and not seq.block_table:
+            if seq.params.prompt_logprobs is None:  # prompt logprobs need every position computed
                 self.block_manager.match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_new):

@@ -1,0 +1,54 @@
+"""Token-level perplexity of a model over text files, computed by the engine (prompt logprobs).
+
+Each file is tokenized whole and cut into non-overlapping windows that fit the model length;
+every token of a window but its first is scored given the tokens before it in that window.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from minfer.llm import LLM
+from minfer.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class PerplexityResult:
+    perplexity: float
+    nll_per_token: float
+    num_tokens_scored: int
+    num_windows: int
+
+
+def text_windows(llm: LLM, files: list[Path], window: int) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    windows = []
+    for path in files:
+        ids = tok.encode(Path(path).read_text(encoding="utf-8", errors="replace"))
+        windows += [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= 2]
+    return windows
+
+
+def evaluate_perplexity(llm: LLM, files: list[Path], window: int | None = None) -> PerplexityResult:
+    """Perplexity over ``files`` in windows of ``window`` tokens (default: the longest the model takes)."""
+    if not files:
+        raise ValueError("eval-ppl needs at least one text file")
+    for f in files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"no such file: {f}")
+    max_window = llm.llm_engine.max_model_len - 1
+    window = min(window or max_window, max_window)
+    if window < 2:
+        raise ValueError(f"window must be >= 2 tokens, got {window}")
+    windows = text_windows(llm, files, window)
+    if not windows:
+        raise ValueError("the files hold fewer than two tokens: nothing to score")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+    nll, count = 0.0, 0
+    for w, out in zip(windows, outs):
+        for pos in range(1, len(w)):
+            nll -= out.prompt_logprobs[pos][w[pos]]
+            count += 1
+    return PerplexityResult(math.exp(nll / count), nll / count, count, len(windows))
