@@ -1,0 +1,370 @@
+"""Benchmark the Triton kernels against their torch references and SDPA on one GPU.
+
+Per kernel and shape: median time (``triton.testing.do_bench``, which also flushes the L2 before
+every repetition, so each run reads cold data), bytes/s as a share of the measured 4.22 TB/s copy
+ceiling and FLOP/s as a share of the measured 793 TFLOP/s bf16 matmul ceiling (BENCHMARKS.md).
+Every shape is checked against its reference once before it is timed. Kernels are timed as
+CUDA-graph replays where they can be captured (see ``bench_graph``). Results: benchmarks/RESULTS.md.
+
+    python benchmarks/bench_kernels.py            # the table (markdown; also $OUT/kernels.md)
+    python benchmarks/bench_kernels.py --sweep    # first try decode/prefill/store launch configs
+    python benchmarks/bench_kernels.py --smoke    # tiny shapes; runs on a CPU under the interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+if not torch.cuda.is_available():  # --smoke on a CPU machine: the interpreter, set before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from minfer.kernels import (  # noqa: E402
+    apply_rotary, apply_rotary_ref, fused_add_rms_norm, fused_add_rms_norm_ref, paged_decode_attention,
+    paged_decode_attention_ref, paged_prefill_attention, paged_prefill_attention_ref, silu_and_mul,
+    silu_and_mul_ref, store_kv, store_kv_ref,
+)
+from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
+from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
+
+PEAK_BW = 4.22e12
+PEAK_FLOPS = 793e12
+DT = torch.bfloat16
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    impl: str
+    ms: float
+    nbytes: float
+    flops: float
+    note: str = ""
+
+    def md(self) -> str:
+        bw = self.nbytes / (self.ms * 1e-3)
+        fl = self.flops / (self.ms * 1e-3)
+        return (f"| {self.kernel} | {self.shape} | {self.impl} | {self.ms * 1e3:.1f} | {bw / 1e12:.2f} | "
+                f"{100 * bw / PEAK_BW:.0f}% | {fl / 1e12:.1f} | {100 * fl / PEAK_FLOPS:.1f}% | {self.note} |")
+
+
+def bench(fn: Callable[[], object], rep: int = 200) -> float:
+    """Median ms; on a machine without a GPU (``--smoke``) one host-timed call, only to exercise the script."""
+    if DEV == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def bench_graph(fn: Callable[[], object], rep: int = 200) -> float:
+    """Median ms of a CUDA-graph replay of ``fn`` (how the engine runs decode steps).
+
+    Short kernels (tens of microseconds) otherwise measure Python launch overhead: do_bench
+    records its start event right after the L2 flush, and if the host is still inside the
+    wrapper when the flush ends, that idle gap is timed. A graph replay is one cheap launch.
+    """
+    if DEV == "cpu":
+        return bench(fn, rep)
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        print(f"  graph capture failed ({str(e)[:80]}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return bench(fn, rep)
+    ms = do_bench(graph.replay, warmup=25, rep=rep, return_mode="median")
+    del graph
+    return ms
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> str:
+    err = rel_err(out, ref)
+    status = "ok" if err <= tol else "FAIL"
+    print(f"  check {name}: rel err {err:.2e} {status}", flush=True)
+    return f"err {err:.1e}" + ("" if status == "ok" else " FAIL")
+
+
+# ----------------------------------------------------------------------------------------------- data
+def paged_cache(ctx_lens: list[int], hkv: int, d: int, page: int) -> tuple[torch.Tensor, ...]:
+    need = [math.ceil(c / page) for c in ctx_lens]
+    nblocks = sum(need)
+    perm = torch.randperm(nblocks, device=DEV).int()
+    table = torch.zeros(len(ctx_lens), max(need), dtype=torch.int32, device=DEV)
+    used = 0
+    for s, n in enumerate(need):
+        table[s, :n] = perm[used:used + n]
+        used += n
+    kc = torch.randn(nblocks, page, hkv, d, device=DEV, dtype=DT)
+    vc = torch.randn(nblocks, page, hkv, d, device=DEV, dtype=DT)
+    return kc, vc, table, torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
+
+
+def contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, ...]:
+    """[B, Hkv, ctx, D] copies of the paged context, for SDPA (equal lengths only)."""
+    page, hkv, d = kc.shape[1:]
+    b = table.shape[0]
+    k = kc[table.long()].reshape(b, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+    v = vc[table.long()].reshape(b, -1, hkv, d)[:, :ctx].transpose(1, 2).contiguous()
+    return k, v
+
+
+# --------------------------------------------------------------------------------------------- decode
+DECODE_SWEEP = [DecodeConfig(bn, w, s) for bn, w, s in [(64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 3)]]
+
+
+def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, sweep: bool) -> list[Row]:
+    page = 16
+    kc, vc, table, lens = paged_cache([ctx] * batch, hkv, d, page)
+    q = torch.randn(batch, hq, d, device=DEV, dtype=DT)
+    scale = d ** -0.5
+    nbytes = 2 * batch * ctx * hkv * d * 2 + 2 * q.numel() * 2
+    flops = 4 * batch * hq * ctx * d
+    shape = f"{label} B={batch} ctx={ctx} Hq/Hkv={hq}/{hkv} D={d}"
+    out = torch.empty_like(q)
+    ref = paged_decode_attention_ref(q, kc, vc, table, lens, scale)
+    default_splits = choose_num_splits(batch, hkv, table.shape[1] * page, q.device)
+    rows: list[Row] = []
+    if sweep:
+        splits_opts = sorted({1, 2, default_splits} if batch * hkv >= 256 else
+                             {32, 64, 128, 256, default_splits})
+        best = (float("inf"), None, None)
+        for cfg in DECODE_SWEEP:
+            for ns in splits_opts:
+                try:
+                    fn = lambda: paged_decode_attention(q, kc, vc, table, lens, scale, out, num_splits=ns, config=cfg)
+                    fn()
+                    err = rel_err(out, ref)
+                    ms = bench_graph(fn, rep=50)
+                except Exception as e:  # a config that does not compile (shared memory) is skipped
+                    print(f"  sweep decode {cfg} splits={ns}: {type(e).__name__}", flush=True)
+                    continue
+                print(f"  sweep decode {shape} {cfg} splits={ns}: {ms * 1e3:.1f} us "
+                      f"{100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}% err {err:.1e}", flush=True)
+                if err < 1e-2 and ms < best[0]:
+                    best = (ms, cfg, ns)
+        print(f"  BEST decode {shape}: {best[1]} splits={best[2]} {best[0] * 1e3:.1f} us", flush=True)
+        if best[1] is not None:
+            rows.append(Row("decode attn", shape, "triton, best of sweep", best[0], nbytes, flops,
+                            f"{best[1]} splits={best[2]}"))
+    fn = lambda: paged_decode_attention(q, kc, vc, table, lens, scale, out)
+    fn()
+    note = check(f"decode {shape}", out, ref) + f", splits={default_splits}"
+    rows.append(Row("decode attn", shape, "triton", bench_graph(fn), nbytes, flops, note))
+    rows.append(Row("decode attn", shape, "torch ref", bench_graph(lambda: paged_decode_attention_ref(
+        q, kc, vc, table, lens, scale), rep=50), nbytes, flops, "gather + fp32 softmax"))
+    try:
+        k, v = contiguous_kv(kc, vc, table, ctx)
+        q4 = q[:, :, None, :]
+        sd = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True)
+        note = check("sdpa decode", sd()[:, :, 0], ref)
+        rows.append(Row("decode attn", shape, "SDPA contiguous", bench_graph(sd), nbytes, flops, note + ", enable_gqa"))
+        del k, v
+    except Exception as e:
+        print(f"  SDPA decode failed: {e}", flush=True)
+    return rows
+
+
+# -------------------------------------------------------------------------------------------- prefill
+PREFILL_SWEEP = [PrefillConfig(m, n, w, s) for m, n, w, s in [
+    (128, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 4, 2),
+    (64, 64, 4, 3)]]
+
+
+def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool) -> list[Row]:
+    page = 16
+    kc, vc, table, lens = paged_cache([t], hkv, d, page)
+    q = torch.randn(t, hq, d, device=DEV, dtype=DT)
+    qsl = torch.tensor([0, t], dtype=torch.int32, device=DEV)
+    scale = d ** -0.5
+    flops = 4 * t * t / 2 * d * hq
+    nbytes = 2 * q.numel() * 2 + 2 * t * hkv * d * 2
+    shape = f"T={t} causal Hq/Hkv={hq}/{hkv} D={d}"
+    out = torch.empty_like(q)
+    ref = paged_prefill_attention_ref(q, kc, vc, table, qsl, lens, t, scale)
+    rows: list[Row] = []
+    if sweep:
+        best = (float("inf"), None)
+        for cfg in PREFILL_SWEEP:
+            try:
+                fn = lambda: paged_prefill_attention(q, kc, vc, table, qsl, lens, t, scale, out, config=cfg)
+                fn()
+                err = rel_err(out, ref)
+                ms = bench(fn, rep=50)
+            except Exception as e:
+                print(f"  sweep prefill {cfg}: {type(e).__name__}", flush=True)
+                continue
+            print(f"  sweep prefill {cfg}: {ms * 1e3:.0f} us {flops / (ms * 1e-3) / 1e12:.0f} TFLOP/s err {err:.1e}",
+                  flush=True)
+            if err < 1e-2 and ms < best[0]:
+                best = (ms, cfg)
+        print(f"  BEST prefill: {best[1]} {best[0] * 1e3:.0f} us", flush=True)
+        if best[1] is not None:
+            rows.append(Row("prefill attn", shape, "triton paged, best of sweep", best[0], nbytes, flops, str(best[1])))
+    fn = lambda: paged_prefill_attention(q, kc, vc, table, qsl, lens, t, scale, out)
+    fn()
+    note = check("prefill", out, ref)
+    rows.append(Row("prefill attn", shape, "triton paged", bench_graph(fn), nbytes, flops, note))
+    rows.append(Row("prefill attn", shape, "torch ref", bench(lambda: paged_prefill_attention_ref(
+        q, kc, vc, table, qsl, lens, t, scale), rep=50), nbytes, flops, "gather + fp32 softmax, eager"))
+    k, v = contiguous_kv(kc, vc, table, t)
+    q4 = q.transpose(0, 1)[None]
+    for gqa in (True, False):
+        try:
+            kk = k if gqa else k.repeat_interleave(hq // hkv, dim=1)
+            vv = v if gqa else v.repeat_interleave(hq // hkv, dim=1)
+            sd = lambda: torch.nn.functional.scaled_dot_product_attention(
+                q4, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+            note = check(f"sdpa prefill gqa={gqa}", sd()[0].transpose(0, 1), ref)
+            impl = "SDPA contiguous" + (" enable_gqa" if gqa else " K/V repeated")
+            rows.append(Row("prefill attn", shape, impl, bench_graph(sd), nbytes, flops, note))
+        except Exception as e:
+            print(f"  SDPA prefill gqa={gqa} failed: {e}", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------- elementwise
+def rms_case(t: int, h: int) -> list[Row]:
+    x = torch.randn(t, h, device=DEV, dtype=DT)
+    res = torch.randn(t, h, device=DEV, dtype=DT)
+    w = torch.randn(h, device=DEV, dtype=DT)
+    nbytes = 4 * t * h * 2 + h * 2  # read x, residual; write residual, out; read weight
+    shape = f"{t}x{h}"
+    r1, r2 = res.clone(), res.clone()
+    note = check("add+rmsnorm", fused_add_rms_norm(x, r1, w, 1e-6), fused_add_rms_norm_ref(x, r2, w, 1e-6))
+    return [Row("add+rmsnorm", shape, "triton", bench_graph(lambda: fused_add_rms_norm(x, res, w, 1e-6)), nbytes, 0,
+                note),
+            Row("add+rmsnorm", shape, "torch ref", bench_graph(lambda: fused_add_rms_norm_ref(x, res, w, 1e-6)),
+                nbytes, 0)]
+
+
+def rotary_case(t: int, hq: int, hkv: int, d: int) -> list[Row]:
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=DT)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    pos = torch.randint(0, 32768, (t,), device=DEV)
+    freqs = torch.arange(32768, device=DEV)[:, None] * (1e4 ** (-torch.arange(0, d, 2, device=DEV) / d))[None]
+    cache = torch.cat((freqs.cos(), freqs.sin()), -1).float()
+    nbytes = 2 * t * (hq + hkv) * d * 2
+    shape = f"{t}x{hq}x{d} q + {hkv} kv heads, strided qkv view"
+    q2, k2 = q.clone(), k.clone()
+    qc, kc = q.clone(), k.clone()
+    apply_rotary(q2, k2, pos, cache)
+    apply_rotary_ref(qc, kc, pos, cache)
+    note = check("rotary", torch.cat((q2.flatten(), k2.flatten())), torch.cat((qc.flatten(), kc.flatten())))
+    return [Row("rotary", shape, "triton", bench_graph(lambda: apply_rotary(q, k, pos, cache)), nbytes, 0, note),
+            Row("rotary", shape, "torch ref", bench_graph(lambda: apply_rotary_ref(q, k, pos, cache)), nbytes, 0)]
+
+
+def silu_case(t: int, inter: int) -> list[Row]:
+    x = torch.randn(t, 2 * inter, device=DEV, dtype=DT)
+    nbytes = 3 * t * inter * 2
+    shape = f"{t}x{inter}"
+    note = check("silu_and_mul", silu_and_mul(x), silu_and_mul_ref(x))
+    return [Row("silu_and_mul", shape, "triton", bench_graph(lambda: silu_and_mul(x)), nbytes, 0, note),
+            Row("silu_and_mul", shape, "torch ref", bench_graph(lambda: silu_and_mul_ref(x)), nbytes, 0)]
+
+
+def store_case(t: int, hkv: int, d: int, sweep: bool) -> list[Row]:
+    page = 16
+    nblocks = t // page * 2
+    kc = torch.empty(nblocks, page, hkv, d, device=DEV, dtype=DT)
+    vc = torch.empty_like(kc)
+    kv = torch.randn(t, 2 * hkv * d, device=DEV, dtype=DT)
+    k, v = kv[:, :hkv * d].view(t, hkv, d), kv[:, hkv * d:].view(t, hkv, d)
+    slots = torch.randperm(nblocks * page, device=DEV)[:t]
+    nbytes = 4 * t * hkv * d * 2
+    shape = f"T={t} Hkv={hkv} D={d} page={page}"
+    kr, vr = kc.clone(), vc.clone()
+    store_kv(k, v, kc, vc, slots)
+    store_kv_ref(k, v, kr, vr, slots)
+    note = "exact" if torch.equal(kc.view(-1, hkv, d)[slots], kr.view(-1, hkv, d)[slots]) else "MISMATCH"
+    if sweep:
+        for nw in (1, 2, 4, 8):
+            ms = bench_graph(lambda: store_kv(k, v, kc, vc, slots, num_warps=nw), rep=50)
+            print(f"  sweep store_kv warps={nw}: {ms * 1e3:.1f} us {100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}%")
+    return [Row("store_kv", shape, "triton", bench_graph(lambda: store_kv(k, v, kc, vc, slots)), nbytes, 0, note),
+            Row("store_kv", shape, "torch ref", bench(lambda: store_kv_ref(k, v, kc, vc, slots)), nbytes, 0,
+                "eager (host sync)")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="try launch configs first and print the best")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself (CPU ok)")
+    ap.add_argument("--only", default="", help="comma list: decode,prefill,rms,rotary,silu,store")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    want = lambda name: not only or name in only
+    torch.manual_seed(0)
+    name = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter smoke run)"
+    print(f"# {name} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    rows: list[Row] = []
+    sw = args.sweep
+    if args.smoke:
+        global DECODE_SWEEP, PREFILL_SWEEP
+        DECODE_SWEEP, PREFILL_SWEEP = DECODE_SWEEP[:1], [PrefillConfig(32, 32, 4, 1)]
+        steps: list[tuple[str, Callable[[], list[Row]]]] = [
+            ("decode", lambda: decode_case(2, 64, 4, 2, 32, "tiny", sw)),
+            ("decode", lambda: decode_case(1, 300, 4, 2, 32, "tiny", sw)),
+            ("prefill", lambda: prefill_case(40, 4, 2, 32, sw)),
+            ("rms", lambda: rms_case(8, 256)),
+            ("rotary", lambda: rotary_case(8, 4, 2, 32)),
+            ("silu", lambda: silu_case(8, 256)),
+            ("store", lambda: store_case(32, 2, 32, sw)),
+        ]
+    else:
+        steps = [
+            ("decode", lambda: decode_case(64, 4096, 16, 8, 128, "qwen3-0.6b", sw)),
+            ("decode", lambda: decode_case(64, 4096, 32, 8, 128, "llama-3.1-8b", False)),
+            ("decode", lambda: decode_case(1, 32768, 32, 8, 128, "llama-3.1-8b", sw)),
+            ("decode", lambda: decode_case(1, 32768, 16, 8, 128, "qwen3-0.6b", False)),
+            ("prefill", lambda: prefill_case(8192, 32, 8, 128, sw)),
+            ("rms", lambda: rms_case(8192, 4096)),
+            ("rotary", lambda: rotary_case(8192, 32, 8, 128)),
+            ("silu", lambda: silu_case(8192, 14336)),
+            ("store", lambda: store_case(8192, 8, 128, sw)),
+        ]
+    for name, step in steps:
+        if want(name):
+            print(f"== {name}", flush=True)
+            rows += step()
+            torch.cuda.empty_cache()
+    header = ("| kernel | shape | impl | time (us) | TB/s | % of 4.22 TB/s | TFLOP/s | % of 793 TFLOP/s | note |\n"
+              "|---|---|---|---|---|---|---|---|---|")
+    table = "\n".join([header] + [r.md() for r in rows])
+    print(table)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "kernels.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Paged decode attention: one query token per sequence against its paged K/V context.
+
+Decode attention is a pure bandwidth problem: every K/V byte of the context is read once and
+used for a handful of FLOPs. Two choices follow from that:
+
+* GQA grouping: one program serves all ``Hq / Hkv`` query heads that share a KV head, so each K/V
+  tile is loaded once per group rather than once per query head. The group is padded to 16 rows
+  so the score and value products run on ``tl.dot`` (tensor cores), keeping the arithmetic off
+  the critical path.
+* Split-K ("flash-decoding"): when ``B * Hkv`` programs cannot fill the GPU (small batch, long
+  context), each sequence's context is cut into ``num_splits`` equal ranges processed in parallel;
+  each writes a normalised partial output and its log-sum-exp, and a second small kernel merges
+  them. The ranges are cut from each sequence's *own* length inside the kernel, so a short
+  sequence in a batch with a long one is not left with empty splits, and the host never needs
+  ``context_lens.max()`` (no device sync; safe under CUDA graph capture).
+
+Softmax is online, in float32, in the log2 domain (``exp2`` with ``scale * log2(e)`` folded in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, dot_mode, interpreting, next_pow2, num_sms
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split kernel (tuned on an H200; see benchmarks/RESULTS.md)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, BT, CL, O, MID_O, MID_LSE, scale_log2e,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
+    num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(CL + b)
+    # Equal ranges of this sequence's own context, rounded up to whole tiles.
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kvh * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    kv_base = kvh.to(tl.int64) * stride_kh
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        page = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        tok = kv_base + page * stride_kb + (offs % PAGE) * stride_kt
+        k = tl.load(K + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+
+    if DIRECT:
+        out = acc / l_i[:, None]
+        tl.store(O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(O.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        # Partials: [B, Hq, num_splits, D] normalised outputs and [B, Hq, num_splits] log2-sum-exp2.
+        # An empty split (start >= ctx) leaves l_i = 0 and writes lse = -inf, which the merge ignores.
+        nonempty = l_i > 0
+        out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        idx = (b * (GROUP * tl.num_programs(1)) + heads).to(tl.int64) * num_splits + split
+        tl.store(MID_O + idx[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
+        tl.store(MID_LSE + idx, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MID_O, MID_LSE, O, stride_ob, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * num_heads + h).to(tl.int64) * num_splits
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(MID_LSE + base + splits, mask=splits < num_splits, other=float("-inf"))
+    m = tl.max(lse, axis=0)  # finite: split 0 always holds at least one token
+    total = tl.sum(tl.exp2(lse - m), axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    # Partials are read CHUNK splits at a time so registers stay bounded for up to 256 splits.
+    for s0 in range(0, num_splits, CHUNK):
+        idx = s0 + tl.arange(0, CHUNK)
+        valid = idx < num_splits
+        w = tl.exp2(tl.load(MID_LSE + base + idx, mask=valid, other=float("-inf")) - m)
+        parts = tl.load(MID_O + (base + idx)[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        acc += tl.sum(parts * w[:, None], axis=0)
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + dims, (acc / total).to(O.dtype.element_ty))
+
+
+# Split heuristic (tuned on an H200, see benchmarks/RESULTS.md): at least ENOUGH_PER_SM programs per
+# multiprocessor need no split; below that, split until about SPLIT_TARGET_PER_SM programs per SM exist.
+# Measured at batch 1 x 32k, 8 KV heads: 32 or 64 splits ~52 us, 128 splits 59 us, 256 splits 68 us.
+ENOUGH_PER_SM = 2
+SPLIT_TARGET_PER_SM = 2
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 256
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per sequence for ``batch * num_kv_heads`` (sequence, KV head) programs.
+
+    With two or more programs per SM every SM streams K/V already and a split only adds the
+    merge (batch 64 x 4k: 1 split 256 us, 2 splits 266 us). Below that, split until about two
+    programs per SM exist: enough resident programs to keep HBM busy, while each split still
+    streams ~1k tokens so its fixed costs (q load, partial write, merge) stay small.
+    No split gets under ``MIN_SPLIT_TOKENS`` of the widest context (``max_context``, from the
+    block table width so the host never reads the lengths), where the merge would cost more.
+    """
+    programs = batch * num_kv_heads
+    sms = num_sms(device)
+    if programs >= ENOUGH_PER_SM * sms:
+        return 1
+    by_occupancy = triton.cdiv(SPLIT_TARGET_PER_SM * sms, programs)
+    by_length = max(1, max_context // MIN_SPLIT_TOKENS)
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+              context_lens: torch.Tensor) -> None:
+    check_dtype("q", q)
+    check_dtype("k_cache", k_cache)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("expected q [B, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if q.stride(-1) != 1:
+        raise ValueError("q must have a contiguous last dimension")
+    head_dim, page, num_kv_heads = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim must be a power of two in [16, 256] matching the cache, got {head_dim}")
+    if page & (page - 1) or page < 16:
+        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise TypeError("block_tables and context_lens must be int32")
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of ``q`` ``[B, Hq, D]`` (the token at ``context_lens[b] - 1``) over its paged context.
+
+    ``num_splits`` overrides the split-K heuristic (tests, tuning); by default it is derived from
+    the batch, the KV heads, the widest possible context (``block_tables.shape[1] * block_size``,
+    known on the host) and the multiprocessor count. Returns ``out`` (allocated if None) in q's dtype.
+    """
+    _validate(q, k_cache, v_cache, block_tables, context_lens)
+    batch, num_heads, head_dim = q.shape
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if batch == 0:
+        return out
+    cfg = config or default_config(q.device, head_dim, q.dtype)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    direct = num_splits == 1
+    if direct:
+        mid_o = mid_lse = out  # unused by the kernel when DIRECT
+    else:
+        mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    upcast, prec = dot_mode(q.dtype)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _decode_merge_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD_DIM=head_dim, SPLITS_PAD=next_pow2(num_splits), CHUNK=min(16, next_pow2(num_splits)), num_warps=4,
+        )
+    return out
+
+
+def default_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """Tile and pipeline depth per device (GPU values from the H200 sweep in bench_kernels.py).
+
+    Head dim 256 and float32 halve the tile so K/V stages stay in shared memory without spills.
+    """
+    if device.type != "cuda" or interpreting():
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return DecodeConfig(block_n=32, num_warps=8 if dtype == torch.float32 else 4, num_stages=2)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3 if dtype != torch.float32 else 2)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference (and CPU fallback): gather every context into a padded batch, masked softmax in fp32.
+
+    The gather width is ``block_tables.shape[1] * block_size``; positions past each context are
+    masked, and their (arbitrary) block ids are clamped into range so nothing out of bounds is read.
+    """
+    batch, num_heads, head_dim = q.shape
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    width = block_tables.shape[1] * page
+    pos = torch.arange(width, device=q.device)
+    valid = pos[None, :] < context_lens[:, None].long()  # [B, W]
+    blocks = block_tables.long().gather(1, (pos // page).expand(batch, -1)).clamp_(0, k_cache.shape[0] - 1)
+    slots = blocks * page + pos % page  # [B, W]
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(compute)  # [B, W, Hkv, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(compute)
+    qg = q.to(compute).view(batch, num_kv_heads, group, head_dim)
+    scores = torch.einsum("bhgd,bwhd->bhgw", qg, k) * scale
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    res = torch.einsum("bhgw,bwhd->bhgd", probs, v).reshape(batch, num_heads, head_dim)
+    if out is None:
+        return res.to(q.dtype)
+    out.copy_(res)
+    return out

@@ -1,0 +1,229 @@
+"""Paged prefill attention: a varlen batch of prompt chunks attending causally to paged K/V.
+
+FlashAttention-style: a program owns ``BLOCK_M`` query rows of one head of one sequence and
+streams the sequence's keys in ``BLOCK_N`` tiles straight from the paged cache (the block table
+translates each key position into a slot; nothing is gathered into a contiguous copy, and a KV
+head is never repeated for its query heads). The chunk's own K/V are already in the cache, so a
+chunk that starts mid-sequence (chunked prefill, prefix-cache hit) is the same code path: row i of
+sequence s sits at position ``context_lens[s] - q_len + i``.
+
+The key loop is cut in two: tiles every row of the block may see in full (no mask, no bounds
+check, the bulk of the work), then the few tiles on the diagonal with the causal mask. Programs
+for heads that share a KV head are launched next to each other so their K/V tiles hit in L2, and
+the query blocks run from the last (longest) to the first so the long programs start first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, dot_mode, interpreting
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters (tuned on an H200; see benchmarks/RESULTS.md)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i, K, V, bt_row, kv_base, n0, q_pos, ctx, scale_log2e,
+    stride_kb, stride_kt, dims,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    offs = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        valid = offs < ctx
+        page = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + offs // PAGE).to(tl.int64)
+    tok = kv_base + page * stride_kb + (offs % PAGE) * stride_kt
+    if MASKED:
+        k = tl.load(K + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+    else:
+        k = tl.load(K + tok[:, None] + dims[None, :])
+        v = tl.load(V + tok[:, None] + dims[None, :])
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if MASKED:
+        s = tl.where((offs[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+    # The scale (> 0) is applied inside the exponent's FMA rather than as a separate pass over s:
+    # at D=128 the per-score float32 work is as costly as the matmuls, so each pass counts.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
+    p = tl.exp2(s * scale_log2e - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K, V, BT, QSL, CL, O, scale_log2e,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    h = tl.program_id(0)
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    s = tl.program_id(2)
+    q_start = tl.load(QSL + s)
+    q_len = tl.load(QSL + s + 1) - q_start
+    m0 = m_block * BLOCK_M
+    if m0 >= q_len:
+        return
+    ctx = tl.load(CL + s)
+    first_pos = ctx - q_len + m0  # position of this block's first query row
+
+    rows = m0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    q_pos = ctx - q_len + rows
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptr = Q + (q_start + rows).to(tl.int64)[:, None] * stride_qt + h * stride_qh + dims[None, :]
+    q = tl.load(q_ptr, mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = BT + s.to(tl.int64) * stride_btb
+    kv_base = (h // GROUP).to(tl.int64) * stride_kh
+
+    # Keys 0..first_pos are visible to every row: whole tiles there need no mask.
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, bt_row, kv_base, n0, q_pos, ctx, scale_log2e,
+                                     stride_kb, stride_kt, dims, PAGE, BLOCK_N, False, DOT_PREC, UPCAST)
+    # The diagonal: tile 0 of this phase always contains key 0 or a finite running max, so no row is all -inf.
+    diag_end = tl.minimum(ctx, first_pos + BLOCK_M)
+    for n0 in range(full_end, diag_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, bt_row, kv_base, n0, q_pos, ctx, scale_log2e,
+                                     stride_kb, stride_kt, dims, PAGE, BLOCK_N, True, DOT_PREC, UPCAST)
+
+    out = acc / l_i[:, None]
+    o_ptr = O + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + dims[None, :]
+    tl.store(o_ptr, out.to(O.dtype.element_ty), mask=row_mask[:, None])
+
+
+def default_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> PrefillConfig:
+    """Tiles per device: big tensor-core tiles on the GPU, small ones for the CPU interpreter.
+
+    float32 tiles take twice the shared memory per stage, and head dim 256 twice again, so those
+    get smaller tiles to stay inside the 227 KB an H100/H200 block may use.
+    """
+    if device.type != "cuda" or interpreting():
+        return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return PrefillConfig(block_m=64 if head_dim <= 128 else 32, block_n=32, num_warps=4, num_stages=2)
+    if head_dim > 128:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return PrefillConfig()
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of a varlen batch of chunks ``q`` ``[T, Hq, D]`` over the paged cache.
+
+    Sequence s owns rows ``query_start_loc[s]:query_start_loc[s+1]``; ``context_lens[s]`` counts its
+    tokens including the chunk. ``max_query_len`` (host int) sizes the grid. Returns ``out`` ``[T, Hq, D]``.
+    """
+    check_dtype("q", q)
+    check_dtype("k_cache", k_cache)
+    if q.stride(-1) != 1:
+        raise ValueError("q must have a contiguous last dimension")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or query_start_loc.dtype != torch.int32:
+        raise TypeError("block_tables, query_start_loc and context_lens must be int32")
+    num_tokens, num_heads, head_dim = q.shape
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if page & (page - 1) or page < 16:
+        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    cfg = config or default_config(q.device, head_dim, q.dtype)
+    upcast, prec = dot_mode(q.dtype)
+    grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PREC=prec, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference (and CPU fallback): per sequence, gather its context and run masked softmax in fp32.
+
+    A Python loop over sequences (not tokens); it reads the two index tensors on the host once.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    starts = query_start_loc.tolist()
+    lens = context_lens.tolist()
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    for s, ctx in enumerate(lens):
+        q0, q1 = starts[s], starts[s + 1]
+        if q1 == q0:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        slots = block_tables[s].long()[pos // page] * page + pos % page
+        k = k_flat[slots].to(compute).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = v_flat[slots].to(compute).repeat_interleave(group, dim=1)
+        qs = q[q0:q1].to(compute)
+        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
+        q_pos = ctx - (q1 - q0) + torch.arange(q1 - q0, device=q.device)
+        scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(out.dtype)
+    return out

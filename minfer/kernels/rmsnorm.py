@@ -1,0 +1,89 @@
+"""RMSNorm and fused residual-add + RMSNorm, rounded exactly as HF Llama rounds.
+
+HF computes ``r = x + residual`` in the model dtype, the variance and the normalisation in
+float32, casts the normalised row back to the model dtype, and only then multiplies by the weight
+(again in the model dtype). We reproduce each rounding step so greedy decoding matches HF
+token for token; a single fp32 pass with one final rounding would drift by an ulp here and there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, check_last_dim_contiguous, next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, OUT, stride_x, stride_r, stride_o, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(R + row * stride_r + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / hidden
+    normed = (xf * tl.rsqrt(var + eps)).to(dtype)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    tl.store(OUT + row * stride_o + cols, out, mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            num_warps: int | None = None) -> torch.Tensor:
+    check_dtype("x", x)
+    check_dtype("weight", weight)
+    check_last_dim_contiguous("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    num_rows, hidden = x.shape
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if num_rows == 0:
+        return out
+    res = x if residual is None else residual
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("residual must match x in shape and dtype")
+        check_last_dim_contiguous("residual", residual)
+    block = next_pow2(hidden)
+    # One row per program: a 4K-8K row fits in registers, so x is read once and never re-read.
+    if num_warps is None:
+        num_warps = min(16, max(1, block // 512))
+    _rms_norm_kernel[(num_rows,)](
+        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim of ``x`` ``[T, H]``; output in x's dtype."""
+    return _launch(x, None, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Set ``residual <- x + residual`` (in place, model dtype) and return ``rms_norm(residual)``."""
+    return _launch(x, residual, weight, eps)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch reference of :func:`rms_norm`, the HF LlamaRMSNorm arithmetic."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch reference of :func:`fused_add_rms_norm` (updates ``residual`` in place)."""
+    residual.add_(x)
+    return rms_norm_ref(residual, weight, eps)

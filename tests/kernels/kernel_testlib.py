@@ -1,0 +1,173 @@
+"""Shared case builders and checks for the kernel tests (CPU interpreter and GPU alike).
+
+Every check: fresh random data, the output poisoned with NaN before the kernel runs (an unwritten
+element fails), and a torch reference evaluated in float64 on upcast inputs.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import zlib
+
+# Must precede the first `import triton` (Triton reads it when kernels are decorated). minfer.kernels
+# does the same when CUDA is absent; this also covers a CUDA build of torch on a GPU-less machine.
+if not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minfer.kernels import (  # noqa: E402
+    apply_rotary, apply_rotary_ref, fused_add_rms_norm, fused_add_rms_norm_ref,
+    paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention, paged_prefill_attention_ref,
+    rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref, store_kv, store_kv_ref,
+)
+
+
+@pytest.fixture(autouse=True)
+def seed_per_case(request: pytest.FixtureRequest) -> None:
+    """Fresh, reproducible random data per parametrised case (seed derived from the test id).
+
+    Lives here, imported by each kernel test module, rather than in a tests/kernels/conftest.py:
+    a second `conftest` module on sys.path would shadow tests/conftest.py for `from conftest import`.
+    """
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+# Triton's CPU interpreter (3.9) rounds float32 -> bfloat16 toward zero, where GPUs and torch round to
+# nearest even; bit-exact bf16 comparisons with torch therefore only hold off the interpreter.
+EXACT_BF16 = os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "on", "yes")
+
+# Relative Frobenius error allowed per dtype (fp32 attention dots are exact-IEEE, so 1e-4 holds).
+REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output (unwritten element or overflow)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    err = rel_err(out, ref)
+    assert err <= REL_TOL[dtype], f"{what} rel err {err:.3e} > {REL_TOL[dtype]:.0e} ({dtype})"
+
+
+def make_paged_kv(ctx_lens: list[int], num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+                  device: str, spare_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches and int32 block tables: blocks drawn from a random permutation (non-contiguous),
+    rows padded with other valid ids so a kernel that reads past its context reads wrong data."""
+    need = [math.ceil(c / page) for c in ctx_lens]
+    width = max(need) + 1
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks)
+    table = torch.randint(0, num_blocks, (len(ctx_lens), width), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(need):
+        table[s, :n] = perm[used:used + n].int()
+        used += n
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=device).to(dtype)
+    v_cache = torch.randn(shape, device=device).to(dtype)
+    return k_cache, v_cache, table.to(device)
+
+
+def check_decode(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
+                 dtype: torch.dtype, device: str, num_splits: int | None = None) -> None:
+    k_cache, v_cache, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, dtype, device)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(ctx_lens), num_heads, head_dim, device=device).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out, num_splits=num_splits)
+    ref = paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, lens, scale)
+    assert_close(out, ref, dtype, f"decode splits={num_splits}")
+    # The reference in the model dtype is the engine's fallback: it must agree too.
+    assert_close(paged_decode_attention_ref(q, k_cache, v_cache, table, lens, scale), ref, dtype, "decode ref")
+
+
+def check_prefill(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                  page: int, dtype: torch.dtype, device: str) -> None:
+    k_cache, v_cache, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, dtype, device)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(device)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=device).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, table, qsl, lens, max(q_lens), scale, out=out)
+    ref = paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, qsl, lens,
+                                      max(q_lens), scale)
+    assert_close(out, ref, dtype, "prefill")
+
+
+def check_store_kv(num_tokens: int, num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
+                   device: str) -> None:
+    num_blocks = num_tokens // page + 4
+    # k, v as strided views of a fused qkv output, as the engine produces them.
+    qkv = torch.randn(num_tokens, (2 + 2 * num_kv_heads) * head_dim, device=device).to(dtype)
+    k = qkv[:, 2 * head_dim:(2 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (2 + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * page, device=device)[:num_tokens]
+    slots[::3] = -1  # padding rows
+    shape = (num_blocks, page, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv_ref(k, v, k_ref, v_ref, slots)
+    # A copy: bit-exact, and untouched slots (NaN) must stay untouched.
+    assert torch.equal(k_cache.nan_to_num(7.0), k_ref.nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert k_cache.isnan().sum() == k_ref.isnan().sum() > 0
+
+
+def check_rms_norm(num_tokens: int, hidden: int, dtype: torch.dtype, device: str) -> None:
+    x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    residual = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
+    eps = 1e-6
+    assert_close(rms_norm(x, weight, eps), rms_norm_ref(x.double(), weight.double(), eps), dtype, "rms_norm")
+    res = residual.clone()
+    out = fused_add_rms_norm(x, res, weight, eps)
+    res_ref = residual.clone()
+    out_same = fused_add_rms_norm_ref(x, res_ref, weight, eps)
+    if dtype != torch.bfloat16 or EXACT_BF16:
+        assert torch.equal(res, res_ref), "residual must be x + residual rounded to the dtype"
+    else:
+        torch.testing.assert_close(res, res_ref, rtol=1e-2, atol=1e-2)
+    ref = rms_norm_ref(res_ref.double(), weight.double(), eps)
+    assert_close(out, ref, dtype, "fused_add_rms_norm")
+    # Same dtype, same roundings as HF: at most one ulp apart (rsqrt approximations differ).
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if EXACT_BF16 else 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out, out_same, rtol=tol, atol=tol)
+
+
+def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: str) -> None:
+    max_pos = 4096
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width, device=device).to(dtype)
+    positions = torch.randint(0, max_pos, (num_tokens,), device=device)
+    qkv_ref = qkv.double()
+    split = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(split, dim=-1))
+    qr, kr, _ = (t.view(num_tokens, -1, head_dim) for t in qkv_ref.split(split, dim=-1))
+    v_before = v.clone()
+    apply_rotary(q, k, positions, cache)
+    apply_rotary_ref(qr, kr, positions, cache.double())
+    assert_close(q, qr, dtype, "rotary q")
+    assert_close(k, kr, dtype, "rotary k")
+    assert torch.equal(v, v_before), "rotary wrote outside q and k"
+
+
+def check_silu_and_mul(num_tokens: int, inter: int, dtype: torch.dtype, device: str) -> None:
+    x = (2 * torch.randn(num_tokens, 2 * inter, device=device)).to(dtype)
+    out = silu_and_mul(x)
+    assert_close(out, silu_and_mul_ref(x.double()), dtype, "silu_and_mul")
+    # Against HF's own rounding in the same dtype: one ulp (two under the interpreter's truncation).
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if EXACT_BF16 else 3e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out, silu_and_mul_ref(x), rtol=rtol, atol=1e-5)
