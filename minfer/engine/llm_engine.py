@@ -17,7 +17,8 @@ from minfer.config import EngineConfig, ModelConfig
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.detokenizer import IncrementalDetokenizer
 from minfer.engine.model_runner import ModelRunner
-from minfer.engine.scheduler import Scheduler
+from minfer.engine.sampler import SamplerOutput
+from minfer.engine.scheduler import Scheduler, SchedulerOutput
 from minfer.engine.sequence import Sequence
 from minfer.model.loader import resolve_model_path
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -152,8 +153,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        now = time.time()
-        out = self.runner.run(batch)
+        return self._postprocess(batch, self.runner.run(batch))
+
+    def _postprocess(self, batch: SchedulerOutput, out: SamplerOutput) -> list[RequestOutput]:
+        """Advance the scheduled sequences, append sampled tokens, apply stops, build outputs."""
         sampled = [s for s in batch.seqs if s.samples_this_step]
         for seq in batch.seqs:
             seq.prompt_logprobs += out.prompt_logprobs.get(seq.seq_id, ())
@@ -170,7 +173,7 @@ class LLMEngine:
         now_done = time.time()
         outputs = []
         for req in touched.values():
-            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
+            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or batch.scheduled_at
             req.metrics.first_token_time = req.metrics.first_token_time or now_done
             finished = req.finished
             if finished:

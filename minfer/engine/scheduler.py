@@ -9,6 +9,7 @@ later (often mostly from the prefix cache). No step ever fails for lack of memor
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ class SchedulerOutput:
     seqs: list[Sequence]
     num_decodes: int
     num_tokens: int
+    scheduled_at: float = 0.0  # time.time()
 
 
 class Scheduler:
@@ -77,7 +79,7 @@ class Scheduler:
             budget -= num_new
         decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
         chunks = [s for s in scheduled if s.num_scheduled_tokens > 1]
-        return SchedulerOutput(decodes + chunks, len(decodes), self.max_num_batched_tokens - budget)
+        return SchedulerOutput(decodes + chunks, len(decodes), self.max_num_batched_tokens - budget, time.time())
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
