@@ -29,14 +29,19 @@ def test_triton_engine_on_gpu_matches_hf(checkpoints, arch, kwargs):
 
 
 def test_bf16_triton_and_torch_backends_agree(checkpoints):
-    """Both GPU paths in bfloat16 produce the same greedy tokens on most prompts (rounding differs)."""
-    prompts = [[(i * k) % 300 + 2 for i in range(20 + k)] for k in range(1, 13)]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    """In bfloat16 the two GPU paths differ only by rounding: each prompt's next-token distribution
+    agrees (torch's greedy token is among Triton's top 3, its logprob within 0.1). Whole greedy
+    continuations are not compared: bf16 logits of a random model tie often, and a tie broken
+    differently sends the two continuations apart for good."""
+    prompts = [[(i * k) % 300 + 2 for i in range(20 + 7 * k)] for k in range(1, 13)]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=3)
     runs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(checkpoints["llama3"]), device="cuda", dtype="bfloat16", num_kv_blocks=128,
                   attention_backend=backend)
-        runs[backend] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                      params, use_tqdm=False)]
-    same = sum(a == b for a, b in zip(runs["torch"], runs["triton"]))
-    assert same >= len(prompts) * 3 // 4, f"only {same}/{len(prompts)} prompts agree"
+        runs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                            params, use_tqdm=False)]
+    for ref, got in zip(runs["torch"], runs["triton"]):
+        tok = ref.token_ids[0]
+        assert tok in got.logprobs[0], (ref.logprobs[0], got.logprobs[0])
+        assert abs(ref.logprobs[0][tok] - got.logprobs[0][tok]) < 0.1
