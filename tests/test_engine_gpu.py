@@ -28,20 +28,22 @@ def test_triton_engine_on_gpu_matches_hf(checkpoints, arch, kwargs):
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
-def test_bf16_triton_and_torch_backends_agree(checkpoints):
-    """In bfloat16 the two GPU paths differ only by rounding: each prompt's next-token distribution
-    agrees (torch's greedy token is among Triton's top 3, its logprob within 0.1). Whole greedy
-    continuations are not compared: bf16 logits of a random model tie often, and a tie broken
-    differently sends the two continuations apart for good."""
+def test_bf16_triton_path_is_as_accurate_as_torch_path(checkpoints):
+    """In bfloat16 both GPU paths round differently; measured against the float32 model, the Triton
+    path's next-token logprobs must be no less accurate than the torch path's (and both close)."""
     prompts = [[(i * k) % 300 + 2 for i in range(20 + 7 * k)] for k in range(1, 13)]
-    params = SamplingParams(max_tokens=1, temperature=0, logprobs=3)
-    runs = {}
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    ref_llm = LLM(str(checkpoints["llama3"]), device="cuda", dtype="float32", num_kv_blocks=128)
+    ref = [o.outputs[0].logprobs[0] for o in ref_llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                use_tqdm=False)]
+    errors = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(checkpoints["llama3"]), device="cuda", dtype="bfloat16", num_kv_blocks=128,
                   attention_backend=backend)
-        runs[backend] = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                            params, use_tqdm=False)]
-    for ref, got in zip(runs["torch"], runs["triton"]):
-        tok = ref.token_ids[0]
-        assert tok in got.logprobs[0], (ref.logprobs[0], got.logprobs[0])
-        assert abs(ref.logprobs[0][tok] - got.logprobs[0][tok]) < 0.1
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        diffs = [abs(o.outputs[0].logprobs[0][t] - r[t]) for o, r in zip(outs, ref) for t in r
+                 if t in o.outputs[0].logprobs[0]]
+        errors[backend] = sum(diffs) / len(diffs)
+    print("mean |logprob error| vs float32:", errors)
+    assert errors["triton"] <= errors["torch"] * 1.25 + 0.01, errors
+    assert errors["triton"] < 0.3, errors
