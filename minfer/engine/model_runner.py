@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from minfer.config import EngineConfig, ModelConfig, cdiv
+from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
 from minfer.engine.sampler import Sampler, SamplerOutput
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.model.attention import AttentionMetadata
@@ -45,11 +46,9 @@ class ModelRunner:
         self.backend = self._resolve_backend()
         self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.backend)
         self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
         self.num_kv_blocks = self._count_kv_blocks()
-        shape = (self.num_kv_blocks, self.block_size, model_config.num_key_value_heads, model_config.head_dim)
-        for attn in self.model.attention_layers():
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.num_kv_blocks, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_kv_blocks, self.block_size,
                     self.num_kv_blocks * self.block_bytes / 2**30, self.dtype)
 
@@ -69,10 +68,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        """K and V of one block across all layers."""
-        c = self.model_config
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim * itemsize
+        return self.kv_spec.block_bytes
 
     def _count_kv_blocks(self) -> int:
         cfg = self.config
@@ -98,16 +94,12 @@ class ModelRunner:
         c = self.model_config
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = cdiv(n, self.block_size)
-        shape = (blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        for attn in self.model.attention_layers():
-            attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        allocate_kv_cache(self.model.attention_layers(), self.kv_spec, blocks, self.device, zero=False)
         meta, ids, pos = self._dummy_prefill(n)
         hidden = self.model(ids, pos, meta)
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         temp_cache = blocks * self.block_bytes
-        for attn in self.model.attention_layers():
-            attn.k_cache = attn.v_cache = torch.empty(0)
+        release_kv_cache(self.model.attention_layers())
         del hidden
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - temp_cache
