@@ -7,12 +7,14 @@ logprobs, when asked for).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from minfer.config import EngineConfig, ModelConfig, cdiv
+from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
 from minfer.engine.sampler import Sampler, SamplerOutput
 from minfer.engine.scheduler import SchedulerOutput
@@ -35,6 +37,21 @@ def _check_triton_interpreter() -> None:
                          f"TRITON_INTERPRET=1 (Triton was loaded before minfer could set it): {exc}") from exc
 
 
+@dataclass(slots=True)
+class StepArrays:
+    """A step's inputs on the host, built with numpy over per-sequence arrays."""
+
+    ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    tables: np.ndarray  # [S, max_blocks] int32
+    ctx_lens: np.ndarray  # [S] int32
+    q_lens: np.ndarray  # [S] int64
+    cu: np.ndarray  # [S + 1] int64
+    logit_rows: np.ndarray  # rows whose sequence samples this step
+    num_decodes: int
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
         self.model_config = model_config
@@ -51,6 +68,7 @@ class ModelRunner:
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.num_kv_blocks, self.device)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_kv_blocks, self.block_size,
                     self.num_kv_blocks * self.block_bytes / 2**30, self.dtype)
+        self.graphs = self._capture_graphs()
 
     def _resolve_backend(self) -> str:
         """'auto' takes the Triton kernels on CUDA where they apply, the torch path otherwise."""
@@ -122,50 +140,63 @@ class ModelRunner:
         ids = torch.randint(0, self.model_config.vocab_size, (n,), device=dev)
         return meta, ids, torch.arange(n, device=dev)
 
-    def prepare(self, batch: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flatten the step: token ids, positions, attention metadata, rows whose logits are needed."""
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        if self.device.type != "cuda" or self.backend != "triton" or self.config.enforce_eager:
+            return None
+        graphs = DecodeGraphs(self.model, self.config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
+                              self.block_size, self.max_model_len, self.device)
+        graphs.capture()
+        return graphs
+
+    def prepare(self, batch: SchedulerOutput) -> StepArrays:
+        """Flatten the step on the host: per-token ids, positions and slots, per-sequence tables."""
         seqs = batch.seqs
         q_lens = np.fromiter((s.num_scheduled_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
-        ctx_lens = starts + q_lens
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
-        total = int(cu[-1])
         ids: list[int] = []
         for s in seqs:
             ids += s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = np.arange(total) - cu[seq_of_token] + starts[seq_of_token]
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
         for i, s in enumerate(seqs):
             tables[i, :len(s.block_table)] = s.block_table
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         samples = np.fromiter((s.samples_this_step for s in seqs), dtype=bool, count=len(seqs))
-        logit_rows = cu[1:][samples] - 1
-        dev = self.device
+        return StepArrays(np.asarray(ids, dtype=np.int64), positions, slots, tables,
+                          (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:][samples] - 1, batch.num_decodes)
 
-        def to_dev(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(dev, non_blocking=True)
+    def _metadata(self, a: StepArrays) -> AttentionMetadata:
+        def to_dev(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x).to(self.device, non_blocking=True)
 
-        nd = batch.num_decodes
-        meta = AttentionMetadata(
-            slot_mapping=to_dev(slots), block_tables=to_dev(tables),
-            context_lens=to_dev(ctx_lens.astype(np.int32)), query_start_loc=to_dev(cu.astype(np.int32)),
-            num_decodes=nd, max_query_len=int(q_lens.max()), max_context_len=int(ctx_lens.max()),
-            block_size=bs, prefill_query_start_loc=to_dev((cu[nd:] - nd).astype(np.int32)),
-            max_prefill_query_len=int(q_lens[nd:].max()) if nd < len(seqs) else 0,
-            context_lens_host=ctx_lens.tolist(), query_lens_host=q_lens.tolist())
-        return to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions), meta, to_dev(logit_rows)
+        nd, num_seqs = a.num_decodes, len(a.q_lens)
+        return AttentionMetadata(
+            slot_mapping=to_dev(a.slots), block_tables=to_dev(a.tables), context_lens=to_dev(a.ctx_lens),
+            query_start_loc=to_dev(a.cu.astype(np.int32)), num_decodes=nd, max_query_len=int(a.q_lens.max()),
+            max_context_len=int(a.ctx_lens.max()), block_size=self.block_size,
+            prefill_query_start_loc=to_dev((a.cu[nd:] - nd).astype(np.int32)),
+            max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
+            context_lens_host=a.ctx_lens.tolist(), query_lens_host=a.q_lens.tolist())
 
     @torch.no_grad()
     def run(self, batch: SchedulerOutput) -> SamplerOutput:
-        """One forward over the step's tokens; sample for the sequences that reached their end."""
-        ids, positions, meta, logit_rows = self.prepare(batch)
-        hidden = self.model(ids, positions, meta)
+        """One forward over the step's tokens (a graph replay for pure decodes); sample for the
+        sequences that reached their end."""
+        a = self.prepare(batch)
+        if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
+                                                                                              a.tables.shape[1]):
+            hidden = self.graphs.run(a.ids, a.positions, a.slots, a.ctx_lens, a.tables)
+        else:
+            ids = torch.from_numpy(a.ids).to(self.device, non_blocking=True)
+            positions = torch.from_numpy(a.positions).to(self.device, non_blocking=True)
+            hidden = self.model(ids, positions, self._metadata(a))
         sampling = [s for s in batch.seqs if s.samples_this_step]
-        out = self.sampler(self.model.compute_logits(hidden[logit_rows]), sampling) if sampling \
+        rows = torch.from_numpy(a.logit_rows).to(self.device, non_blocking=True)
+        out = self.sampler(self.model.compute_logits(hidden[rows]), sampling) if sampling \
             else SamplerOutput([], None)
         if any(s.params.prompt_logprobs is not None for s in batch.seqs):
             out.prompt_logprobs = self._prompt_logprobs(batch, hidden)

@@ -1,0 +1,88 @@
+"""CUDA-graph replay of pure-decode steps.
+
+A decode step of a small model is dozens of short kernels per layer; launched one by one from
+Python, the GPU idles between them (the first profile of workload A showed it busy 20% of the
+time). Here the model's forward over ``b`` single-token sequences is captured once per batch
+bucket ``b`` and replayed with new inputs copied into static buffers. A real batch of ``n``
+sequences runs in the smallest bucket ``b >= n``; the ``b - n`` padding rows write their K/V to
+slot -1 (which the store kernel skips) and attend over one token, so they never touch a live
+sequence's cache. All buckets share one memory pool. Only the Triton path is captured: the torch
+path sizes its work from host integers.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from minfer.model.attention import AttentionMetadata
+
+logger = logging.getLogger("minfer")
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 (and max_batch itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    return sorted(set(sizes + [max_batch]))
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
+                 max_model_len: int, device: torch.device) -> None:
+        self.model = model
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_batch = self.sizes[-1]
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        b, dev = self.max_batch, device
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self.context_lens = torch.ones(b, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
+            query_start_loc=torch.empty(0), num_decodes=b, max_query_len=1, max_context_len=self.max_model_len,
+            block_size=self.block_size)
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Warm up and capture every bucket, largest first so the pool is sized by the first."""
+        pool = None
+        for b in reversed(self.sizes):
+            meta = self._meta(b)
+            self.model(self.input_ids[:b], self.positions[:b], meta)  # compile kernels, settle allocations
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self.model(self.input_ids[:b], self.positions[:b], meta)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %d..%d)", len(self.graphs), self.sizes[0], self.max_batch)
+
+    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[1]
+
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, ctx_lens: np.ndarray,
+            tables: np.ndarray) -> torch.Tensor:
+        """Replay the smallest bucket that holds this decode batch; returns hidden states [n, H]."""
+        n = len(ids)
+        b = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(torch.from_numpy(ids), non_blocking=True)
+        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
+        self.slot_mapping[:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.context_lens[:n].copy_(torch.from_numpy(ctx_lens), non_blocking=True)
+        self.block_tables[:n, :tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+        if b > n:  # padding rows: skip the KV store, attend over one (harmless) slot
+            self.slot_mapping[n:b].fill_(-1)
+            self.context_lens[n:b].fill_(1)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:n]
+        return self.model(self.input_ids[:b], self.positions[:b], self._meta(b))[:n]  # uncaptured: same buffers
