@@ -26,9 +26,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def row_hash(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """Per-row 32-bit hash of (seed, output index): the row part of the noise."""
+    return _mix32((_mix32(seeds & _M32) ^ (seeds >> 32)) ^ ((counters * 0x9E3779B1) & _M32))
+
+
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u[r, v] in (0, 1), a pure function of (seeds[r], counters[r], v)."""
-    row = _mix32((_mix32(seeds & _M32) ^ (seeds >> 32)) ^ ((counters * 0x9E3779B1) & _M32))
+    row = row_hash(seeds, counters)
     col = _mix32((torch.arange(vocab_size, device=seeds.device) * 0x27D4EB2F + 0x165667B1) & _M32)
     bits = _mix32(row[:, None] ^ col[None, :]) >> 8  # 24 random bits
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
@@ -70,6 +75,13 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         temps = self._tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
+        seeds = self._tensor([s.sample_seed for s in seqs], torch.int64)
+        counters = self._tensor([s.num_output_tokens for s in seqs], torch.int64)
+        filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params)
+        if logits.is_cuda and not filtered:  # one fused pass over the logits (same draws up to rounding)
+            from minfer.kernels.sampling import gumbel_argmax
+
+            return gumbel_argmax(logits.contiguous(), row_hash(seeds, counters), temps)
         logits = logits / temps[:, None]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = self._top_k_top_p(logits, params)
@@ -78,8 +90,10 @@ class Sampler:
             min_p = self._tensor([p.min_p for p in params], torch.float32)
             cutoff = probs.max(-1, keepdim=True).values * min_p[:, None]
             logits = logits.masked_fill(probs < cutoff, float("-inf"))
-        seeds = self._tensor([s.sample_seed for s in seqs], torch.int64)
-        counters = self._tensor([s.num_output_tokens for s in seqs], torch.int64)
+        if logits.is_cuda:
+            from minfer.kernels.sampling import gumbel_argmax
+
+            return gumbel_argmax(logits.contiguous(), row_hash(seeds, counters), torch.ones_like(temps))
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
         return (logits + gumbel).argmax(-1)
 
