@@ -50,12 +50,15 @@ def test_bf16_triton_path_is_as_accurate_as_torch_path(checkpoints):
 
 
 def test_cuda_graph_decode_equals_eager(checkpoints):
-    """Greedy outputs with decode graphs equal those with enforce_eager=True (same kernels)."""
+    """Greedy outputs with decode graphs equal those with enforce_eager=True. In float32: a graph
+    replays a padded batch, where cuBLAS and the split-K heuristic may order sums differently than
+    the eager batch, so bf16 outputs of a random model (full of near-ties) are not comparable token
+    for token, while any real fault (stale buffers, padding rows writing the cache) shows here."""
     prompts = [[(i * k) % 300 + 2 for i in range(5 + 9 * k)] for k in range(1, 20)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     results = {}
     for eager in (True, False):
-        llm = LLM(str(checkpoints["qwen3"]), device="cuda", dtype="bfloat16", num_kv_blocks=256, max_num_seqs=32,
+        llm = LLM(str(checkpoints["qwen3"]), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=32,
                   max_model_len=512, enforce_eager=eager)
         assert (llm.llm_engine.runner.graphs is None) == eager
         results[eager] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
