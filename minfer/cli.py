@@ -5,7 +5,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 
 
@@ -52,51 +51,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from minfer import LLM, SamplingParams
+    from minfer.benchmark.offline import bench, write_outputs
     from minfer.benchmark.shapes import write_random_checkpoint
-    from minfer.benchmark.workload import WORKLOAD_A_BOUND, WORKLOAD_A_SUM_BOUND, fixed_workload, workload_a
 
     model = args.model
     if args.shape:
         model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape))
     if model is None:
-        raise SystemExit("bench needs --model or --shape")
+        raise ValueError("bench needs --model or --shape")
     kwargs = _engine_kwargs(args)
     kwargs["max_model_len"] = kwargs["max_model_len"] or 4096
-    llm = LLM(model, skip_tokenizer_init=True, **kwargs)
-    if args.input_len:
-        prompts, params = fixed_workload(args.num_prompts, args.input_len, args.output_len)
-        workload = f"fixed {args.num_prompts} x {args.input_len} in / {args.output_len} out"
-    else:
-        prompts, params = workload_a(args.num_prompts)
-        workload = "A"
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    in_tokens = sum(len(o.prompt_token_ids) for o in outs)
-    stats = llm.get_stats()
-    result = {
-        "model": args.shape or model, "workload": workload, "requests": len(outs),
-        "prompt_tokens": in_tokens, "output_tokens": out_tokens, "seconds": round(elapsed, 3),
-        "output_tok_s": round(out_tokens / elapsed, 1), "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1),
-        "num_preemptions": stats["num_preemptions"], "num_kv_blocks": stats["num_kv_blocks"],
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "engine": {k: v for k, v in kwargs.items() if v is not None},
-    }
-    if workload == "A" and args.shape in WORKLOAD_A_BOUND and args.num_prompts == 256:
-        result["share_of_bound"] = round(result["output_tok_s"] / WORKLOAD_A_BOUND[args.shape], 4)
-        result["share_of_sum_bound"] = round(result["output_tok_s"] / WORKLOAD_A_SUM_BOUND[args.shape], 4)
-    print(json.dumps(result, indent=2))
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(result, indent=2))
+    result = bench(model, args.shape, kwargs, num_prompts=args.num_prompts, input_len=args.input_len,
+                   output_len=args.output_len, batch1=args.batch1, compare_hf=args.compare_hf,
+                   hf_num_prompts=args.hf_num_prompts, hf_output_len=args.hf_output_len, progress=not args.quiet)
+    write_outputs(result, args.output_json, args.plot)
     return 0
 
 
@@ -135,8 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--checkpoint-dir", default="/tmp/minfer-shapes")
     bench.add_argument("--num-prompts", type=int, default=256)
     bench.add_argument("--input-len", type=int, default=None)
-    bench.add_argument("--output-len", type=int, default=128)
+    bench.add_argument("--output-len", type=int, default=128, help="with --input-len or --batch1")
+    bench.add_argument("--batch1", action="store_true", help="decode speed of one request vs weights/bandwidth")
+    bench.add_argument("--compare-hf", action="store_true",
+                       help="also run HF transformers' generate_batch on a subset, in the same process")
+    bench.add_argument("--hf-num-prompts", type=int, default=64)
+    bench.add_argument("--hf-output-len", type=int, default=256)
     bench.add_argument("--output-json", default=None)
+    bench.add_argument("--plot", default=None, help="write a PNG bar chart here")
     bench.add_argument("--quiet", action="store_true")
     _add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)

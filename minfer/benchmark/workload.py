@@ -21,8 +21,11 @@ def workload_a(num_requests: int = 256) -> tuple[list[dict], list[SamplingParams
     return prompts, params
 
 
-def fixed_workload(num_requests: int, input_len: int, output_len: int, seed: int = 0) -> tuple[list[dict], list[SamplingParams]]:
+def fixed_workload(num_requests: int, input_len: int, output_len: int, seed: int = 0,
+                   vocab_size: int = 10001) -> tuple[list[dict], list[SamplingParams]]:
+    """Equal lengths for every request; token ids below min(10001, vocab_size)."""
     rng = random.Random(seed)
-    prompts = [{"prompt_token_ids": [rng.randint(0, 10000) for _ in range(input_len)]} for _ in range(num_requests)]
+    top = min(10000, vocab_size - 1)
+    prompts = [{"prompt_token_ids": [rng.randint(0, top) for _ in range(input_len)]} for _ in range(num_requests)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len) for _ in range(num_requests)]
     return prompts, params
