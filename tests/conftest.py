@@ -6,6 +6,7 @@ sharp test of exactness against HF transformers.
 from __future__ import annotations
 
 import glob
+import inspect
 import os
 from pathlib import Path
 
@@ -95,16 +96,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation by HF transformers (full recompute each step) and each step's logits."""
+    """Greedy continuation by HF transformers (its own KV cache) and each step's logits."""
     model = _hf_model(model_dir)
-    ids = torch.tensor([prompt_ids])
-    steps = []
+    # transformers renamed past_key_values to cache (5.2x); accept either
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    tokens, steps = [], []
     with torch.no_grad():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
         for _ in range(max_new_tokens):
-            logits = model(ids).logits[0, -1].float()
+            logits = out.logits[0, -1].float()
             steps.append(logits)
-            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
-    return ids[0, len(prompt_ids):].tolist(), steps
+            tokens.append(int(logits.argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), use_cache=True, **{name: out[name]})
+    return tokens, steps
 
 
 _HF_CACHE: dict[str, object] = {}
