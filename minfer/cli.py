@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_train_parser(sub)
+    try:  # the server's dependencies are the optional `server` extra
+        from minfer.server.cli import add_bench_serve_parser, add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+        add_bench_serve_parser(sub)
     return parser
 
 

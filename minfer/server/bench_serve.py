@@ -1,0 +1,182 @@
+"""``minfer bench-serve``: load a server over HTTP and measure what its clients experience.
+
+Closed loop (``--concurrency 1,16,64``: that many clients, each sending its next request when
+the last one ends) or open loop (``--request-rate 2,8``: Poisson arrivals, optionally capped by
+``--max-concurrency``). Every request streams from /v1/completions with a token-id prompt, so no
+tokenizer is needed and lengths are exact: workload A's (random 100-1024 in, 100-1024 out) or
+fixed ones. ``--launch`` starts the server itself in a child process first.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minfer.server.bench_report import print_table, plot, summarize
+from minfer.server.sse_client import get_json, post_sse, split_url
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds from sending to the first token's chunk
+    latency: float = 0.0  # seconds from sending to the end of the stream
+    itl: list[float] = field(default_factory=list)  # gaps between successive token chunks
+    start: float = 0.0
+    end: float = 0.0
+    error: str = ""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from minfer.cli import _add_engine_args
+
+    p.add_argument("--base-url", default=None, help="a running server (default: http://127.0.0.1:8000)")
+    p.add_argument("--launch", action="store_true", help="start a server on --model / --shape first")
+    p.add_argument("--shape", default=None, help="with --launch: a random-weight shape (e.g. llama-3.1-8b)")
+    p.add_argument("--checkpoint-dir", default="/tmp/minfer-shapes")
+    p.add_argument("--port", type=int, default=8000, help="with --launch: the port to serve on")
+    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the launched server")
+    p.add_argument("--concurrency", default="1,4", help="comma-separated client counts (closed loop)")
+    p.add_argument("--request-rate", default=None, help="comma-separated req/s (open loop, Poisson) instead")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests at a rate")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x level))")
+    p.add_argument("--workload", choices=["a", "fixed"], default="a")
+    p.add_argument("--input-len", type=int, default=128, help="fixed workload: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens")
+    p.add_argument("--token-id-max", type=int, default=10000, help="prompt ids are drawn from [0, this]")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) before each run")
+    p.add_argument("--output-dir", default="bench-serve-results", help="results.json and latency.png go here")
+    p.add_argument("--quiet", action="store_true")
+    _add_engine_args(p)
+
+
+def build_requests(args: argparse.Namespace, n: int, level: int) -> list[dict[str, Any]]:
+    """Request bodies; each level's prompts start with a different token so that the prefix
+    cache cannot turn a level's prefills into hits on the previous level's identical prompts."""
+    rng = random.Random(args.seed * 1_000_003 + level)
+    top = args.token_id_max
+    if args.workload == "a":
+        from minfer.benchmark.workload import workload_a
+
+        prompts, params = workload_a(n)
+        pairs = [(p["prompt_token_ids"], sp.max_tokens) for p, sp in zip(prompts, params)]
+    else:
+        pairs = [([rng.randint(0, top) for _ in range(args.input_len)], args.output_len) for _ in range(n)]
+    bodies = []
+    for ids, max_tokens in pairs:
+        ids = [t % (top + 1) for t in ids]
+        ids[0] = rng.randint(0, top)
+        bodies.append({"prompt": ids, "max_tokens": max_tokens, "temperature": args.temperature,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    return bodies
+
+
+async def send(base_url: str, model: str, body: dict[str, Any]) -> RequestResult:
+    host, port, prefix = split_url(base_url)
+    result = RequestResult(ok=False, prompt_tokens=len(body["prompt"]))
+    start = last = time.perf_counter()
+    result.start = start
+    chunks = 0
+    try:
+        async for t, data in post_sse(host, port, prefix + "/v1/completions", dict(body, model=model)):
+            if data == "[DONE]":
+                break
+            msg = json.loads(data)
+            if "error" in msg:
+                raise RuntimeError(msg["error"].get("message"))
+            if msg.get("usage"):
+                result.output_tokens = msg["usage"]["completion_tokens"]
+            if msg.get("choices"):
+                if chunks == 0:
+                    result.ttft = t - start
+                else:
+                    result.itl.append(t - last)
+                last = t
+                chunks += 1
+        result.ok = chunks > 0
+        result.output_tokens = result.output_tokens or chunks
+    except Exception as exc:  # noqa: BLE001 - a failed request is a result, not a crash
+        result.error = f"{type(exc).__name__}: {exc}"
+    result.end = time.perf_counter()
+    result.latency = result.end - start
+    return result
+
+
+async def run_level(base_url: str, model: str, bodies: list[dict[str, Any]], concurrency: int | None,
+                    rate: float | None, seed: int) -> list[RequestResult]:
+    """Closed loop with ``concurrency`` workers, or Poisson arrivals at ``rate`` (capped by concurrency)."""
+    if rate is None:
+        todo = iter(bodies)
+
+        async def worker() -> list[RequestResult]:
+            return [await send(base_url, model, body) for body in todo]
+
+        per_worker = await asyncio.gather(*(worker() for _ in range(concurrency or 1)))
+        return [r for rs in per_worker for r in rs]
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(body: dict[str, Any]) -> RequestResult:
+        if gate is None:
+            return await send(base_url, model, body)
+        async with gate:
+            return await send(base_url, model, body)
+
+    tasks = []
+    for body in bodies:
+        tasks.append(asyncio.ensure_future(one(body)))
+        await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+def run(args: argparse.Namespace) -> int:
+    from minfer.server.launch import launched_server
+
+    with launched_server(args) as base_url:
+        model = get_json(base_url + "/v1/models")["data"][0]["id"]
+        if args.request_rate:
+            levels = [("rate", float(r)) for r in args.request_rate.split(",")]
+        else:
+            levels = [("concurrency", int(c)) for c in args.concurrency.split(",")]
+        results = []
+        for i, (kind, value) in enumerate(levels):
+            n = args.num_prompts or max(16, 2 * int(value))
+            conc = int(value) if kind == "concurrency" else args.max_concurrency
+            rate = value if kind == "rate" else None
+            if args.warmup:  # short requests: compile/allocate paths, not measure them
+                warm = [dict(b, max_tokens=16) for b in build_requests(args, args.warmup, 10_000 + i)]
+                asyncio.run(run_level(base_url, model, warm, len(warm), None, args.seed))
+            t0 = time.perf_counter()
+            reqs = asyncio.run(run_level(base_url, model, build_requests(args, n, i), conc, rate, args.seed + i))
+            summary = summarize(reqs, time.perf_counter() - t0)
+            summary.update({kind: value, "num_prompts": n, "max_concurrency": conc})
+            results.append(summary)
+            if not args.quiet:
+                print(f"{kind} {value}: {summary['completed']}/{n} ok, {summary['output_tok_s']:.1f} out tok/s, "
+                      f"TTFT p50 {summary['ttft_ms']['p50']:.1f} ms", flush=True)
+            for error in summary["errors"]:
+                print(f"  failed request: {error}", flush=True)
+        try:  # minfer's engine counters; absent when benchmarking another OpenAI-compatible server
+            stats = get_json(base_url + "/stats")
+        except OSError:
+            stats = None
+    report = {"base_url": base_url, "model": model, "workload": args.workload, "levels": results,
+              "engine_stats_after": stats, "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2))
+    print_table(results, levels[0][0])
+    title = f"minfer bench-serve: {model}, workload {args.workload}"
+    png = plot(results, levels[0][0], out / "latency.png", title=title)
+    print(f"wrote {out / 'results.json'}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
+    return 0 if not any(r["failed"] for r in results) else 1
+

@@ -1,0 +1,66 @@
+"""Start a server in a child process for the benchmark, wait until it is healthy, stop it after.
+
+A child process, not a thread: the benchmark's clients and the server's event loop and engine
+thread would otherwise share one GIL, and the latencies measured would be partly our own.
+The child gets the engine arguments as a dict (multiprocessing 'spawn'), so every engine flag
+of the CLI reaches it unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import time
+import urllib.error
+from pathlib import Path
+from typing import Iterator
+
+from minfer.server.sse_client import get_json
+
+
+@contextlib.contextmanager
+def launched_server(args: argparse.Namespace) -> Iterator[str]:
+    """Yield the base URL: ``args.base_url`` as is, or that of a server launched for the run."""
+    if not args.launch:
+        yield (args.base_url or "http://127.0.0.1:8000").rstrip("/")
+        return
+    from minfer.cli import _engine_kwargs
+    from minfer.server.cli import run_server
+
+    model, skip_tokenizer = args.model, False
+    if args.shape:
+        from minfer.benchmark.shapes import write_random_checkpoint
+
+        model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape))
+        skip_tokenizer = True  # random-weight shapes come without a tokenizer
+    kwargs = _engine_kwargs(args)
+    if args.shape:
+        kwargs["max_model_len"] = kwargs["max_model_len"] or 4096  # as `minfer bench` does
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=run_server, name="minfer-serve", daemon=True,
+                       args=(model, kwargs, "127.0.0.1", args.port),
+                       kwargs=dict(max_waiting_requests=None, skip_tokenizer_init=skip_tokenizer,
+                                   log_level="warning", access_log=False))
+    proc.start()
+    base_url = f"http://127.0.0.1:{args.port}"
+    try:
+        _wait_healthy(base_url, proc, args.launch_timeout)
+        yield base_url
+    finally:
+        proc.terminate()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _wait_healthy(base_url: str, proc: multiprocessing.process.BaseProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.is_alive():
+            raise RuntimeError(f"the launched server exited with code {proc.exitcode} before becoming healthy")
+        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            if get_json(base_url + "/health", timeout=2.0).get("status") == "ok":
+                return
+        time.sleep(0.25)
+    raise TimeoutError(f"the launched server was not healthy after {timeout:.0f} s")

@@ -1,0 +1,263 @@
+"""What both OpenAI endpoints share: the model check, prompt checks, SamplingParams, and running
+engine streams under a watch for the client going away.
+
+All of it runs on the event loop, never on the engine thread: a bad request is turned away
+here with a 4xx before the engine sees it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from minfer.config import cdiv
+from minfer.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from minfer.outputs import RequestOutput
+from minfer.sampling_params import SamplingParams
+from minfer.server.errors import APIError, bad_request, error_body
+from minfer.server.protocol import SamplingFields
+from minfer.server.stream import DONE, sse
+
+T = TypeVar("T")
+_SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "top_logprobs"}
+
+
+class ClientGone(Exception):
+    """The client closed the connection; its requests have been aborted."""
+
+
+@dataclass
+class ServerContext:
+    """The engine and the facts about the model that request handling needs."""
+
+    engine: AsyncLLMEngine
+    served_model_names: list[str]
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    tokenizer: Any = None  # the event loop's own copy (see from_engine)
+    retry_after_s: int = 1
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def from_engine(cls, engine: AsyncLLMEngine, served_model_names: list[str], **kwargs: Any) -> "ServerContext":
+        """The tokenizer is deep-copied: a Rust ``tokenizers`` object used from two threads at once
+        (ours encoding, the engine thread decoding) can fail with 'Already borrowed'."""
+        core = engine.engine
+        return cls(engine=engine, served_model_names=served_model_names, max_model_len=core.max_model_len,
+                   vocab_size=core.model_config.vocab_size, block_size=core.config.block_size,
+                   num_kv_blocks=core.get_stats()["num_kv_blocks"],
+                   tokenizer=copy.deepcopy(core.tokenizer) if core.tokenizer is not None else None, **kwargs)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    # ---- checks ---------------------------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                                f"{self.served_model_names}", "model", "model_not_found")
+        return name or self.model_name
+
+    def require_tokenizer(self, what: str, param: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} needs a tokenizer, but this server runs with --skip-tokenizer-init; "
+                                f"send prompts as token-id lists", param)
+        return self.tokenizer
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        """The engine's own limits, checked before the request is queued."""
+        if not ids:
+            raise APIError(400, f"{param}: the prompt is empty; it must contain at least one token", param)
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise APIError(400, f"{param}: token ids must be in [0, {self.vocab_size}), got min {lo}, max {hi}",
+                           param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"{param}: this model's maximum context length is {self.max_model_len} tokens, but "
+                                f"the prompt has {len(ids)}; it must be shorter, to leave room for output", param)
+        total = self.max_model_len if max_tokens is None else min(len(ids) + max_tokens, self.max_model_len)
+        if cdiv(total, self.block_size) > self.num_kv_blocks:
+            raise APIError(400, f"max_tokens: this request needs up to {cdiv(total, self.block_size)} KV blocks "
+                                f"({total} tokens) but the cache holds {self.num_kv_blocks}; lower max_tokens",
+                           "max_tokens")
+
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop
+        if stop and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer (the server runs with --skip-tokenizer-init)", "stop")
+        kwargs = dict(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                      repetition_penalty=req.repetition_penalty, seed=req.seed, stop=stop,
+                      stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
+                      min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                      include_stop_str_in_output=req.include_stop_str_in_output)
+        try:  # None means "OpenAI's default", which SamplingParams' defaults already are
+            return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
+        except ValueError as exc:
+            raise bad_request(exc, _SAMPLING_FIELDS) from exc
+
+    # ---- running requests -----------------------------------------------------------------
+    def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestStream]:
+        """Queue one engine request per prompt; all or none."""
+        streams: list[RequestStream] = []
+        try:
+            for text, ids in prompts:
+                streams.append(self.engine.add_request(ids, params, text))
+        except QueueFullError as exc:
+            self.abort(streams)
+            raise APIError(503, f"the server is overloaded: {exc}; retry in {self.retry_after_s} s",
+                           code="queue_full", headers={"Retry-After": str(self.retry_after_s)}) from exc
+        except EngineDeadError as exc:
+            self.abort(streams)
+            raise APIError(500, str(exc), code="engine_dead") from exc
+        return streams
+
+    def abort(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """Map an error raised by an engine stream to what the client sees."""
+    if isinstance(exc, (ValueError, TypeError)):
+        return bad_request(exc)
+    return APIError(500, str(exc), code="engine_dead" if isinstance(exc, EngineDeadError) else None)
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first, which cancels it and raises ClientGone.
+
+    Used for non-streamed responses and for the wait before a stream's first chunk: nothing is
+    being written then, so a closed socket would otherwise go unnoticed until the very end.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):  # let it unwind before the caller cleans up after it
+        await task
+    raise ClientGone()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect(ctx: ServerContext, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """The final output of every stream (a non-streamed response); aborts all if anything fails."""
+    async def drain() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for i, out in merged(streams):
+            finals[i] = out
+        return finals  # type: ignore[return-value]
+
+    try:
+        return await until_disconnect(request, drain())
+    except (ClientGone, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise engine_error(exc) from exc
+    finally:
+        ctx.abort(streams)
+
+
+Render = Callable[[int, RequestOutput], list[bytes]]
+
+
+async def stream_response(ctx: ServerContext, request: Request, streams: list[RequestStream], render: Render,
+                          tail: Callable[[], list[bytes]]) -> StreamingResponse:
+    """An SSE response of ``render(stream index, output)`` chunks, then ``tail()`` and [DONE].
+
+    The status line waits for the first output, so an error before any token (the engine loop
+    died, the engine refused the prompt) is still a proper 4xx/5xx rather than a 200 carrying an
+    error. Later failures arrive as an ``{"error": ...}`` event, which OpenAI clients raise.
+    Leaving the body iterator for any reason (the client went away, cancellation) aborts the
+    requests, freeing their KV blocks at once.
+    """
+    outputs = merged(streams)
+    try:
+        first = await until_disconnect(request, outputs.__anext__())
+    except BaseException as exc:
+        ctx.abort(streams)
+        await outputs.aclose()
+        if isinstance(exc, Exception) and not isinstance(exc, ClientGone):
+            raise engine_error(exc) from exc
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            for chunk in render(*first):
+                yield chunk
+            async for i, out in outputs:
+                for chunk in render(i, out):
+                    yield chunk
+            for chunk in tail():
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 is already sent
+            err = engine_error(exc)
+            yield sse(error_body(err.status, err.message, err.param, err.code))
+        finally:
+            ctx.abort(streams)
+            await outputs.aclose()
+        yield DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

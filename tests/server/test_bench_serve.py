@@ -1,0 +1,71 @@
+"""``minfer bench-serve``: against a running server, and launching its own (the one-command path)."""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from minfer.server.bench_report import percentile
+from minfer.server.cli import add_bench_serve_parser
+
+FIXED = ["--workload", "fixed", "--input-len", "24", "--output-len", "12", "--token-id-max", "299", "--quiet"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench-serve", *argv])
+
+
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert abs(percentile(list(map(float, range(101))), 90) - 90.0) < 1e-9
+
+
+def test_bench_against_running_server(server: Any, tmp_path: Path, capsys: Any) -> None:
+    from minfer.server.bench_serve import run
+
+    args = _parse(["--base-url", server.base_url, "--concurrency", "1,4", "--num-prompts", "6",
+                   "--output-dir", str(tmp_path), *FIXED])
+    assert run(args) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 4]
+    for lv in report["levels"]:
+        assert lv["completed"] == 6 and lv["failed"] == 0
+        assert lv["output_tokens"] == 6 * 12 and lv["prompt_tokens"] == 6 * 24
+        assert lv["output_tok_s"] > 0 and lv["request_throughput"] > 0
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert 0 < lv[metric]["p50"] <= lv[metric]["p90"] <= lv[metric]["p99"]
+    assert (tmp_path / "latency.png").stat().st_size > 10_000
+    table = capsys.readouterr().out
+    assert "TTFT 50" in table and "out tok/s" in table
+
+
+def test_bench_at_a_request_rate(server: Any, tmp_path: Path) -> None:
+    from minfer.server.bench_serve import run
+
+    args = _parse(["--base-url", server.base_url, "--request-rate", "50", "--max-concurrency", "4",
+                   "--num-prompts", "5", "--warmup", "0", "--output-dir", str(tmp_path), *FIXED])
+    assert run(args) == 0
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert level["rate"] == 50.0 and level["completed"] == 5
+
+
+def test_bench_launches_its_own_server(tiny_model: Path, tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "minfer.server", "bench-serve", "--launch", "--model", str(tiny_model),
+           "--port", str(port), "--num-kv-blocks", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+           "--concurrency", "2", "--num-prompts", "4", "--warmup", "1", "--output-dir", str(tmp_path), *FIXED]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (level,) = json.loads((tmp_path / "results.json").read_text())["levels"]
+    assert level["completed"] == 4 and level["output_tokens"] == 4 * 12
+    with socket.socket() as s:  # the launched server is gone again
+        assert s.connect_ex(("127.0.0.1", port)) != 0
