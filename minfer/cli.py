@@ -40,7 +40,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from minfer import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or None)
+                            top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, stop=args.stop or None)
     llm = LLM(args.model, **_engine_kwargs(args))
     outs = llm.generate(args.prompts, params, use_tqdm=False)
     for prompt, out in zip(args.prompts, outs):
@@ -93,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     _add_engine_args(gen)
