@@ -9,6 +9,13 @@ CUDA-graph replays where they can be captured (see ``bench_graph``). Results: be
     python benchmarks/bench_kernels.py            # the table (markdown; also $OUT/kernels.md)
     python benchmarks/bench_kernels.py --sweep    # first try decode/prefill/store launch configs
     python benchmarks/bench_kernels.py --smoke    # tiny shapes; runs on a CPU under the interpreter
+    python benchmarks/bench_kernels.py --only decode,prefill --kv-dtypes auto,int8,fp8_e4m3,fp8_e5m2
+                                                  # attention over 8-bit KV caches vs bf16 ('auto')
+
+With ``--kv-dtypes``, each attention shape runs once per cache format; an 8-bit row counts the
+bytes it really moves (1-byte codes + per-token-per-head scales) and notes its speed-up over the
+bf16 Triton row of the same shape, its error vs the reference on the same codes, and ("quant")
+how far quantizing moved the output from bf16 attention.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -37,7 +44,9 @@ from minfer.kernels import (  # noqa: E402
     silu_and_mul_ref, store_kv, store_kv_ref,
 )
 from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
+from minfer.kernels.decode_attention import default_config as default_decode_config  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
+from minfer.kernels.quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
 PEAK_BW = 4.22e12
 PEAK_FLOPS = 793e12
@@ -127,6 +136,20 @@ def paged_cache(ctx_lens: list[int], hkv: int, d: int, page: int) -> tuple[torch
     return kc, vc, table, torch.tensor(ctx_lens, dtype=torch.int32, device=DEV)
 
 
+def quantized_cache(kc: torch.Tensor, vc: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, ...]:
+    """(k codes, v codes, k_scale, v_scale) of bf16 caches in format ``kv_dtype`` (scales [blocks, Hkv, page])."""
+    fmt = KV_QUANT_FORMATS[kv_dtype]
+    kq, ks = quantize_ref(kc, fmt, KV_SCALE_DTYPE)
+    vq, vs = quantize_ref(vc, fmt, KV_SCALE_DTYPE)
+    return kq, vq, ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()
+
+
+def kv_bytes(tokens: int, hkv: int, d: int, kv_dtype: str) -> int:
+    """Bytes of K and V for ``tokens`` tokens: bf16, or 1-byte codes plus one scale per token and head."""
+    per_head = 2 * d if kv_dtype == "auto" else d + KV_SCALE_DTYPE.itemsize
+    return 2 * tokens * hkv * per_head
+
+
 def contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, ctx: int) -> tuple[torch.Tensor, ...]:
     """[B, Hkv, ctx, D] copies of the paged context, for SDPA (equal lengths only)."""
     page, hkv, d = kc.shape[1:]
@@ -138,19 +161,24 @@ def contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, ctx: 
 
 # --------------------------------------------------------------------------------------------- decode
 DECODE_SWEEP = [DecodeConfig(bn, w, s) for bn, w, s in [(64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 3)]]
+DECODE_SWEEP += [DecodeConfig(128, 8, 3)]  # 8-bit tiles are half the bytes: larger ones may pay
 
 
-def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, sweep: bool) -> list[Row]:
+def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, sweep: bool,
+                kv_dtype: str = "auto") -> list[Row]:
     page = 16
     kc, vc, table, lens = paged_cache([ctx] * batch, hkv, d, page)
     q = torch.randn(batch, hq, d, device=DEV, dtype=DT)
     scale = d ** -0.5
-    nbytes = 2 * batch * ctx * hkv * d * 2 + 2 * q.numel() * 2
+    nbytes = kv_bytes(batch * ctx, hkv, d, kv_dtype) + 2 * q.numel() * 2
     flops = 4 * batch * hq * ctx * d
     shape = f"{label} B={batch} ctx={ctx} Hq/Hkv={hq}/{hkv} D={d}"
     out = torch.empty_like(q)
     ref = paged_decode_attention_ref(q, kc, vc, table, lens, scale)
     default_splits = choose_num_splits(batch, hkv, table.shape[1] * page, q.device)
+    if kv_dtype != "auto":
+        return decode_quant_rows(q, kc, vc, table, lens, scale, out, ref, kv_dtype, shape, nbytes, flops,
+                                 default_splits, sweep)
     rows: list[Row] = []
     if sweep:
         splits_opts = sorted({1, 2, default_splits} if batch * hkv >= 256 else
@@ -192,23 +220,78 @@ def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, swe
     return rows
 
 
+def decode_quant_rows(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                      scale: float, out: torch.Tensor, bf16_ref: torch.Tensor, kv_dtype: str, shape: str,
+                      nbytes: float, flops: float, default_splits: int, sweep: bool) -> list[Row]:
+    """The Triton decode over an 8-bit cache (the bf16 cache quantized), optionally after a config sweep."""
+    kq, vq, ks, vs = quantized_cache(kc, vc, kv_dtype)
+    del kc, vc
+    sc = dict(k_scale=ks, v_scale=vs)
+    ref = paged_decode_attention_ref(q, kq, vq, table, lens, scale, **sc)
+    rows: list[Row] = []
+    if sweep:
+        splits_opts = sorted({1, 2, default_splits} if q.shape[0] * kq.shape[2] >= 256 else
+                             {32, 64, 128, default_splits})
+        best = (float("inf"), None, None)
+        for cfg in DECODE_SWEEP:
+            for ns in splits_opts:
+                try:
+                    fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, num_splits=ns,
+                                                        config=cfg, **sc)
+                    fn()
+                    err = rel_err(out, ref)
+                    ms = bench_graph(fn, rep=50)
+                except Exception as e:
+                    print(f"  sweep decode {kv_dtype} {cfg} splits={ns}: {type(e).__name__}", flush=True)
+                    continue
+                print(f"  sweep decode {kv_dtype} {shape} {cfg} splits={ns}: {ms * 1e3:.1f} us "
+                      f"{100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}% err {err:.1e}", flush=True)
+                if err < 1e-2 and ms < best[0]:
+                    best = (ms, cfg, ns)
+        print(f"  BEST decode {kv_dtype} {shape}: {best[1]} splits={best[2]} {best[0] * 1e3:.1f} us", flush=True)
+        if best[1] is not None:
+            rows.append(Row("decode attn", shape, f"triton {kv_dtype}, best of sweep", best[0], nbytes, flops,
+                            f"{best[1]} splits={best[2]}"))
+    fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, **sc)
+    fn()
+    note = check(f"decode {kv_dtype} {shape}", out, ref) + f", quant {rel_err(out, bf16_ref):.1e}"
+    rows.append(Row("decode attn", shape, f"triton {kv_dtype}", bench_graph(fn), nbytes, flops,
+                    note + f", splits={default_splits}"))
+    # The other product dtype (DecodeConfig.f16_dot flipped from its per-format default), to settle that default.
+    f16_default = KV_QUANT_FORMATS[kv_dtype].dtype.is_floating_point
+    alt = replace(default_decode_config(q.device, q.shape[-1], q.dtype), f16_dot=not f16_default)
+    impl = f"triton {kv_dtype} " + ("bf16-products" if f16_default else "f16-products")
+    fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, config=alt, **sc)
+    fn()
+    rows.append(Row("decode attn", shape, impl, bench_graph(fn), nbytes, flops, check(f"decode {impl}", out, ref)))
+    return rows
+
+
 # -------------------------------------------------------------------------------------------- prefill
 PREFILL_SWEEP = [PrefillConfig(m, n, w, s) for m, n, w, s in [
     (128, 128, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 4, 2),
     (64, 64, 4, 3)]]
 
 
-def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool) -> list[Row]:
+def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str = "auto") -> list[Row]:
     page = 16
     kc, vc, table, lens = paged_cache([t], hkv, d, page)
     q = torch.randn(t, hq, d, device=DEV, dtype=DT)
     qsl = torch.tensor([0, t], dtype=torch.int32, device=DEV)
     scale = d ** -0.5
     flops = 4 * t * t / 2 * d * hq
-    nbytes = 2 * q.numel() * 2 + 2 * t * hkv * d * 2
+    nbytes = 2 * q.numel() * 2 + kv_bytes(t, hkv, d, kv_dtype)
     shape = f"T={t} causal Hq/Hkv={hq}/{hkv} D={d}"
     out = torch.empty_like(q)
     ref = paged_prefill_attention_ref(q, kc, vc, table, qsl, lens, t, scale)
+    if kv_dtype != "auto":
+        kq, vq, ks, vs = quantized_cache(kc, vc, kv_dtype)
+        sc = dict(k_scale=ks, v_scale=vs)
+        qref = paged_prefill_attention_ref(q, kq, vq, table, qsl, lens, t, scale, **sc)
+        fn = lambda: paged_prefill_attention(q, kq, vq, table, qsl, lens, t, scale, out, **sc)
+        fn()
+        note = check(f"prefill {kv_dtype}", out, qref) + f", quant {rel_err(out, ref):.1e}"
+        return [Row("prefill attn", shape, f"triton paged {kv_dtype}", bench_graph(fn), nbytes, flops, note)]
     rows: list[Row] = []
     if sweep:
         best = (float("inf"), None)
@@ -292,27 +375,46 @@ def silu_case(t: int, inter: int) -> list[Row]:
             Row("silu_and_mul", shape, "torch ref", bench_graph(lambda: silu_and_mul_ref(x)), nbytes, 0)]
 
 
-def store_case(t: int, hkv: int, d: int, sweep: bool) -> list[Row]:
+def store_case(t: int, hkv: int, d: int, sweep: bool, kv_dtype: str = "auto") -> list[Row]:
     page = 16
     nblocks = t // page * 2
-    kc = torch.empty(nblocks, page, hkv, d, device=DEV, dtype=DT)
+    fmt = KV_QUANT_FORMATS.get(kv_dtype)
+    kc = torch.empty(nblocks, page, hkv, d, device=DEV, dtype=DT if fmt is None else fmt.dtype)
     vc = torch.empty_like(kc)
+    sc = {} if fmt is None else dict(k_scale=torch.empty(nblocks, hkv, page, device=DEV, dtype=KV_SCALE_DTYPE),
+                                     v_scale=torch.empty(nblocks, hkv, page, device=DEV, dtype=KV_SCALE_DTYPE))
     kv = torch.randn(t, 2 * hkv * d, device=DEV, dtype=DT)
     k, v = kv[:, :hkv * d].view(t, hkv, d), kv[:, hkv * d:].view(t, hkv, d)
     slots = torch.randperm(nblocks * page, device=DEV)[:t]
-    nbytes = 4 * t * hkv * d * 2
+    nbytes = 2 * t * hkv * d * 2 + kv_bytes(t, hkv, d, kv_dtype)
     shape = f"T={t} Hkv={hkv} D={d} page={page}"
     kr, vr = kc.clone(), vc.clone()
-    store_kv(k, v, kc, vc, slots)
-    store_kv_ref(k, v, kr, vr, slots)
-    note = "exact" if torch.equal(kc.view(-1, hkv, d)[slots], kr.view(-1, hkv, d)[slots]) else "MISMATCH"
+    scr = {name: x.clone() for name, x in sc.items()}
+    store_kv(k, v, kc, vc, slots, **sc)
+    store_kv_ref(k, v, kr, vr, slots, **scr)
+    same = torch.equal(kc.view(-1, hkv, d)[slots].view(torch.uint8 if fmt else DT),
+                       kr.view(-1, hkv, d)[slots].view(torch.uint8 if fmt else DT))
+    note = "exact" if same else "MISMATCH"
+    impl = "triton" if fmt is None else f"triton {kv_dtype}"
     if sweep:
         for nw in (1, 2, 4, 8):
-            ms = bench_graph(lambda: store_kv(k, v, kc, vc, slots, num_warps=nw), rep=50)
-            print(f"  sweep store_kv warps={nw}: {ms * 1e3:.1f} us {100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}%")
-    return [Row("store_kv", shape, "triton", bench_graph(lambda: store_kv(k, v, kc, vc, slots)), nbytes, 0, note),
-            Row("store_kv", shape, "torch ref", bench(lambda: store_kv_ref(k, v, kc, vc, slots)), nbytes, 0,
-                "eager (host sync)")]
+            ms = bench_graph(lambda: store_kv(k, v, kc, vc, slots, num_warps=nw, **sc), rep=50)
+            print(f"  sweep store_kv {kv_dtype} warps={nw}: {ms * 1e3:.1f} us "
+                  f"{100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}%")
+    rows = [Row("store_kv", shape, impl, bench_graph(lambda: store_kv(k, v, kc, vc, slots, **sc)), nbytes, 0, note)]
+    if fmt is None:
+        rows.append(Row("store_kv", shape, "torch ref", bench(lambda: store_kv_ref(k, v, kc, vc, slots)), nbytes, 0,
+                        "eager (host sync)"))
+    return rows
+
+
+def add_speedups(rows: list[Row]) -> None:
+    """Note each 8-bit row's speed-up over the bf16 Triton row of the same kernel and shape."""
+    base = {(r.kernel, r.shape): r.ms for r in rows if r.impl in ("triton", "triton paged")}  # bf16 rows
+    for r in rows:
+        quant = any(w.rstrip(",") in KV_QUANT_FORMATS for w in r.impl.split())
+        if quant and "sweep" not in r.impl and (r.kernel, r.shape) in base:
+            r.note += f", {base[(r.kernel, r.shape)] / r.ms:.2f}x bf16"
 
 
 def main() -> None:
@@ -320,7 +422,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="try launch configs first and print the best")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself (CPU ok)")
     ap.add_argument("--only", default="", help="comma list: decode,prefill,rms,rotary,silu,store")
+    ap.add_argument("--kv-dtypes", default="auto",
+                    help="comma list of KV cache formats for decode/prefill: auto (bf16), int8, fp8_e4m3, fp8_e5m2")
     args = ap.parse_args()
+    kv_dtypes = args.kv_dtypes.split(",")
+    for kd in kv_dtypes:
+        if kd != "auto" and kd not in KV_QUANT_FORMATS:
+            ap.error(f"--kv-dtypes: unknown format {kd!r}; allowed: auto, {', '.join(KV_QUANT_FORMATS)}")
     only = set(filter(None, args.only.split(",")))
     want = lambda name: not only or name in only
     torch.manual_seed(0)
@@ -331,32 +439,37 @@ def main() -> None:
     if args.smoke:
         global DECODE_SWEEP, PREFILL_SWEEP
         DECODE_SWEEP, PREFILL_SWEEP = DECODE_SWEEP[:1], [PrefillConfig(32, 32, 4, 1)]
-        steps: list[tuple[str, Callable[[], list[Row]]]] = [
-            ("decode", lambda: decode_case(2, 64, 4, 2, 32, "tiny", sw)),
-            ("decode", lambda: decode_case(1, 300, 4, 2, 32, "tiny", sw)),
-            ("prefill", lambda: prefill_case(40, 4, 2, 32, sw)),
+        attention = [("decode", lambda kd: decode_case(2, 64, 4, 2, 32, "tiny", sw, kd)),
+                     ("decode", lambda kd: decode_case(1, 300, 4, 2, 32, "tiny", sw, kd)),
+                     ("prefill", lambda kd: prefill_case(40, 4, 2, 32, sw, kd)),
+                     ("store", lambda kd: store_case(32, 2, 32, sw, kd))]
+        others: list[tuple[str, Callable[[], list[Row]]]] = [
             ("rms", lambda: rms_case(8, 256)),
             ("rotary", lambda: rotary_case(8, 4, 2, 32)),
             ("silu", lambda: silu_case(8, 256)),
-            ("store", lambda: store_case(32, 2, 32, sw)),
         ]
     else:
-        steps = [
-            ("decode", lambda: decode_case(64, 4096, 16, 8, 128, "qwen3-0.6b", sw)),
-            ("decode", lambda: decode_case(64, 4096, 32, 8, 128, "llama-3.1-8b", False)),
-            ("decode", lambda: decode_case(1, 32768, 32, 8, 128, "llama-3.1-8b", sw)),
-            ("decode", lambda: decode_case(1, 32768, 16, 8, 128, "qwen3-0.6b", False)),
-            ("prefill", lambda: prefill_case(8192, 32, 8, 128, sw)),
+        attention = [
+            ("decode", lambda kd: decode_case(64, 4096, 16, 8, 128, "qwen3-0.6b", sw, kd)),
+            ("decode", lambda kd: decode_case(64, 4096, 32, 8, 128, "llama-3.1-8b", False, kd)),
+            ("decode", lambda kd: decode_case(1, 32768, 32, 8, 128, "llama-3.1-8b", sw, kd)),
+            ("decode", lambda kd: decode_case(1, 32768, 16, 8, 128, "qwen3-0.6b", False, kd)),
+            ("prefill", lambda kd: prefill_case(8192, 32, 8, 128, sw, kd)),
+            ("store", lambda kd: store_case(8192, 8, 128, sw, kd)),
+        ]
+        others = [
             ("rms", lambda: rms_case(8192, 4096)),
             ("rotary", lambda: rotary_case(8192, 32, 8, 128)),
             ("silu", lambda: silu_case(8192, 14336)),
-            ("store", lambda: store_case(8192, 8, 128, sw)),
         ]
+    # Each KV-cache shape once per format, formats adjacent so the rows compare at a glance.
+    steps = [(name, (lambda f=f, kd=kd: f(kd))) for name, f in attention for kd in kv_dtypes] + others
     for name, step in steps:
         if want(name):
             print(f"== {name}", flush=True)
             rows += step()
             torch.cuda.empty_cache()
+    add_speedups(rows)
     header = ("| kernel | shape | impl | time (us) | TB/s | % of 4.22 TB/s | TFLOP/s | % of 793 TFLOP/s | note |\n"
               "|---|---|---|---|---|---|---|---|---|")
     table = "\n".join([header] + [r.md() for r in rows])

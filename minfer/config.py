@@ -122,7 +122,9 @@ def _as_ids(value: Any) -> tuple[int, ...]:
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-KV_CACHE_DTYPES = ("auto",)
+# 'auto' stores K/V in the model dtype; the others are 8-bit with a scale per token and KV head.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
 
 
 @dataclass(slots=True)
@@ -159,6 +161,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, ("auto", *DTYPES))
         _check_choice("device", self.device, ("auto", "cuda", "cpu"))
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_int("seed", self.seed, 0)
         _check_int("max_num_seqs", self.max_num_seqs, 1)

@@ -34,7 +34,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> dict[str, int | str]:
         return self.llm_engine.get_stats()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

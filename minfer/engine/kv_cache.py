@@ -3,6 +3,11 @@
 Each attention layer owns a K and a V tensor of shape ``[num_blocks, block_size, kv_heads, head_dim]``;
 a token at position p of a sequence lives in slot ``block_table[p // block_size] * block_size +
 p % block_size`` of both.
+
+With an 8-bit ``kv_cache_dtype`` (int8, fp8_e4m3, fp8_e5m2) those tensors hold codes, and each
+layer also owns ``k_scale``/``v_scale`` ``[num_blocks, kv_heads, block_size]``: one scale per
+token per KV head (see ``minfer/model/kv_quant.py``). Scales belong to their block like the codes,
+so the block manager, prefix caching and preemption handle quantized blocks unchanged.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from minfer.config import ModelConfig
+from minfer.model.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,30 +25,62 @@ class KVCacheSpec:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # what the K/V tensors hold: the model dtype, or an 8-bit code dtype
+    scale_dtype: torch.dtype | None = None  # per-token-per-head scales of an 8-bit cache; None when unscaled
+    kv_cache_dtype: str = "auto"
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> "KVCacheSpec":
-        return cls(config.num_hidden_layers, block_size, config.num_key_value_heads, config.head_dim, dtype)
+    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype,
+                  kv_cache_dtype: str = "auto") -> "KVCacheSpec":
+        """``dtype`` is the model's compute dtype, stored as is when ``kv_cache_dtype`` is 'auto'."""
+        layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        if kv_cache_dtype == "auto":
+            return cls(layers, block_size, heads, dim, dtype)
+        fmt = KV_QUANT_FORMATS.get(kv_cache_dtype)
+        if fmt is None:
+            raise ValueError(f"kv_cache_dtype must be one of {['auto', *KV_QUANT_FORMATS]}, got {kv_cache_dtype!r}")
+        return cls(layers, block_size, heads, dim, fmt.dtype, KV_SCALE_DTYPE, kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale_dtype is not None
+
+    @property
+    def format_name(self) -> str:
+        """'int8', 'fp8_e4m3', 'fp8_e5m2', or the model dtype's name ('bfloat16', ...) for 'auto'."""
+        return self.kv_cache_dtype if self.quantized else str(self.dtype).removeprefix("torch.")
+
+    @property
+    def token_head_bytes(self) -> int:
+        """One token's K (or V) row of one KV head, with its scale."""
+        scale = self.scale_dtype.itemsize if self.scale_dtype is not None else 0
+        return self.head_dim * self.dtype.itemsize + scale
 
     @property
     def block_bytes(self) -> int:
-        """K and V of one block across all layers."""
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        """K and V of one block across all layers, scales included."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.token_head_bytes
 
 
 def allocate_kv_cache(layers: list, spec: KVCacheSpec, num_blocks: int, device: torch.device,
                       zero: bool = True) -> None:
-    """Give every attention layer its K/V cache tensors. Zeroed by default: the torch decode path
-    multiplies masked-out (never written) slots by zero weights, and garbage there could be NaN."""
+    """Give every attention layer its K/V cache tensors (and scales, for 8-bit caches). Zeroed by
+    default: the torch decode path multiplies masked-out (never written) slots by zero weights, and
+    garbage there could be NaN."""
     make = torch.zeros if zero else torch.empty
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    scale_shape = (num_blocks, spec.num_kv_heads, spec.block_size)
     for attn in layers:
         attn.k_cache = make(shape, dtype=spec.dtype, device=device)
         attn.v_cache = make(shape, dtype=spec.dtype, device=device)
+        if spec.quantized:
+            attn.k_scale = make(scale_shape, dtype=spec.scale_dtype, device=device)
+            attn.v_scale = make(scale_shape, dtype=spec.scale_dtype, device=device)
+        else:
+            attn.k_scale = attn.v_scale = None
 
 
 def release_kv_cache(layers: list) -> None:
     for attn in layers:
         attn.k_cache = attn.v_cache = torch.empty(0)
+        attn.k_scale = attn.v_scale = None

@@ -5,7 +5,6 @@ The offline ``LLM`` and the HTTP server both drive it through ``add_request`` / 
 """
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ from minfer.engine.sequence import Sequence
 from minfer.model.loader import resolve_model_path
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
-
-logger = logging.getLogger("minfer")
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -97,11 +94,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        self._check_prompt(ids, params)
+        max_total = self._check_prompt(ids, params)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
-        max_total = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens,
-                                                                             self.max_model_len)
         seqs = []
         for i in range(params.n):
             if params.seed is None:
@@ -118,7 +113,8 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> int:
+        """Reject prompts the engine can never serve; return the request's longest total length."""
         if not ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         vocab = self.model_config.vocab_size
@@ -133,6 +129,7 @@ class LLMEngine:
         if need > self.block_manager.num_blocks:
             raise ValueError(f"this request needs up to {need} KV blocks ({total} tokens) but the whole cache has "
                              f"{self.block_manager.num_blocks}; lower max_tokens or give the cache more memory")
+        return total
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
@@ -228,9 +225,14 @@ class LLMEngine:
                              prompt_lp)
 
     # ---- introspection --------------------------------------------------------------------
-    def get_stats(self) -> dict[str, int]:
+    def get_stats(self) -> dict[str, int | str]:
+        """Cache and scheduler counters. ``kv_cache_dtype`` is the stored format ('int8', 'fp8_e4m3',
+        'fp8_e5m2', or the model dtype for 'auto'); ``kv_block_bytes`` one block's K and V across all
+        layers, scales included."""
         bm, sched = self.block_manager, self.scheduler
         return {
+            "kv_cache_dtype": self.runner.kv_spec.format_name,
+            "kv_block_bytes": self.runner.block_bytes,
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
             "num_cached_kv_blocks": len(bm.cached),

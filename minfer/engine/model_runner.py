@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,17 @@ def _check_triton_interpreter() -> None:
                          f"TRITON_INTERPRET=1 (Triton was loaded before minfer could set it): {exc}") from exc
 
 
+def _pad_rows(rows: list[list[int]]) -> np.ndarray:
+    """Ragged int lists -> a zero-padded int32 matrix, in one vectorised scatter."""
+    lens = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    out = np.zeros((len(rows), int(lens.max())), dtype=np.int32)
+    row_of = np.repeat(np.arange(len(rows)), lens)
+    starts = np.cumsum(lens) - lens
+    out[row_of, np.arange(int(lens.sum())) - starts[row_of]] = np.fromiter(chain.from_iterable(rows), dtype=np.int32,
+                                                                            count=int(lens.sum()))
+    return out
+
+
 @dataclass(slots=True)
 class StepArrays:
     """A step's inputs on the host, built with numpy over per-sequence arrays."""
@@ -63,11 +75,14 @@ class ModelRunner:
         self.backend = self._resolve_backend()
         self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.backend)
         self.sampler = Sampler(model_config.vocab_size, self.device)
-        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype)
+        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype, config.kv_cache_dtype)
         self.num_kv_blocks = self._count_kv_blocks()
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.num_kv_blocks, self.device)
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_kv_blocks, self.block_size,
-                    self.num_kv_blocks * self.block_bytes / 2**30, self.dtype)
+        spec = self.kv_spec
+        scales = f" + {str(spec.scale_dtype).removeprefix('torch.')} scale per token and KV head" if spec.quantized else ""
+        logger.info("KV cache: %d blocks of %d tokens, %d bytes each (%.2f GiB, %s%s)", self.num_kv_blocks,
+                    self.block_size, self.block_bytes, self.num_kv_blocks * self.block_bytes / 2**30,
+                    spec.format_name, scales)
         self.graphs = self._capture_graphs()
 
     def _resolve_backend(self) -> str:
@@ -155,18 +170,16 @@ class ModelRunner:
         starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
-        ids: list[int] = []
-        for s in seqs:
-            ids += s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens]
+        ids = np.fromiter(chain.from_iterable(
+            s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens] for s in seqs),
+            dtype=np.int64, count=int(cu[-1]))
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
-        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
+        tables = _pad_rows([s.block_table for s in seqs])
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         samples = np.fromiter((s.samples_this_step for s in seqs), dtype=bool, count=len(seqs))
-        return StepArrays(np.asarray(ids, dtype=np.int64), positions, slots, tables,
+        return StepArrays(ids, positions, slots, tables,
                           (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:][samples] - 1, batch.num_decodes)
 
     def _metadata(self, a: StepArrays) -> AttentionMetadata:

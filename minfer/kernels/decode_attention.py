@@ -15,6 +15,17 @@ used for a handful of FLOPs. Two choices follow from that:
   ``context_lens.max()`` (no device sync; safe under CUDA graph capture).
 
 Softmax is online, in float32, in the log2 domain (``exp2`` with ``scale * log2(e)`` folded in).
+
+8-bit caches (``quant.py``): K/V tiles are loaded as 8-bit codes and converted in registers (exact:
+int8 and both fp8 formats fit float16 and bfloat16), and the per-token scales are applied where
+they cost ``BLOCK_N`` multiplies instead of ``BLOCK_N * D``: K's scale multiplies the score column,
+V's scale the probability column before ``P @ V``. The cache is never dequantized into memory, so
+the kernel moves half the bytes of a bf16 cache (plus 2 bytes of scale per token-head). Half the
+bytes per element means the per-element conversion must cost less than the load saved, so codes
+never pass through float32: with a 16-bit q, fp8 products run in float16 whatever the model dtype
+(``DecodeConfig.f16_dot``; codes reach float16 by a native cvt or a shift, ``codes_to_f16``), and
+int8 codes become bf16/fp16 by Triton's own byte-permute conversion (or, with ``f16_dot``, the
+biased-float16 trick). The choice per format is a GPU measurement (``bench_kernels.py --kv-dtypes``).
 """
 
 from __future__ import annotations
@@ -26,6 +37,9 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, dot_mode, interpreting, next_pow2, num_sms
+from .quant import (
+    F16_INT8_BIASED, INT8_F16_BIAS, check_cache_scales, codes_to_f16, dequantize_ref, format_of, gather_scales,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -37,15 +51,20 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # 8-bit caches with a bf16/fp16 q: float16 products (module docstring). None: per format, on for fp8
+    # (e4m3 → float16 is one native cvt per pair, → bfloat16 adds an F2F per element on sm_90), off for
+    # int8 (Triton already converts int8 → bf16 with byte permutes; the float16 trick needs row sums).
+    f16_dot: bool | None = None
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, BT, CL, O, MID_O, MID_LSE, scale_log2e,
+    Q, K, V, KS, VS, BT, CL, O, MID_O, MID_LSE, scale_log2e,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
     num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr, F16_DOT: tl.constexpr, F16_KIND: tl.constexpr, BIASED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,6 +83,11 @@ def _decode_split_kernel(
                 mask=row_mask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if F16_DOT:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    if BIASED:  # int8 codes arrive as float16 1152 + code
+        q_bias = INT8_F16_BIAS * tl.sum(q.to(tl.float32), axis=1)  # the bias's share of every score
+        v_bias = tl.zeros([GROUP_PAD], tl.float32)  # sum of the P·V weights, rescaled like acc
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -77,17 +101,41 @@ def _decode_split_kernel(
         tok = kv_base + page * stride_kb + (offs % PAGE) * stride_kt
         k = tl.load(K + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        if QUANT:
+            # Scales [num_blocks, Hkv, PAGE]: a page's scales of this head are one contiguous run.
+            s_off = page * (tl.num_programs(1) * PAGE) + kvh * PAGE + offs % PAGE
+            k_scale = tl.load(KS + s_off, mask=valid, other=0.0).to(tl.float32)
+            v_scale = tl.load(VS + s_off, mask=valid, other=0.0).to(tl.float32)
+            if F16_DOT:
+                k = codes_to_f16(k, F16_KIND)
+                v = codes_to_f16(v, F16_KIND)
+            else:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+            if BIASED:
+                s = s - q_bias[:, None]
+            s = s * (k_scale * scale_log2e)[None, :]
+        else:
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        if QUANT:
+            pv = (p * v_scale[None, :]).to(v.dtype)
+            acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
+            if BIASED:
+                v_bias = v_bias * alpha + tl.sum(pv.to(tl.float32), axis=1)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
+    if BIASED:
+        acc -= INT8_F16_BIAS * v_bias[:, None]
 
     if DIRECT:
         out = acc / l_i[:, None]
@@ -157,9 +205,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 
 def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-              context_lens: torch.Tensor) -> None:
+              context_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Check the arguments; True when the cache is 8-bit (quantized)."""
     check_dtype("q", q)
-    check_dtype("k_cache", k_cache)
+    quant = check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None
+    if not quant:
+        check_dtype("k_cache", k_cache)
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("expected q [B, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -175,6 +226,7 @@ def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
         raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
         raise TypeError("block_tables and context_lens must be int32")
+    return quant
 
 
 def paged_decode_attention(
@@ -186,16 +238,20 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, D]`` (the token at ``context_lens[b] - 1``) over its paged context.
 
+    8-bit caches (int8 / fp8) need their ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``.
+
     ``num_splits`` overrides the split-K heuristic (tests, tuning); by default it is derived from
     the batch, the KV heads, the widest possible context (``block_tables.shape[1] * block_size``,
     known on the host) and the multiprocessor count. Returns ``out`` (allocated if None) in q's dtype.
     """
-    _validate(q, k_cache, v_cache, block_tables, context_lens)
+    quant = _validate(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     batch, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -215,12 +271,19 @@ def paged_decode_attention(
         mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     upcast, prec = dot_mode(q.dtype)
+    fmt = format_of(k_cache.dtype)
+    f16_dot = quant and q.dtype != torch.float32 and (cfg.f16_dot if cfg.f16_dot is not None else not fmt.is_int)
+    if f16_dot:
+        upcast, prec = dot_mode(torch.float16)
+    f16_kind = fmt.f16_kind if f16_dot else -1
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E,
+        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
+        context_lens, out, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast,
+        BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16_DOT=f16_dot,
+        F16_KIND=f16_kind, BIASED=f16_kind == F16_INT8_BIASED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
@@ -235,9 +298,11 @@ def default_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> D
     """Tile and pipeline depth per device (GPU values from the H200 sweep in bench_kernels.py).
 
     Head dim 256 and float32 halve the tile so K/V stages stay in shared memory without spills.
+    The interpreter keeps 8-bit caches off the float16 products, like bf16 (``dot_mode``): exact
+    float32 there; tests ask for ``f16_dot`` explicitly.
     """
     if device.type != "cuda" or interpreting():
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1, f16_dot=False)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=8 if dtype == torch.float32 else 4, num_stages=2)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3 if dtype != torch.float32 else 2)
@@ -251,11 +316,15 @@ def paged_decode_attention_ref(
     context_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference (and CPU fallback): gather every context into a padded batch, masked softmax in fp32.
 
     The gather width is ``block_tables.shape[1] * block_size``; positions past each context are
     masked, and their (arbitrary) block ids are clamped into range so nothing out of bounds is read.
+    8-bit caches are dequantized after the gather, in the compute dtype.
     """
     batch, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -266,8 +335,12 @@ def paged_decode_attention_ref(
     blocks = block_tables.long().gather(1, (pos // page).expand(batch, -1)).clamp_(0, k_cache.shape[0] - 1)
     slots = blocks * page + pos % page  # [B, W]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(compute)  # [B, W, Hkv, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].to(compute)
+    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, W, Hkv, D]
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+    if check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None:
+        k = dequantize_ref(k, gather_scales(k_scale, slots), compute)
+        v = dequantize_ref(v, gather_scales(v_scale, slots), compute)
+    k, v = k.to(compute), v.to(compute)
     qg = q.to(compute).view(batch, num_kv_heads, group, head_dim)
     scores = torch.einsum("bhgd,bwhd->bhgw", qg, k) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))

@@ -11,6 +11,9 @@ The key loop is cut in two: tiles every row of the block may see in full (no mas
 check, the bulk of the work), then the few tiles on the diagonal with the causal mask. Programs
 for heads that share a KV head are launched next to each other so their K/V tiles hit in L2, and
 the query blocks run from the last (longest) to the first so the long programs start first.
+
+8-bit caches are read as codes and scaled in registers, as in decode (``decode_attention.py``):
+K's per-token scale multiplies the score column, V's the probability column.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, dot_mode, interpreting
+from .quant import check_cache_scales, dequantize_ref, gather_scales
 
 LOG2E = 1.4426950408889634
 
@@ -38,9 +42,10 @@ class PrefillConfig:
 
 @triton.jit
 def _attend_tile(
-    q, acc, m_i, l_i, K, V, bt_row, kv_base, n0, q_pos, ctx, scale_log2e,
+    q, acc, m_i, l_i, K, V, KS, VS, bt_row, kv_base, s_base, s_stride, n0, q_pos, ctx, scale_log2e,
     stride_kb, stride_kt, dims,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     offs = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -55,28 +60,49 @@ def _attend_tile(
     else:
         k = tl.load(K + tok[:, None] + dims[None, :])
         v = tl.load(V + tok[:, None] + dims[None, :])
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if MASKED:
-        s = tl.where((offs[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
-    # The scale (> 0) is applied inside the exponent's FMA rather than as a separate pass over s:
-    # at D=128 the per-score float32 work is as costly as the matmuls, so each pass counts.
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
-    p = tl.exp2(s * scale_log2e - m_new[:, None])
+    if QUANT:
+        s_off = s_base + page * s_stride + offs % PAGE
+        if MASKED:
+            k_scale = tl.load(KS + s_off, mask=valid, other=0.0).to(tl.float32)
+            v_scale = tl.load(VS + s_off, mask=valid, other=0.0).to(tl.float32)
+        else:
+            k_scale = tl.load(KS + s_off).to(tl.float32)
+            v_scale = tl.load(VS + s_off).to(tl.float32)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        # Per-key scales differ by column, so they cannot ride in the exponent's FMA: one pass here.
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * (k_scale * scale_log2e)[None, :]
+        if MASKED:
+            s = tl.where((offs[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if MASKED:
+            s = tl.where((offs[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+        # The scale (> 0) is applied inside the exponent's FMA rather than as a separate pass over s:
+        # at D=128 the per-score float32 work is as costly as the matmuls, so each pass counts.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2e)
+        p = tl.exp2(s * scale_log2e - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    if QUANT:
+        acc = tl.dot((p * v_scale[None, :]).to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, BT, QSL, CL, O, scale_log2e,
+    Q, K, V, KS, VS, BT, QSL, CL, O, scale_log2e,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     h = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -103,17 +129,21 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = BT + s.to(tl.int64) * stride_btb
     kv_base = (h // GROUP).to(tl.int64) * stride_kh
+    s_base = (h // GROUP) * PAGE  # scales [num_blocks, NUM_KV_HEADS, PAGE]
+    s_stride = NUM_KV_HEADS * PAGE
 
     # Keys 0..first_pos are visible to every row: whole tiles there need no mask.
     full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, bt_row, kv_base, n0, q_pos, ctx, scale_log2e,
-                                     stride_kb, stride_kt, dims, PAGE, BLOCK_N, False, DOT_PREC, UPCAST)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, KS, VS, bt_row, kv_base, s_base, s_stride, n0, q_pos,
+                                     ctx, scale_log2e, stride_kb, stride_kt, dims, PAGE, BLOCK_N, False, DOT_PREC,
+                                     UPCAST, QUANT)
     # The diagonal: tile 0 of this phase always contains key 0 or a finite running max, so no row is all -inf.
     diag_end = tl.minimum(ctx, first_pos + BLOCK_M)
     for n0 in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, bt_row, kv_base, n0, q_pos, ctx, scale_log2e,
-                                     stride_kb, stride_kt, dims, PAGE, BLOCK_N, True, DOT_PREC, UPCAST)
+        acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, KS, VS, bt_row, kv_base, s_base, s_stride, n0, q_pos,
+                                     ctx, scale_log2e, stride_kb, stride_kt, dims, PAGE, BLOCK_N, True, DOT_PREC,
+                                     UPCAST, QUANT)
 
     out = acc / l_i[:, None]
     o_ptr = O + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + dims[None, :]
@@ -146,15 +176,20 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of chunks ``q`` ``[T, Hq, D]`` over the paged cache.
 
     Sequence s owns rows ``query_start_loc[s]:query_start_loc[s+1]``; ``context_lens[s]`` counts its
     tokens including the chunk. ``max_query_len`` (host int) sizes the grid. Returns ``out`` ``[T, Hq, D]``.
+    8-bit caches (int8 / fp8) need their ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``.
     """
     check_dtype("q", q)
-    check_dtype("k_cache", k_cache)
+    quant = check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None
+    if not quant:
+        check_dtype("k_cache", k_cache)
     if q.stride(-1) != 1:
         raise ValueError("q must have a contiguous last dimension")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -178,11 +213,12 @@ def paged_prefill_attention(
     upcast, prec = dot_mode(q.dtype)
     grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), num_seqs)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out, scale * LOG2E,
+        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
+        query_start_loc, context_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PREC=prec, UPCAST=upcast,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, NUM_KV_HEADS=num_kv_heads,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PREC=prec, UPCAST=upcast, QUANT=quant,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -198,11 +234,16 @@ def paged_prefill_attention_ref(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference (and CPU fallback): per sequence, gather its context and run masked softmax in fp32.
 
     A Python loop over sequences (not tokens); it reads the two index tensors on the host once.
+    8-bit caches are dequantized after the gather, in the compute dtype.
     """
+    quant = check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -219,8 +260,12 @@ def paged_prefill_attention_ref(
             continue
         pos = torch.arange(ctx, device=q.device)
         slots = block_tables[s].long()[pos // page] * page + pos % page
-        k = k_flat[slots].to(compute).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = v_flat[slots].to(compute).repeat_interleave(group, dim=1)
+        k, v = k_flat[slots], v_flat[slots]  # [ctx, Hkv, D]
+        if quant:
+            k = dequantize_ref(k, gather_scales(k_scale, slots), compute)
+            v = dequantize_ref(v, gather_scales(v_scale, slots), compute)
+        k = k.to(compute).repeat_interleave(group, dim=1)  # [ctx, Hq, D]
+        v = v.to(compute).repeat_interleave(group, dim=1)
         qs = q[q0:q1].to(compute)
         scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
         q_pos = ctx - (q1 - q0) + torch.arange(q1 - q0, device=q.device)

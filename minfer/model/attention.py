@@ -3,6 +3,10 @@
 Attention is the only layer that knows about sequences. A step's tokens are laid out as
 ``num_decodes`` single-token decodes first, then the prompt chunks; the metadata describes both
 halves with the same arrays (vLLM's names).
+
+An 8-bit cache (``kv_cache_dtype`` int8 / fp8) comes with per-token-per-head ``k_scale``/``v_scale``;
+both backends quantize in the store and dequantize inside attention (the torch path after its
+gather of the context, the Triton kernels in registers).
 """
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minfer.model.kv_quant import dequantize_ref, format_of, gather_scales, quantize_ref
 
 
 @dataclass(slots=True)
@@ -51,46 +57,64 @@ class Attention(nn.Module):
         self.backend = backend
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None  # [num_blocks, Hkv, block_size] for 8-bit caches
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D] → [T, Hq, D]."""
         if self.backend == "triton":
             return self._forward_triton(q, k, v, meta)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = torch_decode_attention(q[:nd], self.k_cache, self.v_cache, meta, self.scale)
+            out[:nd] = torch_decode_attention(q[:nd], self.k_cache, self.v_cache, meta, self.scale, **scales)
         if nd < q.shape[0]:
-            out[nd:] = torch_prefill_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            out[nd:] = torch_prefill_attention(q, self.k_cache, self.v_cache, meta, self.scale, **scales)
         return out
 
     def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         from minfer.kernels import paged_decode_attention, paged_prefill_attention
         from minfer.kernels import store_kv as store_kv_triton
 
-        store_kv_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        store_kv_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
             paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
-                                   meta.context_lens[:nd], self.scale, out=out[:nd])
+                                   meta.context_lens[:nd], self.scale, out=out[:nd], **scales)
         if nd < q.shape[0]:
             paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
                                     meta.prefill_query_start_loc, meta.context_lens[nd:],
-                                    meta.max_prefill_query_len, self.scale, out=out[nd:])
+                                    meta.max_prefill_query_len, self.scale, out=out[nd:], **scales)
         return out
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write each token's K/V into its cache slot."""
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Write each token's K/V into its cache slot; 8-bit caches get codes, and scales beside them."""
+    fmt = format_of(k_cache.dtype)
+    page = k_cache.shape[1]
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if fmt is not None:
+            x, row_scales = quantize_ref(x, fmt, scales.dtype)
+            scales[slot_mapping // page, :, slot_mapping % page] = row_scales
+        cache.view(-1, *cache.shape[2:])[slot_mapping] = x
+
+
+def _gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows at ``slots`` ``[...]`` → ``[..., Hkv, D]`` in ``dtype``, dequantized if 8-bit."""
+    rows = cache.view(-1, *cache.shape[2:])[slots]
+    return rows if scales is None else dequantize_ref(rows, gather_scales(scales, slots), dtype)
 
 
 def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                           meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence against its whole context, padded to the longest context in the batch.
 
     Heads of one KV group share the gathered K/V (no repeat across heads); matmuls in the model
@@ -104,8 +128,8 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         meta._decode_slots = blocks * meta.block_size + pos % meta.block_size
     slots = meta._decode_slots
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.view(-1, hkv, d)[slots]  # [B, L, Hkv, D]
-    v = v_cache.view(-1, hkv, d)[slots]
+    k = _gather_kv(k_cache, k_scale, slots, q.dtype)  # [B, L, Hkv, D]
+    v = _gather_kv(v_cache, v_scale, slots, q.dtype)
     qg = q.view(nd, hkv, -1, d)  # [B, Hkv, G, D]
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale
     valid = torch.arange(slots.shape[1], device=q.device)[None, :] < meta.context_lens[:nd, None]
@@ -115,9 +139,9 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Each prompt chunk attends causally to its own tokens and its sequence's cached context."""
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
     bs = meta.block_size
     outs = []
     start = meta.num_decodes  # decodes come first, one row each
@@ -125,8 +149,8 @@ def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         ctx, qlen = meta.context_lens_host[s], meta.query_lens_host[s]
         pos = torch.arange(ctx, device=q.device)
         slots = meta.block_tables[s, pos // bs].long() * bs + pos % bs
-        k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)  # [Hkv, L, D]
-        v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)
+        k = _gather_kv(k_cache, k_scale, slots, q.dtype).transpose(0, 1)  # [Hkv, L, D]
+        v = _gather_kv(v_cache, v_scale, slots, q.dtype).transpose(0, 1)
         qs = q[start:start + qlen].transpose(0, 1)  # [Hq, Q, D]
         causal = pos[None, :] <= (ctx - qlen + torch.arange(qlen, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale, enable_gqa=True)

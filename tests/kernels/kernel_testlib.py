@@ -171,3 +171,101 @@ def check_silu_and_mul(num_tokens: int, inter: int, dtype: torch.dtype, device: 
     # Against HF's own rounding in the same dtype: one ulp (two under the interpreter's truncation).
     rtol = {torch.float32: 1e-5, torch.bfloat16: 1e-2 if EXACT_BF16 else 3e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out, silu_and_mul_ref(x), rtol=rtol, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ 8-bit KV caches
+def quantize_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_dtype: str,
+                      scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
+    """(k codes, v codes, k_scale, v_scale) of float caches ``[blocks, page, Hkv, D]`` in format ``kv_dtype``,
+    scales in the paged layout ``[blocks, Hkv, page]``."""
+    from minfer.kernels.quant import KV_QUANT_FORMATS, quantize_ref
+
+    fmt = KV_QUANT_FORMATS[kv_dtype]
+    kc, ks = quantize_ref(k_cache, fmt, scale_dtype)
+    vc, vs = quantize_ref(v_cache, fmt, scale_dtype)
+    return kc, vc, ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous()
+
+
+def _outlier_kv(shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """Random K/V with per-(token, head) magnitudes over three decades and a few large channels, as
+    real K has: what per-token-per-head scales are for."""
+    x = torch.randn(shape, device=device) * torch.exp(3 * torch.rand(*shape[:-1], 1, device=device) - 1.5)
+    x[..., :2] *= 8
+    return x
+
+
+def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
+                       kv_dtype: str, dtype: torch.dtype, device: str, num_splits: int | None = None,
+                       max_quant_err: float | None = None, f16_dot: bool | None = None) -> None:
+    """The kernel on an 8-bit cache vs the float64 reference on the same codes and scales (K/V with
+    outliers). With ``max_quant_err``, K/V are plain N(0, 1) instead, and the quantization's own
+    effect (vs attention over the unquantized cache) must stay under it. ``f16_dot`` overrides the
+    device default of ``DecodeConfig.f16_dot`` (float16 products for 8-bit caches)."""
+    kf, vf, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, torch.float32, device)
+    if max_quant_err is None:
+        kf, vf = _outlier_kv(kf.shape, device), _outlier_kv(vf.shape, device)
+    kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(ctx_lens), num_heads, head_dim, device=device).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    cfg = None
+    if f16_dot is not None:
+        from dataclasses import replace
+
+        from minfer.kernels.decode_attention import default_config
+        cfg = replace(default_config(q.device, head_dim, dtype), f16_dot=f16_dot)
+    paged_decode_attention(q, kc, vc, table, lens, scale, out=out, k_scale=ks, v_scale=vs, num_splits=num_splits,
+                           config=cfg)
+    ref = paged_decode_attention_ref(q.double(), kc, vc, table, lens, scale, k_scale=ks, v_scale=vs)
+    assert_close(out, ref, dtype, f"decode {kv_dtype} splits={num_splits} f16_dot={f16_dot}")
+    if max_quant_err is not None:
+        exact = paged_decode_attention_ref(q.double(), kf.double(), vf.double(), table, lens, scale)
+        err = rel_err(ref, exact)
+        assert err <= max_quant_err, f"{kv_dtype} cache changes decode attention by {err:.3e} > {max_quant_err}"
+
+
+def check_prefill_quant(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                        page: int, kv_dtype: str, dtype: torch.dtype, device: str) -> None:
+    kf, vf, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, torch.float32, device)
+    kc, vc, ks, vs = quantize_paged_kv(_outlier_kv(kf.shape, device), _outlier_kv(vf.shape, device), kv_dtype)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(device)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, device=device).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, kc, vc, table, qsl, lens, max(q_lens), scale, out=out, k_scale=ks, v_scale=vs)
+    ref = paged_prefill_attention_ref(q.double(), kc, vc, table, qsl, lens, max(q_lens), scale, k_scale=ks, v_scale=vs)
+    assert_close(out, ref, dtype, f"prefill {kv_dtype}")
+
+
+def check_store_kv_quant(num_tokens: int, num_kv_heads: int, head_dim: int, page: int, kv_dtype: str,
+                         dtype: torch.dtype, scale_dtype: torch.dtype, device: str) -> None:
+    """Kernel vs reference: the same codes and scales bit for bit; untouched slots stay untouched."""
+    from minfer.kernels.quant import KV_QUANT_FORMATS
+
+    code_dtype = KV_QUANT_FORMATS[kv_dtype].dtype
+    num_blocks = num_tokens // page + 4
+    qkv = _outlier_kv((num_tokens, 2 + 2 * num_kv_heads, head_dim), device).reshape(num_tokens, -1).to(dtype)
+    qkv[1, 2 * head_dim:] = 0  # an all-zero row: scale must stay finite, codes zero
+    k = qkv[:, 2 * head_dim:(2 + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (2 + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * page, device=device)[:num_tokens]
+    slots[::3] = -1  # padding rows
+    sentinel = torch.full((num_blocks, page, num_kv_heads, head_dim), 0x5A, dtype=torch.uint8, device=device)
+    k_cache, v_cache = sentinel.clone().view(code_dtype), sentinel.clone().view(code_dtype)
+    k_scale = torch.full((num_blocks, num_kv_heads, page), float("nan"), dtype=scale_dtype, device=device)
+    v_scale = k_scale.clone()
+    k_ref, v_ref, ks_ref, vs_ref = k_cache.clone(), v_cache.clone(), k_scale.clone(), v_scale.clone()
+    store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
+    store_kv_ref(k, v, k_ref, v_ref, slots, ks_ref, vs_ref)
+    for got, want in ((k_cache, k_ref), (v_cache, v_ref)):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{kv_dtype} codes differ"
+    for got, want in ((k_scale, ks_ref), (v_scale, vs_ref)):
+        assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), f"{kv_dtype} scales differ"
+    written = slots[slots >= 0]
+    assert k_scale.isnan().sum() == k_scale.numel() - written.numel() * num_kv_heads, "scales written off-slot"
+    untouched = torch.ones(num_blocks * page, dtype=torch.bool, device=device)
+    untouched[written] = False
+    assert (k_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim)[untouched] == 0x5A).all()
+    assert torch.isfinite(k_scale.view(-1)).sum() > 0 and (k_scale[~k_scale.isnan()] > 0).all()

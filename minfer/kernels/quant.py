@@ -1,0 +1,118 @@
+"""Triton helpers of the 8-bit KV cache: quantize in the store kernel, dequantize in attention.
+
+The formats, scaling rules and the torch reference live in ``minfer/model/kv_quant.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minfer.model.kv_quant import (  # noqa: F401  (re-exported for the kernels and tests)
+    F16_CVT, F16_INT8_BIASED, F16_SHIFT, KV_QUANT_FORMATS, KV_SCALE_DTYPE, KVQuantFormat, dequantize_ref,
+    format_of, gather_scales, min_scale, quantize_ref, scale_grid,
+)
+
+
+# ------------------------------------------------------------------------------------------- triton
+@triton.jit
+def round_to_float_grid(x, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Round float32 ``x`` to the nearest (ties to even) value with ``MANT`` mantissa bits and
+    minimum normal exponent ``EMIN`` (below it: that format's fixed subnormal spacing). The result
+    is exactly representable in the target format, so converting it afterwards does not round.
+    Used under the interpreter only; magnitudes must already fit the format."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)  # exponent of |x| (of the spacing, if subnormal)
+    ulp = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - e + MANT) << 23).to(tl.float32, bitcast=True)
+    # |x / ulp| < 2^(MANT+1): adding and removing 1.5 * 2^23 rounds it to an integer, ties to even.
+    r = (x * inv_ulp + 12582912.0) - 12582912.0
+    return r * ulp
+
+
+@triton.jit
+def row_scales(x, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, MAX_SCALE: tl.constexpr,
+               S_MANT: tl.constexpr, S_EMIN: tl.constexpr, EXACT: tl.constexpr):
+    """float32 scales of rows ``x [R, D]``: ``amax / QMAX`` clamped into the scale dtype's normal range.
+
+    The caller converts them to the scale dtype, stores them and quantizes against the converted
+    value. ``EXACT`` (the interpreter): pre-round onto a 16-bit scale dtype's grid (``S_MANT`` > 0).
+    """
+    amax = tl.max(tl.abs(x.to(tl.float32)), axis=1)
+    scale = tl.minimum(tl.maximum(tl.math.div_rn(amax, QMAX), MIN_SCALE), MAX_SCALE)
+    if EXACT and S_MANT > 0:
+        scale = round_to_float_grid(scale, S_MANT, S_EMIN)
+    return scale
+
+
+@triton.jit
+def scaled_codes(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+                 EXACT: tl.constexpr):
+    """float32 values that convert (``.to(code dtype)``) to the codes of rows ``x [R, D]`` with
+    stored scales ``scale [R]`` (float32): int8 gets ``y ± 0.5`` (the conversion truncates, so ties
+    go away from zero), float formats ``y`` itself (rounded by hand under ``EXACT``)."""
+    inv = tl.math.div_rn(1.0, scale)
+    y = tl.minimum(tl.maximum(x.to(tl.float32) * inv[:, None], -QMAX), QMAX)
+    if IS_INT:
+        y = y + tl.where(y >= 0, 0.5, -0.5)
+    elif EXACT:
+        y = round_to_float_grid(y, MANT, EMIN)
+    return y
+
+
+# ------------------------------------------------------------------------------------- launch helpers
+def check_cache_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                       v_scale: torch.Tensor | None) -> KVQuantFormat | None:
+    """The caches' format (None: plain float), after checking that 8-bit caches come with scales of
+    shape ``[num_blocks, num_kv_heads, block_size]`` and float caches without."""
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache differ in dtype: {k_cache.dtype} vs {v_cache.dtype}")
+    fmt = format_of(k_cache.dtype)
+    if fmt is None:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale given for a {k_cache.dtype} cache; scales belong to 8-bit caches")
+        return None
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {fmt.name} KV cache needs k_scale and v_scale")
+    want = (k_cache.shape[0], k_cache.shape[2], k_cache.shape[1])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if tuple(s.shape) != want or not s.is_contiguous() or s.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"{name} must be a contiguous float32/float16 tensor of shape [num_blocks, "
+                             f"num_kv_heads, block_size] = {list(want)}, got {s.dtype} {list(s.shape)}")
+    if k_scale.dtype != v_scale.dtype:
+        raise TypeError("k_scale and v_scale must share a dtype")
+    return fmt
+
+
+def store_constexprs(fmt: KVQuantFormat | None, scale_dtype: torch.dtype | None, exact: bool) -> dict:
+    """The store kernel's compile-time quantization parameters (``QUANT=False`` for float caches)."""
+    if fmt is None:
+        return dict(QUANT=False, QMAX=1.0, MIN_SCALE=1.0, MAX_SCALE=1.0, IS_INT=False, MANT=0, EMIN=0,
+                    S_MANT=0, S_EMIN=0, EXACT=False)
+    s_mant, s_emin = scale_grid(scale_dtype)
+    return dict(QUANT=True, QMAX=fmt.qmax, MIN_SCALE=min_scale(scale_dtype),
+                MAX_SCALE=float(torch.finfo(scale_dtype).max), IS_INT=fmt.is_int, MANT=fmt.mantissa_bits,
+                EMIN=fmt.min_exponent, S_MANT=s_mant, S_EMIN=s_emin, EXACT=exact)
+
+
+# ---------------------------------------------------------------------------- dequantizing in registers
+# How codes become float16 dot operands, per format (``KVQuantFormat.f16_kind``). fp16 bits 0x6400 | u
+# read as 1024 + u for a byte u, so an int8 code c, its byte XOR 0x80 (= c + 128), becomes the float16
+# 1152 + c with two integer ops: a conversion instruction (I2F) runs at a quarter of the ALU rate and
+# would hold an int8 decode kernel under HBM bandwidth. e5m2 is the top byte of a float16, so a shift
+# converts it (also exactly for subnormals, which Triton's interpreter converts wrongly); e4m3 has a
+# hardware conversion to float16 on sm_89+ (to bfloat16 only from sm_100).
+INT8_F16_BIAS = tl.constexpr(1152.0)
+
+
+@triton.jit
+def codes_to_f16(x, KIND: tl.constexpr):
+    """8-bit codes → float16 ``tl.dot`` operand. int8 (``F16_INT8_BIASED``) comes out as
+    ``INT8_F16_BIAS + code``: the caller corrects with row sums, ``dot(a, c + B) = dot(a, c) + B * sum(a)``."""
+    if KIND == 0:
+        return (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480).to(tl.float16, bitcast=True)
+    elif KIND == 2:
+        return (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+    else:
+        return x.to(tl.float16)
