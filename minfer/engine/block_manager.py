@@ -108,11 +108,6 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no running sequence uses."""
-        for block_id in self.free_ids:
-            self._uncache(self.blocks[block_id])
-
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -42,10 +42,6 @@ class AttentionMetadata:
     query_lens_host: list[int] = field(default_factory=list)
     _decode_slots: torch.Tensor | None = None  # torch backend: cache slots of the decodes' context
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
 
 class Attention(nn.Module):
     """Stores K/V into this layer's cache, then computes attention for decodes and prompt chunks."""
