@@ -320,7 +320,7 @@ def paged_decode_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference (and CPU fallback): gather every context into a padded batch, masked softmax in fp32.
+    """Torch reference (the tests' oracle): gather every context into a padded batch, masked softmax in fp32.
 
     The gather width is ``block_tables.shape[1] * block_size``; positions past each context are
     masked, and their (arbitrary) block ids are clamped into range so nothing out of bounds is read.

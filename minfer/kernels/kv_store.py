@@ -117,7 +117,7 @@ def store_kv_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Torch reference of :func:`store_kv` (also the CPU fallback): an indexed copy of the valid rows,
+    """Torch reference of :func:`store_kv` (the tests' oracle): an indexed copy of the valid rows,
     quantized first for 8-bit caches (bit-identical to the kernel's codes and scales)."""
     fmt = check_cache_scales(k_cache, v_cache, k_scale, v_scale)
     valid = slot_mapping >= 0

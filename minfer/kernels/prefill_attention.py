@@ -238,7 +238,7 @@ def paged_prefill_attention_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference (and CPU fallback): per sequence, gather its context and run masked softmax in fp32.
+    """Torch reference (the tests' oracle): per sequence, gather its context and run masked softmax in fp32.
 
     A Python loop over sequences (not tokens); it reads the two index tensors on the host once.
     8-bit caches are dequantized after the gather, in the compute dtype.
