@@ -3,10 +3,9 @@
 The references are the yardstick the tests hold the kernels to (the attention ones compute in
 float32, or float64 for float64 inputs). The engine's own torch attention path is
 minfer/model/attention.py, which rounds as HF's eager attention does (matmuls in the model dtype).
-On a
-machine without a CUDA GPU we switch Triton to its interpreter before any kernel is decorated
-(Triton reads TRITON_INTERPRET when ``@triton.jit`` runs), so the kernels stay callable on CPU
-tensors, slowly, for tests. An explicit TRITON_INTERPRET in the environment always wins.
+On a machine without a CUDA GPU we switch Triton to its interpreter before any kernel is
+decorated (Triton reads TRITON_INTERPRET when ``@triton.jit`` runs), so the kernels stay callable
+on CPU tensors, slowly, for tests. An explicit TRITON_INTERPRET in the environment always wins.
 """
 
 import os
