@@ -35,7 +35,7 @@ def _check(bm: BlockManager, live: list[Sequence]) -> None:
             assert owners.setdefault(b, content) == content, "two sequences share a block with different contents"
 
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "preempt"]), st.integers(0, 10**6),
+ops = st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "preempt", "fork"]), st.integers(0, 10**6),
                          st.lists(st.integers(0, 2), min_size=1, max_size=14)), min_size=1, max_size=60)
 
 
@@ -66,11 +66,24 @@ def test_random_operations_keep_invariants(ops, num_blocks, caching):
             seq = live[pick % len(live)]
             for t in tokens[:3]:
                 seq.token_ids.append(t)
+                shared_before = {b for s in live if s is not seq for b in s.block_table}
                 if not bm.allocate_slots(seq, 1):
                     seq.token_ids.pop()
                     break
+                for src, dst in bm.pending_copies:  # copy on write: the writer got a private copy
+                    assert src in shared_before and dst in seq.block_table and dst not in shared_before
+                bm.pending_copies.clear()
+                written = seq.block_table[seq.num_computed_tokens // BS]
+                assert written not in shared_before, "wrote into a block another sequence still uses"
                 seq.num_computed_tokens += 1
                 bm.cache_full_blocks(seq)
+        elif op == "fork" and live:  # a new sample shares everything its parent computed
+            parent = live[pick % len(live)]
+            child = _seq(next_id, list(parent.prompt_token_ids))
+            next_id += 1
+            child.token_ids = list(parent.token_ids)
+            bm.fork(parent, child)
+            live.append(child)
         elif op in ("free", "preempt") and live:
             seq = live.pop(pick % len(live))
             bm.free(seq)

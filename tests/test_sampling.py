@@ -117,3 +117,35 @@ def test_n_samples_differ_and_share_the_prompt(checkpoints):
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
     assert llm.get_stats()["num_free_kv_blocks"] == llm.get_stats()["num_kv_blocks"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_forked_samples_equal_independent_runs(checkpoints, kv_cache_dtype):
+    """Samples 1..n-1 share sample 0's prompt blocks (copy on write): each must draw exactly what a
+    separate request with its seed draws, and nothing may leak."""
+    llm = LLM(str(checkpoints["qwen3"]), num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    prompt = {"prompt_token_ids": [(i * 13) % 300 + 2 for i in range(37)]}  # 2 full blocks + a shared partial one
+    forked = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True),
+                          use_tqdm=False)[0]
+    for i, sample in enumerate(forked.outputs):
+        seed = 5 if i == 0 else hash((5, i)) & (2**63 - 1)
+        alone = llm.generate(prompt, SamplingParams(temperature=1.0, max_tokens=10, seed=seed, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert sample.token_ids == alone.token_ids
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    greedy = llm.generate(prompt, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+
+
+def test_abort_before_fork_frees_everything(checkpoints):
+    from minfer.config import EngineConfig
+    from minfer.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(checkpoints["llama3"]), num_kv_blocks=32, max_num_batched_tokens=8,
+                                    max_num_seqs=4))
+    engine.add_request("r", {"prompt_token_ids": list(range(2, 30))}, SamplingParams(n=3, max_tokens=5))
+    engine.step()  # a first chunk of sample 0's prompt: the other samples are not forked yet
+    engine.abort_request("r")
+    stats = engine.get_stats()
+    assert not engine.has_unfinished_requests() and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]

@@ -32,6 +32,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # hash -> block id
         self.hit_tokens = 0
         self.queried_tokens = 0
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for copy on write
 
     @property
     def num_blocks(self) -> int:
@@ -70,13 +71,34 @@ class BlockManager:
         return seq.num_computed_tokens
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for ``num_new_tokens`` more tokens of ``seq``; all or nothing."""
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        """Make room for ``num_new_tokens`` more tokens of ``seq``; all or nothing.
+
+        The first block written to may be shared after a ``fork``: it is then copied first
+        (copy on write), the copy queued in ``pending_copies`` for the model runner.
+        """
+        first = seq.num_computed_tokens // self.block_size
+        shared = first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) + shared
         if need > len(self.free_ids):
             return False
-        for _ in range(need):
+        if shared:
+            src = seq.block_table[first]
+            self.blocks[src].ref_count -= 1
+            seq.block_table[first] = self._take_free_block()
+            self.pending_copies.append((src, seq.block_table[first]))
+        for _ in range(need - shared):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share all of ``parent``'s blocks (and computed tokens): n samples of one
+        prompt compute it once. A shared block is copied when either side first writes into it."""
+        assert not child.block_table
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks of ``seq`` that are now full and computed into the prefix cache."""

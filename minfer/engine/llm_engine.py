@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -18,7 +18,7 @@ from minfer.engine.detokenizer import IncrementalDetokenizer
 from minfer.engine.model_runner import ModelRunner
 from minfer.engine.sampler import SamplerOutput
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
-from minfer.engine.sequence import Sequence
+from minfer.engine.sequence import Sequence, SequenceStatus
 from minfer.model.loader import resolve_model_path
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-
+    unforked: list[Sequence] = field(default_factory=list)  # samples 1..n-1 until sample 0's prompt is in
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
@@ -108,10 +108,10 @@ class LLMEngine:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             self._next_seq_id += 1
             seqs.append(seq)
+        # Samples 1..n-1 fork from sample 0 once it has computed the prompt (see _fork_samples).
         self.requests[request_id] = Request(request_id, text, ids, params, seqs,
-                                            RequestMetrics(arrival_time or time.time()))
-        for seq in seqs:
-            self.scheduler.add(seq)
+                                            RequestMetrics(arrival_time or time.time()), seqs[1:])
+        self.scheduler.add(seqs[0])
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> int:
         """Reject prompts the engine can never serve; return the request's longest total length."""
@@ -137,7 +137,9 @@ class LLMEngine:
         if req is None:
             return
         for seq in req.seqs:
-            if not seq.is_finished:
+            if seq in req.unforked:  # never reached the scheduler
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            elif not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -150,7 +152,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        if self.block_manager.pending_copies:  # copy-on-write of blocks shared by forked samples
+            self.runner.copy_blocks(self.block_manager.pending_copies)
+            self.block_manager.pending_copies = []
         return self._postprocess(batch, self.runner.run(batch))
+
+    def _fork_samples(self, seq: Sequence) -> None:
+        """Once sample 0 of an n-sample request has its prompt in the cache, samples 1..n-1 share its
+        blocks and recompute only the last prompt token (for their own first draw)."""
+        req = self.requests[seq.request_id]
+        for child in req.unforked:
+            self.block_manager.fork(seq, child)
+            child.num_computed_tokens = seq.num_prompt_tokens - 1
+            self.scheduler.waiting.appendleft(child)
+        req.unforked = []
 
     def _postprocess(self, batch: SchedulerOutput, out: SamplerOutput) -> list[RequestOutput]:
         """Advance the scheduled sequences, append sampled tokens, apply stops, build outputs."""
@@ -160,6 +175,9 @@ class LLMEngine:
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.cache_full_blocks(seq)
+            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens \
+                    and self.requests[seq.request_id].unforked:
+                self._fork_samples(seq)
         touched: dict[str, Request] = {}
         for i, seq in enumerate(sampled):
             lp = out.logprobs[i] if out.logprobs is not None else None

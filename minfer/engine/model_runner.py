@@ -85,6 +85,17 @@ class ModelRunner:
                     spec.format_name, scales)
         self.graphs = self._capture_graphs()
 
+    @torch.no_grad()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (and their scales) src -> dst in every layer: copy on write."""
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for attn in self.model.attention_layers():
+            for cache in (attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale):
+                if cache is not None:
+                    raw = cache.view(torch.uint8)  # as bytes: float8 has no CPU indexing kernels
+                    raw[dst] = raw[src]
+
     def _resolve_backend(self) -> str:
         """'auto' takes the Triton kernels on CUDA where they apply, the torch path otherwise."""
         choice = self.config.attention_backend

@@ -65,8 +65,8 @@ class Scheduler:
         # Admit new work only when the running set fits: after a preemption, memory is short.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq.params.prompt_logprobs is None:  # prompt logprobs need every position computed
-                self.block_manager.match_prefix(seq)
+            if seq.params.prompt_logprobs is None and not seq.block_table:  # forked samples hold blocks
+                self.block_manager.match_prefix(seq)  # (prompt logprobs need every position computed)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_new):
                 self.block_manager.free(seq)  # hand back any prefix-cache blocks it took
