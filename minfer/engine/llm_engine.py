@@ -164,7 +164,7 @@ class LLMEngine:
         for child in req.unforked:
             self.block_manager.fork(seq, child)
             child.num_computed_tokens = seq.num_prompt_tokens - 1
-            self.scheduler.waiting.appendleft(child)
+            self.scheduler.add(child, front=True)
         req.unforked = []
 
     def _postprocess(self, batch: SchedulerOutput, out: SamplerOutput) -> list[RequestOutput]:
