@@ -1,7 +1,9 @@
 """Where a decode step's time goes: torch.profiler over steady-state decode steps of workload A.
 
-Prints the GPU-busy share of wall time, the top kernels by device time, and host time per phase.
-Usage (GPU): python3 benchmarks/profile_steps.py --shape qwen3-0.6b --out profile.txt
+Prints the GPU-busy share of wall time, the top kernels by device time, and host time per phase
+of ``engine.step()``: schedule, launch (input building and kernel launches; with async scheduling
+nothing here waits for the GPU), complete (waiting for the draws, then stops and outputs).
+Usage (GPU): python3 benchmarks/profile_steps.py --shape qwen3-0.6b [--no-async] --out profile.txt
 """
 from __future__ import annotations
 
@@ -22,10 +24,12 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--no-async", action="store_true", help="async_scheduling=False")
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
     path = write_random_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape)
-    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=4096, attention_backend=args.attention_backend)
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=4096, attention_backend=args.attention_backend,
+              async_scheduling=not args.no_async)
     engine = llm.llm_engine
     prompts, params = workload_a()
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -33,27 +37,32 @@ def main() -> None:
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()  # until every prompt is prefilled: steady-state decode from here
     torch.cuda.synchronize()
-    phases = {"schedule": 0.0, "prepare+forward+sample": 0.0, "postprocess": 0.0}
+    phases = {"schedule": 0.0, "launch": 0.0, "complete": 0.0}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                phases[name] += time.perf_counter() - t0
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine._launch = timed("launch", engine._launch)
+    engine._complete = timed("complete", engine._complete)
+    batch_size = len(engine.scheduler.running)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            t0 = time.perf_counter()
-            batch = engine.scheduler.schedule()
-            t1 = time.perf_counter()
-            out = engine.runner.run(batch)  # ends with the sampled ids' device->host copy
-            t2 = time.perf_counter()
-            engine._postprocess(batch, out)
-            t3 = time.perf_counter()
-            phases["schedule"] += t1 - t0
-            phases["prepare+forward+sample"] += t2 - t1
-            phases["postprocess"] += t3 - t2
+            engine.step()
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-    lines = [f"shape {args.shape}, backend {engine.runner.backend}, {len(batch.seqs)} running sequences, "
-             f"{args.steps} decode steps in {wall * 1e3:.1f} ms = {wall / args.steps * 1e3:.2f} ms/step "
-             f"({len(batch.seqs) * args.steps / wall:.0f} tok/s)",
+    lines = [f"shape {args.shape}, backend {engine.runner.backend}, async_scheduling {engine.async_scheduling}, "
+             f"{batch_size} running sequences, {args.steps} decode steps in {wall * 1e3:.1f} ms = "
+             f"{wall / args.steps * 1e3:.2f} ms/step ({batch_size * args.steps / wall:.0f} tok/s)",
              f"GPU busy (sum of kernel time / wall): {device_us / 1e6 / wall:.1%}",
              "host time per step: " + ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in phases.items()),
              "", events.table(sort_by="self_cuda_time_total", row_limit=25)]

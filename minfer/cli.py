@@ -23,6 +23,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="complete each step before scheduling the next (no host/GPU overlap)")
     g.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
     g.add_argument("--kv-cache-dtype", default="auto")
 
@@ -33,7 +35,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
+                async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -149,6 +149,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True  # launch step N+1 before step N completes (see engine/llm_engine.py)
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -164,6 +165,8 @@ class EngineConfig:
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_int("seed", self.seed, 0)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1)

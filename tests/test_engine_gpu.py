@@ -64,3 +64,20 @@ def test_cuda_graph_decode_equals_eager(checkpoints):
         results[eager] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                        params, use_tqdm=False)]
     assert results[True] == results[False]
+
+
+def test_async_scheduling_equals_sync_on_gpu(checkpoints):
+    """The overlap's device side (pinned uploads, pending tokens copied from the previous step's
+    draws into graph inputs, draws copied back behind an event) gives the synchronous outputs."""
+    from test_async_scheduling import _mixed_requests
+
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(str(checkpoints["llama3"]), device="cuda", dtype="float32", num_kv_blocks=24,
+                  max_num_batched_tokens=48, max_num_seqs=8, async_scheduling=overlap)
+        prompts, params = _mixed_requests(next(iter(llm.llm_engine.eos_token_ids)))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[overlap] = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outs]
+        stats = llm.get_stats()
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_preemptions"] > 0
+    assert results[True] == results[False]

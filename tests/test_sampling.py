@@ -31,7 +31,7 @@ def test_samples_follow_softmax_of_scaled_logits():
     temp = 0.7
     n = 20_000
     params = [SamplingParams(temperature=temp)] * n
-    out = Sampler(5, torch.device("cpu"))(logits.repeat(n, 1), _seqs(params, list(range(n))))
+    out = Sampler(5, torch.device("cpu"))(logits.repeat(n, 1), _seqs(params, list(range(n)))).result()
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=5).float() / n
     expected = (logits / temp).softmax(-1)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
@@ -47,7 +47,7 @@ def test_filters_restrict_support(kw, support):
     logits = torch.tensor([2.0, 1.0, 0.4, -1.0, 0.0])
     n = 3000
     out = Sampler(5, torch.device("cpu"))(logits.repeat(n, 1),
-                                          _seqs([SamplingParams(temperature=1.0, **kw)] * n, list(range(n))))
+                                          _seqs([SamplingParams(temperature=1.0, **kw)] * n, list(range(n)))).result()
     assert set(out.token_ids) == support
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from minfer.model.attention import AttentionMetadata
@@ -69,16 +68,17 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[1]
 
-    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, ctx_lens: np.ndarray,
-            tables: np.ndarray) -> torch.Tensor:
-        """Replay the smallest bucket that holds this decode batch; returns hidden states [n, H]."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor,
+            tables: torch.Tensor) -> torch.Tensor:
+        """Replay the smallest bucket that holds this decode batch (inputs already on the device);
+        returns hidden states [n, H], a view of the graph's output valid until the next replay."""
         n = len(ids)
         b = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(torch.from_numpy(ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.context_lens[:n].copy_(torch.from_numpy(ctx_lens), non_blocking=True)
-        self.block_tables[:n, :tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+        self.input_ids[:n].copy_(ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slots)
+        self.context_lens[:n].copy_(ctx_lens)
+        self.block_tables[:n, :tables.shape[1]].copy_(tables)
         if b > n:  # padding rows: skip the KV store, attend over one (harmless) slot
             self.slot_mapping[n:b].fill_(-1)
             self.context_lens[n:b].fill_(1)

@@ -2,6 +2,15 @@
 
 The offline ``LLM`` and the HTTP server both drive it through ``add_request`` / ``step`` /
 ``abort_request``. Each request of ``n`` samples becomes ``n`` sequences.
+
+A step is *launched* (scheduled, inputs built, kernels queued; the sequences advance and each
+sampling sequence gets a ``PENDING_TOKEN``) and later *completed* (the sampled ids come back, are
+filled in, stops are applied, outputs built). With async scheduling a ``step()`` call launches
+step N+1 before it completes step N, so the host's scheduling and input building for N+1 overlap
+the GPU's work on N, and the GPU never waits for the host. The price: a sequence that stops on
+EOS or a stop string at step N has already been given one more (discarded) token of work in
+N+1. Requests with penalties need every past token on the host, so while one runs, each step
+completes its predecessor before it schedules (no overlap).
 """
 from __future__ import annotations
 
@@ -15,10 +24,9 @@ from transformers import AutoTokenizer
 from minfer.config import EngineConfig, ModelConfig
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.detokenizer import IncrementalDetokenizer
-from minfer.engine.model_runner import ModelRunner
-from minfer.engine.sampler import SamplerOutput
+from minfer.engine.model_runner import LaunchedStep, ModelRunner
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
-from minfer.engine.sequence import Sequence, SequenceStatus
+from minfer.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from minfer.model.loader import resolve_model_path
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from minfer.sampling_params import SamplingParams
@@ -38,6 +46,15 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+
+@dataclass(slots=True)
+class InflightStep:
+    """A launched step awaiting completion."""
+
+    batch: SchedulerOutput
+    sampled: list[Sequence]  # row r of the step's draws belongs to sampled[r]
+    launched: LaunchedStep
 
 
 class LLMEngine:
@@ -62,6 +79,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
+        self.async_scheduling = config.async_scheduling
+        self._inflight: InflightStep | None = None
 
     def _resolve_max_model_len(self) -> int:
         mc, limit = self.model_config, self.model_config.max_position_embeddings
@@ -147,15 +166,45 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; return outputs of requests that produced a token (or, without
+        """Launch the next step and complete the previous one (async scheduling), or launch and
+        complete one step; return outputs of requests that got a token (or, without
         ``stream_text``, only of those that finished)."""
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and any(s.params.has_penalties for s in self.scheduler.running):
+            outputs += self._complete(self._inflight)  # penalties read every token: no overlap
+            self._inflight = None
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        launched = self._launch(batch) if batch.seqs else None
+        if self._inflight is not None:
+            outputs += self._complete(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.async_scheduling:
+            outputs += self._complete(launched)
+            self._inflight = None
+        return outputs
+
+    def _launch(self, batch: SchedulerOutput) -> InflightStep:
+        """Queue the step on the device, then advance its sequences as if it had run: computed
+        tokens move forward, and each sampling sequence gets a pending token."""
         if self.block_manager.pending_copies:  # copy-on-write of blocks shared by forked samples
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies = []
-        return self._postprocess(batch, self.runner.run(batch))
+        prev = self._inflight.launched.sample if self._inflight is not None else None
+        launched = self.runner.launch(batch, prev.token_ids if prev is not None else None)
+        sampled = [s for s in batch.seqs if s.samples_this_step]
+        for seq in batch.seqs:
+            seq.prompt_logprobs += launched.prompt_logprobs.get(seq.seq_id, ())
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_full_blocks(seq)
+            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens \
+                    and self.requests[seq.request_id].unforked:
+                self._fork_samples(seq)
+        for row, seq in enumerate(sampled):
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_pending += 1
+            seq.sample_row = row
+        return InflightStep(batch, sampled, launched)
 
     def _fork_samples(self, seq: Sequence) -> None:
         """Once sample 0 of an n-sample request has its prompt in the cache, samples 1..n-1 share its
@@ -167,28 +216,24 @@ class LLMEngine:
             self.scheduler.add(child, front=True)
         req.unforked = []
 
-    def _postprocess(self, batch: SchedulerOutput, out: SamplerOutput) -> list[RequestOutput]:
-        """Advance the scheduled sequences, append sampled tokens, apply stops, build outputs."""
-        sampled = [s for s in batch.seqs if s.samples_this_step]
-        for seq in batch.seqs:
-            seq.prompt_logprobs += out.prompt_logprobs.get(seq.seq_id, ())
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.block_manager.cache_full_blocks(seq)
-            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens \
-                    and self.requests[seq.request_id].unforked:
-                self._fork_samples(seq)
+    def _complete(self, step: InflightStep) -> list[RequestOutput]:
+        """Wait for the step's draws, fill in the pending tokens, apply stops, build outputs.
+        Sequences that finished meanwhile (aborted, or stopped by the step before) are skipped."""
+        out = step.launched.sample.result() if step.launched.sample is not None else None
         touched: dict[str, Request] = {}
-        for i, seq in enumerate(sampled):
-            lp = out.logprobs[i] if out.logprobs is not None else None
-            self._append_token(seq, out.token_ids[i], lp)
+        for i, seq in enumerate(step.sampled):
+            if seq.is_finished:
+                continue
+            self._accept_token(seq, out.token_ids[i], out.logprobs[i] if out.logprobs is not None else None)
             if seq.is_finished and not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
                 seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            else:
+                self.block_manager.cache_full_blocks(seq)  # a block its token completed
             touched[seq.request_id] = self.requests[seq.request_id]
         now_done = time.time()
         outputs = []
         for req in touched.values():
-            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or batch.scheduled_at
+            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or step.batch.scheduled_at
             req.metrics.first_token_time = req.metrics.first_token_time or now_done
             finished = req.finished
             if finished:
@@ -198,13 +243,16 @@ class LLMEngine:
                 outputs.append(self._make_output(req))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
-        seq.token_ids.append(token)
+    def _accept_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        """Replace the sequence's first pending token by its value; stop it if that token ends it."""
+        at = seq.num_tokens - seq.num_pending
+        seq.token_ids[at] = token
+        seq.num_pending -= 1
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         p = seq.params
-        may_stop = seq.num_output_tokens >= p.min_tokens
+        may_stop = at + 1 - seq.num_prompt_tokens >= p.min_tokens
         if may_stop and token in p.stop_token_ids:
             return self.scheduler.finish(seq, "stop", token)
         if may_stop and not p.ignore_eos and token in seq.eos_token_ids:
@@ -213,7 +261,7 @@ class LLMEngine:
             delta = seq.detokenizer.step(token)
             if delta and may_stop and p.stop_strings and self._check_stop_strings(seq, len(delta)):
                 return
-        if seq.num_tokens >= seq.max_total_tokens:
+        if at + 1 >= seq.max_total_tokens:
             self.scheduler.finish(seq, "length")
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:

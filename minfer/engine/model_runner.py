@@ -1,8 +1,10 @@
-"""ModelRunner: owns the model, the paged KV cache and the sampler; runs one flattened step.
+"""ModelRunner: owns the model, the paged KV cache and the sampler; launches one flattened step.
 
-Step inputs are built with numpy over per-sequence arrays (no per-token Python loops) and copied
-to the device once; the only device→host copy of a step is the sampled token ids (and the
-logprobs, when asked for).
+Step inputs are built with numpy over per-sequence arrays (no per-token Python loops) and go to
+the device in two transfers through pinned memory; nothing in ``launch`` waits for the device, so
+with async scheduling the host prepares step N+1 while the GPU runs step N. A token sampled by
+step N that step N+1 consumes never visits the host on the way: it is copied on the device from
+step N's sampled ids into step N+1's input ids.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from minfer.config import EngineConfig, ModelConfig, cdiv
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
-from minfer.engine.sampler import Sampler, SamplerOutput
+from minfer.engine.sampler import DeviceSample, Sampler
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.model.attention import AttentionMetadata
 from minfer.model.loader import build_model
@@ -62,6 +64,16 @@ class StepArrays:
     cu: np.ndarray  # [S + 1] int64
     logit_rows: np.ndarray  # rows whose sequence samples this step
     num_decodes: int
+    fill_dst: np.ndarray  # token indices whose id is still on the device (PENDING_TOKEN) ...
+    fill_src: np.ndarray  # ... and their rows in the previous step's sampled ids
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose kernels are queued: its draws (still on the device) and its prompt logprobs."""
+
+    sample: DeviceSample | None
+    prompt_logprobs: dict[int, list[dict[int, float]]]
 
 
 class ModelRunner:
@@ -190,41 +202,57 @@ class ModelRunner:
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         samples = np.fromiter((s.samples_this_step for s in seqs), dtype=bool, count=len(seqs))
-        return StepArrays(ids, positions, slots, tables,
-                          (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:][samples] - 1, batch.num_decodes)
+        pending = [(int(cu[i]) + s.num_tokens - 1 - s.num_computed_tokens, s.sample_row)
+                   for i, s in enumerate(seqs) if s.num_pending]  # always the last token of its sequence
+        fill = np.array(pending, dtype=np.int64).reshape(-1, 2)
+        return StepArrays(ids, positions, slots, tables, (starts + q_lens).astype(np.int32), q_lens, cu,
+                          cu[1:][samples] - 1, batch.num_decodes, fill[:, 0], fill[:, 1])
 
-    def _metadata(self, a: StepArrays) -> AttentionMetadata:
-        def to_dev(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(x).to(self.device, non_blocking=True)
+    def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Copy ``arrays`` to the device as ``dtype`` in one transfer, through pinned memory on CUDA
+        (an asynchronous copy that never waits for the GPU); returns one device view per array."""
+        sizes = [a.size for a in arrays]
+        host = torch.empty(sum(sizes), dtype=dtype, pin_memory=self.device.type == "cuda")
+        if sizes and sum(sizes):
+            np.concatenate([a.ravel() for a in arrays], out=host.numpy(), casting="unsafe")
+        dev = host.to(self.device, non_blocking=True)
+        return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
 
+    def _metadata(self, a: StepArrays, slots: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
+                  cu: torch.Tensor) -> AttentionMetadata:
         nd, num_seqs = a.num_decodes, len(a.q_lens)
         return AttentionMetadata(
-            slot_mapping=to_dev(a.slots), block_tables=to_dev(a.tables), context_lens=to_dev(a.ctx_lens),
-            query_start_loc=to_dev(a.cu.astype(np.int32)), num_decodes=nd, max_query_len=int(a.q_lens.max()),
-            max_context_len=int(a.ctx_lens.max()), block_size=self.block_size,
-            prefill_query_start_loc=to_dev((a.cu[nd:] - nd).astype(np.int32)),
+            slot_mapping=slots, block_tables=tables, context_lens=ctx_lens, query_start_loc=cu, num_decodes=nd,
+            max_query_len=int(a.q_lens.max()), max_context_len=int(a.ctx_lens.max()), block_size=self.block_size,
+            prefill_query_start_loc=cu[nd:] - nd,
             max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
             context_lens_host=a.ctx_lens.tolist(), query_lens_host=a.q_lens.tolist())
 
     @torch.no_grad()
-    def run(self, batch: SchedulerOutput) -> SamplerOutput:
-        """One forward over the step's tokens (a graph replay for pure decodes); sample for the
-        sequences that reached their end."""
+    def launch(self, batch: SchedulerOutput, prev_tokens: torch.Tensor | None) -> LaunchedStep:
+        """Queue one forward over the step's tokens (a graph replay for pure decodes) and the draws of
+        the sequences that reach their end; ``prev_tokens`` are the previous step's sampled ids, the
+        source of this step's pending input tokens. Waits for the device only for prompt logprobs."""
         a = self.prepare(batch)
+        ids, positions, slots, rows, fill_dst, fill_src = self._upload(
+            torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
+        tables, ctx_lens, cu = self._upload(torch.int32, a.tables, a.ctx_lens, a.cu)
+        if len(a.fill_dst):
+            if prev_tokens is None:
+                raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
+            ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
         if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
                                                                                               a.tables.shape[1]):
-            hidden = self.graphs.run(a.ids, a.positions, a.slots, a.ctx_lens, a.tables)
+            hidden = self.graphs.run(ids, positions, slots, ctx_lens, tables)
         else:
-            ids = torch.from_numpy(a.ids).to(self.device, non_blocking=True)
-            positions = torch.from_numpy(a.positions).to(self.device, non_blocking=True)
-            hidden = self.model(ids, positions, self._metadata(a))
+            hidden = self.model(ids, positions, self._metadata(a, slots, tables, ctx_lens, cu))
         sampling = [s for s in batch.seqs if s.samples_this_step]
-        rows = torch.from_numpy(a.logit_rows).to(self.device, non_blocking=True)
-        out = self.sampler(self.model.compute_logits(hidden[rows]), sampling) if sampling \
-            else SamplerOutput([], None)
-        if any(s.params.prompt_logprobs is not None for s in batch.seqs):
-            out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        return out
+        sample = self.sampler(self.model.compute_logits(hidden[rows]), sampling) if sampling else None
+        if sample is not None:
+            sample.start_copy()
+        prompt_lp = self._prompt_logprobs(batch, hidden) if any(
+            s.params.prompt_logprobs is not None for s in batch.seqs) else {}
+        return LaunchedStep(sample, prompt_lp)
 
     def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[dict[int, float]]]:
         """Logprobs of each prompt token this step's rows predict (row at position p → token p+1),
@@ -241,7 +269,7 @@ class ModelRunner:
                     hi = min(lo + 1024, last)
                     logprobs = self.model.compute_logits(hidden[row + lo - start:row + hi - start]).log_softmax(-1)
                     targets = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=self.device)
-                    entries += self.sampler._gather_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * (hi - lo))
+                    entries += self.sampler.gather_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * (hi - lo))
                 if entries:
                     result[seq.seq_id] = entries
             row += n

@@ -42,8 +42,56 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # per row: chosen token and the top-k, or None
+    logprobs: list[dict[int, float] | None] | None  # per row: chosen token and the top-k, or None
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> new entries
+
+
+@dataclass(slots=True)
+class DeviceSample:
+    """A step's draws while they are still on the device.
+
+    ``start_copy`` queues their copy into pinned host memory behind the step's kernels and records
+    an event; ``result`` waits for that event only, so the host can prepare and launch the next
+    step in between (async scheduling). ``token_ids`` stays on the device for the next step's inputs.
+    """
+
+    token_ids: torch.Tensor  # [R] int64
+    want_logprobs: list[int | None]
+    chosen: torch.Tensor | None = None  # [R] logprob of each drawn token
+    top_vals: torch.Tensor | None = None  # [R, k]
+    top_ids: torch.Tensor | None = None
+    _host: list[torch.Tensor] = field(default_factory=list)
+    _event: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        tensors = [t for t in (self.token_ids, self.chosen, self.top_vals, self.top_ids) if t is not None]
+        if not self.token_ids.is_cuda:
+            self._host = tensors
+            return
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, dev in zip(self._host, tensors):
+            host.copy_(dev, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def result(self) -> SamplerOutput:
+        if not self._host:
+            self.start_copy()
+        if self._event is not None:
+            self._event.synchronize()
+        ids = self._host[0].tolist()
+        if self.chosen is None:
+            return SamplerOutput(ids, None)
+        chosen, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+        logprobs: list[dict[int, float] | None] = []
+        for r, w in enumerate(self.want_logprobs):
+            if w is None:
+                logprobs.append(None)
+                continue
+            entry = {ids[r]: chosen[r]}
+            entry.update((i, v) for i, v in zip(top_ids[r][:w], top_vals[r][:w]) if i not in entry)
+            logprobs.append(entry)
+        return SamplerOutput(ids, logprobs)
 
 
 class Sampler:
@@ -52,8 +100,9 @@ class Sampler:
         self.device = device
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: float32 [len(seqs), vocab] of the rows that sample this step."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """logits: float32 [len(seqs), vocab] of the rows that sample this step. Nothing here waits
+        for the device: per-row parameters go up through pinned memory, the draws stay down."""
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs for p in params]
         raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in want_logprobs) else None
@@ -61,16 +110,24 @@ class Sampler:
             logits = self._apply_penalties(logits, seqs)
         if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
             logits = self._block_early_stops(logits, seqs)
-        token_ids = logits.argmax(-1)
-        if not all(p.greedy for p in params):
-            token_ids = torch.where(self._tensor([p.greedy for p in params], torch.bool), token_ids,
-                                    self._sample(logits, seqs))
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids.tolist(), None)
-        return SamplerOutput(token_ids.tolist(), self._gather_logprobs(raw_logprobs, token_ids, want_logprobs))
+        greedy = [p.greedy for p in params]
+        if all(greedy):
+            token_ids = logits.argmax(-1)
+        elif not any(greedy):
+            token_ids = self._sample(logits, seqs)
+        else:
+            token_ids = torch.where(self._tensor(greedy, torch.bool), logits.argmax(-1), self._sample(logits, seqs))
+        sample = DeviceSample(token_ids, want_logprobs)
+        if raw_logprobs is not None:
+            k = max(w or 0 for w in want_logprobs)
+            sample.chosen = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+            sample.top_vals, sample.top_ids = raw_logprobs.topk(k, dim=-1) if k else (
+                raw_logprobs[:, :0], raw_logprobs[:, :0].long())
+        return sample
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        cuda = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=cuda).to(self.device, non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
@@ -143,18 +200,10 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
-                         want: list[int | None]) -> list[dict[int, float] | None]:
+    def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                        want: list[int | None]) -> list[dict[int, float] | None]:
+        """Logprob of ``token_ids`` per row plus each row's top ``want[r]``, on the host now."""
+        sample = DeviceSample(token_ids, want, logprobs.gather(-1, token_ids[:, None]).squeeze(-1))
         k = max(w or 0 for w in want)
-        chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
-        top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
-        top_vals, top_ids, ids = top_vals.tolist(), top_ids.tolist(), token_ids.tolist()
-        result: list[dict[int, float] | None] = []
-        for r, w in enumerate(want):
-            if w is None:
-                result.append(None)
-                continue
-            entry = {ids[r]: chosen[r]}
-            entry.update((i, v) for i, v in zip(top_ids[r][:w], top_vals[r][:w]) if i not in entry)
-            result.append(entry)
-        return result
+        sample.top_vals, sample.top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        return sample.result().logprobs

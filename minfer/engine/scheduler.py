@@ -53,6 +53,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.num_tokens >= seq.max_total_tokens:
+                i += 1  # its last token is on the device and ends it ("length"): nothing left to compute
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.allocate_slots(seq, num_new):
                 preempted = True
@@ -69,6 +72,8 @@ class Scheduler:
         # Admit new work only when the running set fits: after a preemption, memory is short.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted while its last sampled token was in flight: recompute once it is known
             if seq.params.prompt_logprobs is None and not seq.block_table:  # forked samples hold blocks
                 self.block_manager.match_prefix(seq)  # (prompt logprobs need every position computed)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -94,7 +99,10 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Retire ``seq`` (from either queue) and free its blocks."""
+        """Retire ``seq`` (from either queue) and free its blocks; tokens still in flight are dropped."""
+        if seq.num_pending:
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:

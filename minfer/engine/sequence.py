@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from minfer.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # stands in token_ids for a sampled token that is still on the device (async scheduling)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -22,6 +25,11 @@ class Sequence:
     decoding); the sequence samples when that brings it to the end of its known tokens. After a
     preemption it is recomputed from scratch over prompt + output, which the prefix cache
     usually turns into a cheap hit on its own just-freed blocks.
+
+    With async scheduling, a step's sampled token is appended as ``PENDING_TOKEN`` when the step is
+    launched (``num_pending`` counts them, at most two, at the end of ``token_ids``) and filled in
+    when the step's results come back; meanwhile the next step reads its value on the device from
+    row ``sample_row`` of the previous step's sampled ids.
     """
 
     seq_id: int
@@ -35,6 +43,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0
+    num_pending: int = 0
+    sample_row: int = -1  # this sequence's row in the last launched step's sampled ids
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -62,8 +72,14 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has (all but the pending ones)."""
+        return len(self.token_ids) - self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        """The generated tokens the host knows (pending ones excluded)."""
+        return self.token_ids[len(self.prompt_token_ids):self.num_known_tokens]
 
     @property
     def is_finished(self) -> bool:
