@@ -161,7 +161,8 @@ def contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, ctx: 
 
 # --------------------------------------------------------------------------------------------- decode
 DECODE_SWEEP = [DecodeConfig(bn, w, s) for bn, w, s in [(64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 3)]]
-DECODE_SWEEP += [DecodeConfig(128, 8, 3)]  # 8-bit tiles are half the bytes: larger ones may pay
+# 8-bit tiles are half the bytes: larger or deeper-pipelined ones may pay
+DECODE_SWEEP += [DecodeConfig(bn, w, s) for bn, w, s in [(128, 8, 3), (64, 4, 5), (128, 4, 4), (128, 8, 4), (256, 8, 3)]]
 
 
 def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, sweep: bool,

@@ -73,7 +73,7 @@ def test_async_scheduling_equals_sync_on_gpu(checkpoints):
 
     results = {}
     for overlap in (False, True):
-        llm = LLM(str(checkpoints["llama3"]), device="cuda", dtype="float32", num_kv_blocks=24,
+        llm = LLM(str(checkpoints["llama3"]), device="cuda", dtype="float32", num_kv_blocks=14,
                   max_num_batched_tokens=48, max_num_seqs=8, async_scheduling=overlap)
         prompts, params = _mixed_requests(next(iter(llm.llm_engine.eos_token_ids)))
         outs = llm.generate(prompts, params, use_tqdm=False)

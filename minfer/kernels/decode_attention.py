@@ -57,7 +57,9 @@ class DecodeConfig:
     f16_dot: bool | None = None
 
 
-@triton.jit
+# Ints that change from step to step are not specialised on (Triton would compile a variant for
+# values of 1 and multiples of 16): the block-table width and the split count.
+@triton.jit(do_not_specialize=["stride_btb", "num_splits"])
 def _decode_split_kernel(
     Q, K, V, KS, VS, BT, CL, O, MID_O, MID_LSE, scale_log2e,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
@@ -152,27 +154,32 @@ def _decode_split_kernel(
         tl.store(MID_LSE + idx, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     MID_O, MID_LSE, O, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * num_heads + h).to(tl.int64) * num_splits
-    splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(MID_LSE + base + splits, mask=splits < num_splits, other=float("-inf"))
-    m = tl.max(lse, axis=0)  # finite: split 0 always holds at least one token
-    total = tl.sum(tl.exp2(lse - m), axis=0)
     dims = tl.arange(0, HEAD_DIM)
+    # One online pass, CHUNK partials at a time: registers stay bounded for any split count, and
+    # one compiled variant serves them all. Split 0 always holds a token, so m is finite after the
+    # first chunk and later all-empty chunks add exp2(-inf) = 0.
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.zeros((), tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    # Partials are read CHUNK splits at a time so registers stay bounded for up to 256 splits.
     for s0 in range(0, num_splits, CHUNK):
         idx = s0 + tl.arange(0, CHUNK)
         valid = idx < num_splits
-        w = tl.exp2(tl.load(MID_LSE + base + idx, mask=valid, other=float("-inf")) - m)
+        lse = tl.load(MID_LSE + base + idx, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
         parts = tl.load(MID_O + (base + idx)[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
-        acc += tl.sum(parts * w[:, None], axis=0)
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        total = total * alpha + tl.sum(w, axis=0)
+        m = m_new
     tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + dims, (acc / total).to(O.dtype.element_ty))
 
 
@@ -289,7 +296,7 @@ def paged_decode_attention(
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, SPLITS_PAD=next_pow2(num_splits), CHUNK=min(16, next_pow2(num_splits)), num_warps=4,
+            HEAD_DIM=head_dim, CHUNK=16, num_warps=4,
         )
     return out
 

@@ -96,7 +96,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_btb"])  # the block-table width changes from step to step
 def _prefill_kernel(
     Q, K, V, KS, VS, BT, QSL, CL, O, scale_log2e,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ot, stride_oh,
