@@ -33,3 +33,16 @@ def test_auto_backend_is_torch_on_cpu_and_triton_checks_block_size(checkpoints):
     assert LLM(str(checkpoints["llama3"]), num_kv_blocks=8).llm_engine.runner.backend == "torch"
     with pytest.raises(ValueError, match="block_size"):
         LLM(str(checkpoints["llama3"]), num_kv_blocks=8, block_size=8, attention_backend="triton")
+
+
+def test_startup_kernel_warm_up_runs_the_eager_path(checkpoints):
+    """The GPU start-up warm-up (which compiles eager kernel variants before the first request)
+    builds valid mixed decode + chunk steps; here under the interpreter, then the engine still
+    matches HF (block 0, which the warm-up scribbles on, is rewritten before any sequence reads it)."""
+    llm = LLM(str(checkpoints["llama3"]), attention_backend="triton", num_kv_blocks=64)
+    llm.llm_engine.runner._warm_up_kernels()
+    prompt = list(range(3, 40))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    ref, ref_logits = hf_greedy(checkpoints["llama3"], prompt, 6)
+    assert_greedy_match(out[0].outputs[0].token_ids, ref, ref_logits)

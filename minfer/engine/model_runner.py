@@ -96,7 +96,8 @@ class ModelRunner:
                     self.block_size, self.block_bytes, self.num_kv_blocks * self.block_bytes / 2**30,
                     spec.format_name, scales)
         self.graphs = self._capture_graphs()
-        self._warm_up_kernels()
+        if self.device.type == "cuda" and self.backend == "triton":
+            self._warm_up_kernels()
 
     @torch.no_grad()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -186,29 +187,23 @@ class ModelRunner:
         a first workload-A run. Steps of 1, 7, 16 and 49 tokens cover decodes with and without
         split-K, prompt chunks, and every integer specialisation class (1, multiples of 16, other).
         They write garbage into block 0, which no sequence holds yet."""
-        if self.device.type != "cuda" or self.backend != "triton":
-            return
-        dev, bs, width = self.device, self.block_size, 64
+        width = 64
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
-            q_lens = [1] * num_decodes + ([chunk] if chunk else [])
-            ctx = [width * bs - 8] * num_decodes + ([chunk] if chunk else [])
-            cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=dev)
-            n = int(cu[-1])
-            meta = AttentionMetadata(
-                slot_mapping=torch.zeros(n, dtype=torch.int64, device=dev),
-                block_tables=torch.zeros(len(q_lens), width, dtype=torch.int32, device=dev),
-                context_lens=torch.tensor(ctx, dtype=torch.int32, device=dev), query_start_loc=cu,
-                num_decodes=num_decodes, max_query_len=max(q_lens), max_context_len=max(ctx), block_size=bs,
-                prefill_query_start_loc=cu[num_decodes:] - num_decodes, max_prefill_query_len=chunk,
-                context_lens_host=ctx, query_lens_host=q_lens)
-            hidden = self.model(torch.zeros(n, dtype=torch.int64, device=dev), torch.zeros(n, dtype=torch.int64,
-                                                                                              device=dev), meta)
-            logits = self.model.compute_logits(hidden[:len(q_lens)])
+            q_lens = np.array([1] * num_decodes + ([chunk] if chunk else []), dtype=np.int64)
+            ctx = np.array([width * self.block_size - 8] * num_decodes + ([chunk] if chunk else []), dtype=np.int32)
+            cu = np.concatenate([[0], np.cumsum(q_lens)])
+            n, none = int(cu[-1]), np.zeros(0, dtype=np.int64)
+            a = StepArrays(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
+                           np.zeros((len(q_lens), width), dtype=np.int32), ctx, q_lens, cu, cu[1:] - 1, num_decodes,
+                           none, none)
+            ids, positions, slots, rows = self._upload(torch.int64, a.ids, a.positions, a.slots, a.logit_rows)
+            logits = self.model.compute_logits(self.model(ids, positions, self._metadata(a, slots))[rows])
         from minfer.kernels.sampling import gumbel_argmax
 
-        gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=dev),
-                      torch.ones(len(logits), device=dev))
-        torch.cuda.synchronize(dev)
+        gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device),
+                      torch.ones(len(logits), device=self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or self.backend != "triton" or self.config.enforce_eager:
@@ -242,22 +237,30 @@ class ModelRunner:
 
     def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Copy ``arrays`` to the device as ``dtype`` in one transfer, through pinned memory on CUDA
-        (an asynchronous copy that never waits for the GPU); returns one device view per array."""
-        sizes = [a.size for a in arrays]
-        host = torch.empty(sum(sizes), dtype=dtype, pin_memory=self.device.type == "cuda")
-        if sizes and sum(sizes):
-            np.concatenate([a.ravel() for a in arrays], out=host.numpy(), casting="unsafe")
-        dev = host.to(self.device, non_blocking=True)
-        return [t.view(a.shape) for t, a in zip(dev.split(sizes), arrays)]
+        (an asynchronous copy that never waits for the GPU); returns one device view per array.
 
-    def _metadata(self, a: StepArrays, slots: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor,
-                  cu: torch.Tensor) -> AttentionMetadata:
+        Each view starts on a 64-byte boundary: Triton specialises kernels on 16-byte pointer
+        alignment, and views at arbitrary offsets compiled new variants in the middle of a run."""
+        align = 64 // torch.empty(0, dtype=dtype).element_size()
+        starts = np.cumsum([0] + [-(-a.size // align) * align for a in arrays])
+        host = torch.empty(int(starts[-1]), dtype=dtype, pin_memory=self.device.type == "cuda")
+        buf = host.numpy()
+        for a, at in zip(arrays, starts):
+            buf[at:at + a.size] = a.ravel()
+        dev = host.to(self.device, non_blocking=True)
+        return [dev[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
+
+    def _metadata(self, a: StepArrays, slots: torch.Tensor) -> AttentionMetadata:
+        """Attention inputs of an eager step; the prefill rows' tables and lengths go up separately
+        (aligned, see AttentionMetadata)."""
         nd, num_seqs = a.num_decodes, len(a.q_lens)
+        tables, ctx_lens, cu, p_tables, p_ctx, p_cu = self._upload(
+            torch.int32, a.tables, a.ctx_lens, a.cu, a.tables[nd:], a.ctx_lens[nd:], a.cu[nd:] - nd)
         return AttentionMetadata(
             slot_mapping=slots, block_tables=tables, context_lens=ctx_lens, query_start_loc=cu, num_decodes=nd,
             max_query_len=int(a.q_lens.max()), max_context_len=int(a.ctx_lens.max()), block_size=self.block_size,
-            prefill_query_start_loc=cu[nd:] - nd,
-            max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
+            prefill_query_start_loc=p_cu, max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
+            prefill_block_tables=p_tables, prefill_context_lens=p_ctx,
             context_lens_host=a.ctx_lens.tolist(), query_lens_host=a.q_lens.tolist())
 
     @torch.no_grad()
@@ -268,16 +271,16 @@ class ModelRunner:
         a = self.prepare(batch)
         ids, positions, slots, rows, fill_dst, fill_src = self._upload(
             torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
-        tables, ctx_lens, cu = self._upload(torch.int32, a.tables, a.ctx_lens, a.cu)
         if len(a.fill_dst):
             if prev_tokens is None:
                 raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
             ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
         if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
                                                                                               a.tables.shape[1]):
+            tables, ctx_lens = self._upload(torch.int32, a.tables, a.ctx_lens)
             hidden = self.graphs.run(ids, positions, slots, ctx_lens, tables)
         else:
-            hidden = self.model(ids, positions, self._metadata(a, slots, tables, ctx_lens, cu))
+            hidden = self.model(ids, positions, self._metadata(a, slots))
         sampling = [s for s in batch.seqs if s.samples_this_step]
         sample = self.sampler(self.model.compute_logits(hidden[rows]), sampling) if sampling else None
         if sample is not None:

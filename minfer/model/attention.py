@@ -37,6 +37,10 @@ class AttentionMetadata:
     max_context_len: int
     block_size: int
     prefill_query_start_loc: torch.Tensor | None = None  # query_start_loc[num_decodes:] - num_decodes
+    # block_tables[num_decodes:] / context_lens[num_decodes:] in their own 16-byte-aligned memory, when
+    # given: Triton specialises on pointer alignment, and a slice at an odd offset compiles a new variant
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
     max_prefill_query_len: int = 0
     context_lens_host: list[int] = field(default_factory=list)
     query_lens_host: list[int] = field(default_factory=list)
@@ -82,8 +86,9 @@ class Attention(nn.Module):
             paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
                                    meta.context_lens[:nd], self.scale, out=out[:nd], **scales)
         if nd < q.shape[0]:
-            paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.block_tables[nd:],
-                                    meta.prefill_query_start_loc, meta.context_lens[nd:],
+            tables = meta.prefill_block_tables if meta.prefill_block_tables is not None else meta.block_tables[nd:]
+            ctx = meta.prefill_context_lens if meta.prefill_context_lens is not None else meta.context_lens[nd:]
+            paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, tables, meta.prefill_query_start_loc, ctx,
                                     meta.max_prefill_query_len, self.scale, out=out[nd:], **scales)
         return out
 
