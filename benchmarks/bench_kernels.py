@@ -176,7 +176,7 @@ def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, swe
     shape = f"{label} B={batch} ctx={ctx} Hq/Hkv={hq}/{hkv} D={d}"
     out = torch.empty_like(q)
     ref = paged_decode_attention_ref(q, kc, vc, table, lens, scale)
-    default_splits = choose_num_splits(batch, hkv, table.shape[1] * page, q.device)
+    default_splits = choose_num_splits(batch, hkv, table.shape[1] * page, q.device, 2 if kv_dtype == "int8" else 1)
     if kv_dtype != "auto":
         return decode_quant_rows(q, kc, vc, table, lens, scale, out, ref, kv_dtype, shape, nbytes, flops,
                                  default_splits, sweep)
@@ -260,7 +260,7 @@ def decode_quant_rows(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table
                     note + f", splits={default_splits}"))
     # The other product dtype (DecodeConfig.f16_dot flipped from its per-format default), to settle that default.
     f16_default = KV_QUANT_FORMATS[kv_dtype].dtype.is_floating_point
-    alt = replace(default_decode_config(q.device, q.shape[-1], q.dtype), f16_dot=not f16_default)
+    alt = replace(default_decode_config(q.device, q.shape[-1], q.dtype, kq.dtype), f16_dot=not f16_default)
     impl = f"triton {kv_dtype} " + ("bf16-products" if f16_default else "f16-products")
     fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, config=alt, **sc)
     fn()
