@@ -9,14 +9,7 @@ from minfer import LLM, SamplingParams
 from minfer.config import EngineConfig
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.sequence import PENDING_TOKEN
-
-PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
-NEW = 12
-SCENARIOS = {
-    "default": dict(num_kv_blocks=64),
-    "chunked": dict(num_kv_blocks=64, max_num_batched_tokens=6, max_num_seqs=4),
-    "preempt": dict(num_kv_blocks=4),
-}
+from test_engine_vs_hf import NEW, PROMPTS, SCENARIOS
 
 
 def _all_free(llm: LLM) -> bool:

@@ -183,8 +183,8 @@ class ModelRunner:
     @torch.no_grad()
     def _warm_up_kernels(self) -> None:
         """Compile the Triton variants that eager (mixed prefill + decode) steps use before the first
-        request, not in the middle of serving: on a GPU each costs seconds, and it measured as 30% of
-        a first workload-A run. Steps of 1, 7, 16 and 49 tokens cover decodes with and without
+        request, not in the middle of serving: on a GPU each costs seconds, and together they took
+        about half the wall time of a first workload-A run on a fresh machine. Steps of 1, 7, 16 and 49 tokens cover decodes with and without
         split-K, prompt chunks, and every integer specialisation class (1, multiples of 16, other).
         They write garbage into block 0, which no sequence holds yet."""
         width = 64
