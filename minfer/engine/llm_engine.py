@@ -48,15 +48,6 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
-@dataclass(slots=True)
-class InflightStep:
-    """A launched step awaiting completion."""
-
-    batch: SchedulerOutput
-    sampled: list[Sequence]  # row r of the step's draws belongs to sampled[r]
-    launched: LaunchedStep
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, stream_text: bool = True) -> None:
         """``stream_text``: ``step`` returns partial outputs, with text detokenized every step (for
@@ -80,7 +71,7 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
         self.async_scheduling = config.async_scheduling
-        self._inflight: InflightStep | None = None
+        self._inflight: LaunchedStep | None = None  # launched, not yet completed
 
     def _resolve_max_model_len(self) -> int:
         mc, limit = self.model_config, self.model_config.max_position_embeddings
@@ -183,28 +174,28 @@ class LLMEngine:
             self._inflight = None
         return outputs
 
-    def _launch(self, batch: SchedulerOutput) -> InflightStep:
+    def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
         """Queue the step on the device, then advance its sequences as if it had run: computed
         tokens move forward, and each sampling sequence gets a pending token."""
         if self.block_manager.pending_copies:  # copy-on-write of blocks shared by forked samples
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies = []
-        prev = self._inflight.launched.sample if self._inflight is not None else None
+        prev = self._inflight.sample if self._inflight is not None else None
         launched = self.runner.launch(batch, prev.token_ids if prev is not None else None)
-        sampled = [s for s in batch.seqs if s.samples_this_step]
         for seq in batch.seqs:
             seq.prompt_logprobs += launched.prompt_logprobs.get(seq.seq_id, ())
+            prompt_done = seq.num_computed_tokens < seq.num_prompt_tokens <= \
+                seq.num_computed_tokens + seq.num_scheduled_tokens
             seq.num_computed_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.cache_full_blocks(seq)
-            if seq.index == 0 and seq.num_computed_tokens >= seq.num_prompt_tokens \
-                    and self.requests[seq.request_id].unforked:
+            if prompt_done and seq.index == 0 and self.requests[seq.request_id].unforked:
                 self._fork_samples(seq)
-        for row, seq in enumerate(sampled):
+        for row, seq in enumerate(launched.sampled):
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
             seq.sample_row = row
-        return InflightStep(batch, sampled, launched)
+        return launched
 
     def _fork_samples(self, seq: Sequence) -> None:
         """Once sample 0 of an n-sample request has its prompt in the cache, samples 1..n-1 share its
@@ -216,10 +207,10 @@ class LLMEngine:
             self.scheduler.add(child, front=True)
         req.unforked = []
 
-    def _complete(self, step: InflightStep) -> list[RequestOutput]:
+    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's draws, fill in the pending tokens, apply stops, build outputs.
         Sequences that finished meanwhile (aborted, or stopped by the step before) are skipped."""
-        out = step.launched.sample.result() if step.launched.sample is not None else None
+        out = step.sample.result() if step.sample is not None else None
         touched: dict[str, Request] = {}
         for i, seq in enumerate(step.sampled):
             if seq.is_finished:

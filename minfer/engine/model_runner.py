@@ -21,6 +21,7 @@ from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
 from minfer.engine.sampler import DeviceSample, Sampler
 from minfer.engine.scheduler import SchedulerOutput
+from minfer.engine.sequence import Sequence
 from minfer.model.attention import AttentionMetadata
 from minfer.model.loader import build_model
 
@@ -70,8 +71,11 @@ class StepArrays:
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """A step whose kernels are queued: its draws (still on the device) and its prompt logprobs."""
+    """A step whose kernels are queued: its draws (still on the device; row r belongs to
+    ``sampled[r]``) and its prompt logprobs (already on the host)."""
 
+    batch: SchedulerOutput
+    sampled: list[Sequence]
     sample: DeviceSample | None
     prompt_logprobs: dict[int, list[dict[int, float]]]
 
@@ -241,7 +245,7 @@ class ModelRunner:
 
         Each view starts on a 64-byte boundary: Triton specialises kernels on 16-byte pointer
         alignment, and views at arbitrary offsets compiled new variants in the middle of a run."""
-        align = 64 // torch.empty(0, dtype=dtype).element_size()
+        align = 64 // dtype.itemsize
         starts = np.cumsum([0] + [-(-a.size // align) * align for a in arrays])
         host = torch.empty(int(starts[-1]), dtype=dtype, pin_memory=self.device.type == "cuda")
         buf = host.numpy()
@@ -281,13 +285,13 @@ class ModelRunner:
             hidden = self.graphs.run(ids, positions, slots, ctx_lens, tables)
         else:
             hidden = self.model(ids, positions, self._metadata(a, slots))
-        sampling = [s for s in batch.seqs if s.samples_this_step]
-        sample = self.sampler(self.model.compute_logits(hidden[rows]), sampling) if sampling else None
+        sampled = [s for s in batch.seqs if s.samples_this_step]
+        sample = self.sampler(self.model.compute_logits(hidden[rows]), sampled) if sampled else None
         if sample is not None:
             sample.start_copy()
         prompt_lp = self._prompt_logprobs(batch, hidden) if any(
             s.params.prompt_logprobs is not None for s in batch.seqs) else {}
-        return LaunchedStep(sample, prompt_lp)
+        return LaunchedStep(batch, sampled, sample, prompt_lp)
 
     def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[dict[int, float]]]:
         """Logprobs of each prompt token this step's rows predict (row at position p → token p+1),

@@ -43,7 +43,6 @@ def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) 
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None] | None  # per row: chosen token and the top-k, or None
-    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)  # seq_id -> new entries
 
 
 @dataclass(slots=True)
@@ -134,25 +133,22 @@ class Sampler:
         temps = self._tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32)
         seeds = self._tensor([s.sample_seed for s in seqs], torch.int64)
         counters = self._tensor([s.num_output_tokens for s in seqs], torch.int64)
-        filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params)
-        if logits.is_cuda and not filtered:  # one fused pass over the logits (same draws up to rounding)
+        if any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params):  # filters see logits / T
+            logits = logits / temps[:, None]
+            temps = torch.ones_like(temps)
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+                logits = self._top_k_top_p(logits, params)
+            if any(p.min_p > 0 for p in params):
+                probs = logits.softmax(-1)
+                min_p = self._tensor([p.min_p for p in params], torch.float32)
+                cutoff = probs.max(-1, keepdim=True).values * min_p[:, None]
+                logits = logits.masked_fill(probs < cutoff, float("-inf"))
+        if logits.is_cuda:  # one fused pass over the logits (the same draws up to rounding)
             from minfer.kernels.sampling import gumbel_argmax
 
             return gumbel_argmax(logits.contiguous(), row_hash(seeds, counters), temps)
-        logits = logits / temps[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = self._top_k_top_p(logits, params)
-        if any(p.min_p > 0 for p in params):
-            probs = logits.softmax(-1)
-            min_p = self._tensor([p.min_p for p in params], torch.float32)
-            cutoff = probs.max(-1, keepdim=True).values * min_p[:, None]
-            logits = logits.masked_fill(probs < cutoff, float("-inf"))
-        if logits.is_cuda:
-            from minfer.kernels.sampling import gumbel_argmax
-
-            return gumbel_argmax(logits.contiguous(), row_hash(seeds, counters), torch.ones_like(temps))
         gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
-        return (logits + gumbel).argmax(-1)
+        return (logits / temps[:, None] + gumbel).argmax(-1)
 
     def _top_k_top_p(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Keep the k most likely tokens and the smallest set whose probability reaches top_p."""
