@@ -22,7 +22,7 @@ def test_padded_decode_buffers_match_hf(checkpoints):
     llm = LLM(str(checkpoints["llama3"]), attention_backend="triton", num_kv_blocks=64, max_num_seqs=8,
               max_num_batched_tokens=64, max_model_len=128)
     runner = llm.llm_engine.runner
-    graphs = DecodeGraphs(runner.model, 8, cdiv(128, 16), 16, 128, runner.device)  # not captured
+    graphs = DecodeGraphs(runner.model, 8, cdiv(128, 16), 16, runner.device)  # not captured
     calls = []
     real_run = graphs.run
     graphs.run = lambda *a: calls.append(len(a[0])) or real_run(*a)

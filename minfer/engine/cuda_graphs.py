@@ -28,12 +28,11 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 device: torch.device) -> None:
         self.model = model
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.block_size = block_size
-        self.max_model_len = max_model_len
         b, dev = self.max_batch, device
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -46,8 +45,7 @@ class DecodeGraphs:
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
-            query_start_loc=torch.empty(0), num_decodes=b, max_query_len=1, max_context_len=self.max_model_len,
-            block_size=self.block_size)
+            num_decodes=b, block_size=self.block_size)
 
     @torch.no_grad()
     def capture(self) -> None:

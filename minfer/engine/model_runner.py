@@ -157,8 +157,9 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
         blocks = cdiv(n, self.block_size)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, blocks, self.device, zero=False)
-        meta, ids, pos = self._dummy_prefill(n)
-        hidden = self.model(ids, pos, meta)
+        a = self._synthetic_step([n], [n], np.arange(blocks, dtype=np.int32)[None, :])
+        ids, positions, slots = self._upload(torch.int64, a.ids, a.positions, a.slots)
+        hidden = self.model(ids, positions, self._metadata(a, slots))
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         temp_cache = blocks * self.block_bytes
         release_kv_cache(self.model.attention_layers())
@@ -170,19 +171,16 @@ class ModelRunner:
         sampler = self.config.max_num_seqs * c.vocab_size * 4 * 8  # logits, noise and sort temporaries
         return int(total * self.config.gpu_memory_utilization - peak - others - sampler)
 
-    def _dummy_prefill(self, n: int) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-        dev = self.device
-        blocks = cdiv(n, self.block_size)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=dev),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None, :],
-            context_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            num_decodes=0, max_query_len=n, max_context_len=n, block_size=self.block_size,
-            prefill_query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev), max_prefill_query_len=n,
-            context_lens_host=[n], query_lens_host=[n])
-        ids = torch.randint(0, self.model_config.vocab_size, (n,), device=dev)
-        return meta, ids, torch.arange(n, device=dev)
+    @staticmethod
+    def _synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray) -> StepArrays:
+        """Step arrays of made-up sequences (token 0 everywhere, each token's slot = its position),
+        for the start-up memory profile and kernel warm-up; decodes (q_len 1) must come first."""
+        q = np.array(q_lens, dtype=np.int64)
+        cu = np.concatenate([[0], np.cumsum(q)])
+        n, none = int(cu[-1]), np.zeros(0, dtype=np.int64)
+        positions = np.concatenate([np.arange(c - l, c) for l, c in zip(q_lens, ctx_lens)])
+        return StepArrays(np.zeros(n, dtype=np.int64), positions, positions.copy(), tables,
+                          np.array(ctx_lens, dtype=np.int32), q, cu, cu[1:] - 1, int((q == 1).sum()), none, none)
 
     @torch.no_grad()
     def _warm_up_kernels(self) -> None:
@@ -193,13 +191,10 @@ class ModelRunner:
         They write garbage into block 0, which no sequence holds yet."""
         width = 64
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
-            q_lens = np.array([1] * num_decodes + ([chunk] if chunk else []), dtype=np.int64)
-            ctx = np.array([width * self.block_size - 8] * num_decodes + ([chunk] if chunk else []), dtype=np.int32)
-            cu = np.concatenate([[0], np.cumsum(q_lens)])
-            n, none = int(cu[-1]), np.zeros(0, dtype=np.int64)
-            a = StepArrays(np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
-                           np.zeros((len(q_lens), width), dtype=np.int32), ctx, q_lens, cu, cu[1:] - 1, num_decodes,
-                           none, none)
+            q_lens = [1] * num_decodes + ([chunk] if chunk else [])
+            ctx = [width * self.block_size - 8] * num_decodes + ([chunk] if chunk else [])
+            a = self._synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32))
+            a.positions[:] = a.slots[:] = 0  # positions in any rotary table; all writes into block 0
             ids, positions, slots, rows = self._upload(torch.int64, a.ids, a.positions, a.slots, a.logit_rows)
             logits = self.model.compute_logits(self.model(ids, positions, self._metadata(a, slots))[rows])
         from minfer.kernels.sampling import gumbel_argmax
@@ -213,7 +208,7 @@ class ModelRunner:
         if self.device.type != "cuda" or self.backend != "triton" or self.config.enforce_eager:
             return None
         graphs = DecodeGraphs(self.model, self.config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
-                              self.block_size, self.max_model_len, self.device)
+                              self.block_size, self.device)
         graphs.capture()
         return graphs
 
@@ -258,11 +253,10 @@ class ModelRunner:
         """Attention inputs of an eager step; the prefill rows' tables and lengths go up separately
         (aligned, see AttentionMetadata)."""
         nd, num_seqs = a.num_decodes, len(a.q_lens)
-        tables, ctx_lens, cu, p_tables, p_ctx, p_cu = self._upload(
-            torch.int32, a.tables, a.ctx_lens, a.cu, a.tables[nd:], a.ctx_lens[nd:], a.cu[nd:] - nd)
+        tables, ctx_lens, p_tables, p_ctx, p_cu = self._upload(
+            torch.int32, a.tables, a.ctx_lens, a.tables[nd:], a.ctx_lens[nd:], a.cu[nd:] - nd)
         return AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, context_lens=ctx_lens, query_start_loc=cu, num_decodes=nd,
-            max_query_len=int(a.q_lens.max()), max_context_len=int(a.ctx_lens.max()), block_size=self.block_size,
+            slot_mapping=slots, block_tables=tables, context_lens=ctx_lens, num_decodes=nd, block_size=self.block_size,
             prefill_query_start_loc=p_cu, max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
             prefill_block_tables=p_tables, prefill_context_lens=p_ctx,
             context_lens_host=a.ctx_lens.tolist(), query_lens_host=a.q_lens.tolist())

@@ -24,23 +24,21 @@ class AttentionMetadata:
     """Per-step inputs of attention, all on the model's device.
 
     ``context_lens[s]`` counts sequence s's tokens in the cache after this step's store (its new
-    tokens included); ``query_start_loc`` holds the flat row offsets of each sequence's queries.
-    The host ints (``num_decodes``, ``max_*``) size grids and padding without a device sync.
+    tokens included). The host ints (``num_decodes``, ``max_prefill_query_len``) size grids and
+    padding without a device sync. The prompt chunks' rows (after the decodes) have their own
+    tensors, not slices of the whole step's: Triton specialises on 16-byte pointer alignment, and a
+    slice at an odd offset compiled a new kernel variant in the middle of a run. They are None
+    when the step has no chunk (CUDA-graph decodes).
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor  # [num_seqs] int32
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     num_decodes: int
-    max_query_len: int
-    max_context_len: int
     block_size: int
-    prefill_query_start_loc: torch.Tensor | None = None  # query_start_loc[num_decodes:] - num_decodes
-    # block_tables[num_decodes:] / context_lens[num_decodes:] in their own 16-byte-aligned memory, when
-    # given: Triton specialises on pointer alignment, and a slice at an odd offset compiles a new variant
-    prefill_block_tables: torch.Tensor | None = None
-    prefill_context_lens: torch.Tensor | None = None
+    prefill_query_start_loc: torch.Tensor | None = None  # chunk row offsets from 0: [num_chunks + 1] int32
+    prefill_block_tables: torch.Tensor | None = None  # block_tables[num_decodes:]
+    prefill_context_lens: torch.Tensor | None = None  # context_lens[num_decodes:]
     max_prefill_query_len: int = 0
     context_lens_host: list[int] = field(default_factory=list)
     query_lens_host: list[int] = field(default_factory=list)
@@ -86,9 +84,8 @@ class Attention(nn.Module):
             paged_decode_attention(q[:nd], self.k_cache, self.v_cache, meta.block_tables[:nd],
                                    meta.context_lens[:nd], self.scale, out=out[:nd], **scales)
         if nd < q.shape[0]:
-            tables = meta.prefill_block_tables if meta.prefill_block_tables is not None else meta.block_tables[nd:]
-            ctx = meta.prefill_context_lens if meta.prefill_context_lens is not None else meta.context_lens[nd:]
-            paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, tables, meta.prefill_query_start_loc, ctx,
+            paged_prefill_attention(q[nd:], self.k_cache, self.v_cache, meta.prefill_block_tables,
+                                    meta.prefill_query_start_loc, meta.prefill_context_lens,
                                     meta.max_prefill_query_len, self.scale, out=out[nd:], **scales)
         return out
 
