@@ -10,8 +10,10 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1; read once, since
+    Triton itself reads it when the kernels are decorated)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 

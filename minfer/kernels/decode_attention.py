@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, dot_mode, interpreting, next_pow2, num_sms
+from ._utils import dot_mode, interpreting, next_pow2, num_sms
 from .quant import (
-    F16_INT8_BIASED, INT8_F16_BIAS, check_cache_scales, codes_to_f16, dequantize_ref, format_of, gather_scales,
+    F16_INT8_BIASED, INT8_F16_BIAS, check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref,
+    gather_scales,
 )
 
 LOG2E = 1.4426950408889634
@@ -214,31 +215,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def _validate(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-              context_lens: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
-    """Check the arguments; True when the cache is 8-bit (quantized)."""
-    check_dtype("q", q)
-    quant = check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None
-    if not quant:
-        check_dtype("k_cache", k_cache)
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("expected q [B, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if q.stride(-1) != 1:
-        raise ValueError("q must have a contiguous last dimension")
-    head_dim, page, num_kv_heads = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or k_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim must be a power of two in [16, 256] matching the cache, got {head_dim}")
-    if page & (page - 1) or page < 16:
-        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
-    if q.shape[1] % num_kv_heads:
-        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise TypeError("block_tables and context_lens must be int32")
-    return quant
-
-
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -261,7 +237,9 @@ def paged_decode_attention(
     the batch, the KV heads, the widest possible context (``block_tables.shape[1] * block_size``,
     known on the host) and the multiprocessor count. Returns ``out`` (allocated if None) in q's dtype.
     """
-    quant = _validate(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
+    fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
+                                context_lens=context_lens)
+    quant = fmt is not None
     batch, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -282,7 +260,6 @@ def paged_decode_attention(
         mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     upcast, prec = dot_mode(q.dtype)
-    fmt = format_of(k_cache.dtype)
     f16_dot = quant and q.dtype != torch.float32 and (cfg.f16_dot if cfg.f16_dot is not None else not fmt.is_int)
     if f16_dot:
         upcast, prec = dot_mode(torch.float16)

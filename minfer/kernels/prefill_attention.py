@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, dot_mode, interpreting
-from .quant import check_cache_scales, dequantize_ref, gather_scales
+from ._utils import dot_mode, interpreting
+from .quant import check_cache_scales, check_paged_attention, dequantize_ref, gather_scales
 
 LOG2E = 1.4426950408889634
 
@@ -186,24 +186,10 @@ def paged_prefill_attention(
     tokens including the chunk. ``max_query_len`` (host int) sizes the grid. Returns ``out`` ``[T, Hq, D]``.
     8-bit caches (int8 / fp8) need their ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``.
     """
-    check_dtype("q", q)
-    quant = check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None
-    if not quant:
-        check_dtype("k_cache", k_cache)
-    if q.stride(-1) != 1:
-        raise ValueError("q must have a contiguous last dimension")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32 or query_start_loc.dtype != torch.int32:
-        raise TypeError("block_tables, query_start_loc and context_lens must be int32")
+    quant = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
+                                  context_lens=context_lens, query_start_loc=query_start_loc) is not None
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if page & (page - 1) or page < 16:
-        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_seqs = query_start_loc.shape[0] - 1

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._utils import check_dtype, check_last_dim_contiguous
 from minfer.model.kv_quant import (  # noqa: F401  (re-exported for the kernels and tests)
     F16_CVT, F16_INT8_BIASED, F16_SHIFT, KV_QUANT_FORMATS, KV_SCALE_DTYPE, KVQuantFormat, dequantize_ref,
     format_of, gather_scales, min_scale, quantize_ref, scale_grid,
@@ -62,6 +63,32 @@ def scaled_codes(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANT: tl.co
 
 
 # ------------------------------------------------------------------------------------- launch helpers
+def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                          v_scale: torch.Tensor | None, **int32_args: torch.Tensor) -> KVQuantFormat | None:
+    """Check the arguments of the paged attention kernels (q ``[T, Hq, D]``, caches ``[num_blocks,
+    block_size, Hkv, D]``, the named int32 index tensors); return the cache's 8-bit format or None."""
+    check_dtype("q", q)
+    fmt = check_cache_scales(k_cache, v_cache, k_scale, v_scale)
+    if fmt is None:
+        check_dtype("k_cache", k_cache)
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError("expected q [T, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    check_last_dim_contiguous("q", q)
+    head_dim, page, num_kv_heads = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or k_cache.shape[3] != head_dim:
+        raise ValueError(f"head_dim must be a power of two in [16, 256] matching the cache, got {head_dim}")
+    if page & (page - 1) or page < 16:
+        raise ValueError(f"block_size must be a power of two >= 16, got {page}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    for name, t in int32_args.items():
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+    return fmt
+
+
 def check_cache_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
                        v_scale: torch.Tensor | None) -> KVQuantFormat | None:
     """The caches' format (None: plain float), after checking that 8-bit caches come with scales of
