@@ -101,11 +101,10 @@ class AsyncLLMEngine:
     (queued or in prefill); past it ``add_request`` raises ``QueueFullError``.
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
-                 observer: EngineObserver | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
-        self.observer = observer
+        self.observer: EngineObserver | None = None  # told of every step and abort, on the engine thread
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._num_waiting = 0
@@ -152,17 +151,15 @@ class AsyncLLMEngine:
                     num_streams=len(self._streams))
 
     # ---- requests (event loop side) -------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-                    request_id: str | None = None) -> RequestStream:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+                    ) -> RequestStream:
         """Queue a request for the engine thread and return the stream its outputs arrive on."""
-        if self._error is not None or not self.healthy:
+        if not self.healthy:
             raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
         limit = self.max_waiting_requests
         if limit is not None and self._num_waiting >= limit:
             raise QueueFullError(f"{self._num_waiting} requests are already waiting (limit {limit})")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+        request_id = f"req-{next(self._ids)}"
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
         self._num_waiting += 1
@@ -235,12 +232,15 @@ class AsyncLLMEngine:
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False once told to stop."""
+        handled = False
         while True:
             try:
                 cmd = self._commands.get(timeout=None) if block else self._commands.get_nowait()
             except queue.Empty:
+                if handled:  # one snapshot for a burst of adds and aborts
+                    self._stats = self.engine.get_stats()
                 return True
-            block = False
+            block, handled = False, True
             kind = cmd[0]
             if kind == "stop":
                 return False
@@ -256,7 +256,6 @@ class AsyncLLMEngine:
                     self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
                 except (ValueError, TypeError) as exc:  # a bad request, not a broken engine
                     self._call_on_loop(self._fail, request_id, exc)
-            self._stats = self.engine.get_stats()
 
     def _count_new_tokens(self, outputs: list[RequestOutput]) -> list[int]:
         counts = self._num_tokens

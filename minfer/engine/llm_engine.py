@@ -34,6 +34,14 @@ from minfer.sampling_params import SamplingParams
 PromptType = str | dict[str, Any] | list[int]
 
 
+class PromptError(ValueError):
+    """A request the engine can never serve; ``field`` names what to change: 'prompt' or 'max_tokens'."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -104,7 +112,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
-        max_total = self._check_prompt(ids, params)
+        max_total = self.check_prompt(ids, params.max_tokens)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
         seqs = []
@@ -123,22 +131,24 @@ class LLMEngine:
                                             RequestMetrics(arrival_time or time.time()), seqs[1:])
         self.scheduler.add(seqs[0])
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> int:
-        """Reject prompts the engine can never serve; return the request's longest total length."""
+    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+        """Reject requests the engine can never serve (``PromptError``); return the request's longest
+        total length. It reads only fixed facts (model, cache size), so the server's event loop calls
+        it too, to answer 400 before queueing."""
         if not ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
+            raise PromptError("the prompt is empty: it must contain at least one token", "prompt")
         vocab = self.model_config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got min {min(ids)}, max {max(ids)}")
+            raise PromptError(f"prompt token ids must be in [0, {vocab}), got min {min(ids)}, max {max(ids)}", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                             f"it must be shorter to leave room for at least one output token")
-        total = self.max_model_len if params.max_tokens is None else min(len(ids) + params.max_tokens,
-                                                                         self.max_model_len)
+            raise PromptError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                              f"it must be shorter to leave room for at least one output token", "prompt")
+        total = self.max_model_len if max_tokens is None else min(len(ids) + max_tokens, self.max_model_len)
         need = self.block_manager.blocks_needed(total)
         if need > self.block_manager.num_blocks:
-            raise ValueError(f"this request needs up to {need} KV blocks ({total} tokens) but the whole cache has "
-                             f"{self.block_manager.num_blocks}; lower max_tokens or give the cache more memory")
+            raise PromptError(f"this request needs up to {need} KV blocks ({total} tokens) but the whole cache has "
+                              f"{self.block_manager.num_blocks}; lower max_tokens or give the cache more memory",
+                              "max_tokens")
         return total
 
     def abort_request(self, request_id: str) -> None:

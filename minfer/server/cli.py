@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 from typing import Any
 
 DEFAULT_MAX_WAITING = 1024
@@ -59,8 +58,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = DEFAULT_MAX_WAITING,
-               skip_tokenizer_init: bool = False, log_level: str = "info", access_log: bool = True,
-               sock: socket.socket | None = None) -> None:
+               skip_tokenizer_init: bool = False, log_level: str = "info", access_log: bool = True) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully)."""
     import uvicorn
 
@@ -80,8 +78,4 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     engine = LLMEngine(config, stream_text=True)
     logging.getLogger("minfer").info("serving %s as %s on http://%s:%d", model, names, host, port)
     app = build_app(engine, names, max_waiting_requests or None)
-    config_kwargs = dict(log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
-    if sock is not None:
-        uvicorn.Server(uvicorn.Config(app, **config_kwargs)).run(sockets=[sock])
-    else:
-        uvicorn.run(app, host=host, port=port, **config_kwargs)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)

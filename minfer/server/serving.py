@@ -17,8 +17,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minfer.config import cdiv
 from minfer.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from minfer.engine.llm_engine import PromptError
 from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams
 from minfer.server.errors import APIError, bad_request, error_body
@@ -40,9 +40,6 @@ class ServerContext:
     engine: AsyncLLMEngine
     served_model_names: list[str]
     max_model_len: int
-    vocab_size: int
-    block_size: int
-    num_kv_blocks: int
     tokenizer: Any = None  # the event loop's own copy (see from_engine)
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
@@ -53,8 +50,6 @@ class ServerContext:
         (ours encoding, the engine thread decoding) can fail with 'Already borrowed'."""
         core = engine.engine
         return cls(engine=engine, served_model_names=served_model_names, max_model_len=core.max_model_len,
-                   vocab_size=core.model_config.vocab_size, block_size=core.config.block_size,
-                   num_kv_blocks=core.get_stats()["num_kv_blocks"],
                    tokenizer=copy.deepcopy(core.tokenizer) if core.tokenizer is not None else None, **kwargs)
 
     @property
@@ -75,21 +70,13 @@ class ServerContext:
         return self.tokenizer
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
-        """The engine's own limits, checked before the request is queued."""
-        if not ids:
-            raise APIError(400, f"{param}: the prompt is empty; it must contain at least one token", param)
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self.vocab_size:
-            raise APIError(400, f"{param}: token ids must be in [0, {self.vocab_size}), got min {lo}, max {hi}",
-                           param)
-        if len(ids) >= self.max_model_len:
-            raise APIError(400, f"{param}: this model's maximum context length is {self.max_model_len} tokens, but "
-                                f"the prompt has {len(ids)}; it must be shorter, to leave room for output", param)
-        total = self.max_model_len if max_tokens is None else min(len(ids) + max_tokens, self.max_model_len)
-        if cdiv(total, self.block_size) > self.num_kv_blocks:
-            raise APIError(400, f"max_tokens: this request needs up to {cdiv(total, self.block_size)} KV blocks "
-                                f"({total} tokens) but the cache holds {self.num_kv_blocks}; lower max_tokens",
-                           "max_tokens")
+        """The engine's own limits (``LLMEngine.check_prompt``), checked before the request is queued;
+        ``param`` names the prompt field in the error."""
+        try:
+            self.engine.engine.check_prompt(ids, max_tokens)
+        except PromptError as exc:
+            name = param if exc.field == "prompt" else exc.field
+            raise APIError(400, f"{name}: {exc}", name) from exc
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
