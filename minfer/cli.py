@@ -78,7 +78,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     files = [Path(f) for f in args.files]
     llm = LLM(args.model, **_engine_kwargs(args))
     result = evaluate_perplexity(llm, files, args.window)
-    print(json.dumps({"model": args.model or "built-in", "files": len(files), "window": args.window,
+    print(json.dumps({"model": args.model or "built-in", "files": len(files), "window": result.window,
                       "perplexity": round(result.perplexity, 4), "nll_per_token": round(result.nll_per_token, 6),
                       "tokens_scored": result.num_tokens_scored, "windows": result.num_windows,
                       "kv_cache_dtype": args.kv_cache_dtype}, indent=2))
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, TypeError) as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"minfer {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,7 @@ class PerplexityResult:
     nll_per_token: float
     num_tokens_scored: int
     num_windows: int
+    window: int  # tokens per window
 
 
 def text_windows(llm: LLM, files: list[Path], window: int) -> list[list[int]]:
@@ -26,7 +27,7 @@ def text_windows(llm: LLM, files: list[Path], window: int) -> list[list[int]]:
     windows = []
     for path in files:
         ids = tok.encode(Path(path).read_text(encoding="utf-8", errors="replace"))
-        windows += [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) >= 2]
+        windows += [ids[i:i + window] for i in range(0, len(ids) - 1, window)]  # each of >= 2 tokens
     return windows
 
 
@@ -51,4 +52,4 @@ def evaluate_perplexity(llm: LLM, files: list[Path], window: int | None = None) 
         for pos in range(1, len(w)):
             nll -= out.prompt_logprobs[pos][w[pos]]
             count += 1
-    return PerplexityResult(math.exp(nll / count), nll / count, count, len(windows))
+    return PerplexityResult(math.exp(nll / count), nll / count, count, len(windows), window)

@@ -53,17 +53,18 @@ def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], 
 def run_batch1(llm: LLM, input_len: int, output_len: int) -> dict[str, Any]:
     """Decode speed of one request (first token excluded) against the weights/bandwidth bound
     (the H200's 4.22 TB/s: the share is only meaningful there)."""
-    prompts, params = fixed_workload(1, input_len, output_len, vocab_size=llm.llm_engine.model_config.vocab_size)
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)]
+    prompts, _ = fixed_workload(1, input_len, output_len, vocab_size=llm.llm_engine.model_config.vocab_size)
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)]  # greedy, unlike the workload
     llm.generate(prompts, [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)], use_tqdm=False)
     _sync()
     out = llm.generate(prompts, params, use_tqdm=False)[0]
     m = out.metrics
     decode_s = m.finished_time - m.first_token_time
     tok_s = (len(out.outputs[0].token_ids) - 1) / decode_s
-    bound = HBM_BYTES_PER_S / weight_bytes(llm)
+    weights = weight_bytes(llm)
+    bound = HBM_BYTES_PER_S / weights
     return {"input_len": input_len, "output_len": output_len, "decode_tok_s": round(tok_s, 1),
-            "ttft_s": round(m.first_token_time - m.arrival_time, 4), "weights_gib": round(weight_bytes(llm) / 2**30, 3),
+            "ttft_s": round(m.first_token_time - m.arrival_time, 4), "weights_gib": round(weights / 2**30, 3),
             "bound_tok_s": round(bound, 1), "share_of_bound": round(tok_s / bound, 6)}
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
+from minfer.config import DTYPES
 from minfer.train.trainer import TrainConfig, train
 
 _DEFAULTS = TrainConfig(out=Path("runs/train"))
@@ -53,7 +55,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=d.seed)
     run.add_argument("--resume", action="store_true",
                      help="continue from OUT/train/checkpoint.pt")
-    run.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"),
+    run.add_argument("--dtype", default=d.dtype, choices=tuple(DTYPES),
                      help="dtype of the exported weights")
     run.add_argument("--compile", action="store_true", help="torch.compile the model")
     run.add_argument("--stop-after", type=int, default=None,
@@ -70,17 +72,9 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(
-        out=args.out, paths=[str(x) for x in args.paths], vocab_size=args.vocab_size,
-        tokenizer=args.tokenizer, hidden_size=args.hidden_size, layers=args.layers,
-        heads=args.heads, kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
-        rope_theta=args.rope_theta, dropout=args.dropout, seq_len=args.seq_len,
-        batch_size=args.batch_size, steps=args.steps, lr=args.lr,
-        min_lr_ratio=args.min_lr_ratio, warmup=args.warmup, weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip, eval_every=args.eval_every, eval_windows=args.eval_windows,
-        device=args.device, seed=args.seed, resume=args.resume, max_time=args.max_time,
-        dtype=args.dtype, compile=args.compile, quiet=args.quiet,
-        stop_after=args.stop_after)
+    """Every TrainConfig field has a flag of the same name."""
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig)}
+    return TrainConfig(**(values | {"paths": [str(x) for x in args.paths]}))
 
 
 def run_train(args: argparse.Namespace) -> int:

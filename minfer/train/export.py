@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from minfer.config import DTYPES
 from minfer.train.model import Llama, ModelConfig
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json")
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def hf_state_dict(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from minfer.config import DTYPES
 from minfer.train.corpus import load_corpus, texts
 from minfer.train.export import export_hf, hf_checkpoint_bytes
 from minfer.train.model import Llama, ModelConfig
@@ -78,8 +79,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.max_time is not None and self.max_time <= 0:
             raise ValueError(f"max_time must be > 0 seconds, got {self.max_time}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
 
     def model_config(self, vocab_size: int) -> ModelConfig:
         """Validates the shape (ModelConfig raises ValueError on a bad one)."""
@@ -136,23 +137,23 @@ def evaluate(model: Llama, stream: torch.Tensor, seq_len: int, batch_size: int,
     if max_windows is not None and len(starts) > max_windows:
         pick = torch.linspace(0, len(starts) - 1, max_windows).round().long().tolist()
         starts = [starts[i] for i in pick]
-    total, count = 0.0, 0
+    total, count = torch.zeros((), device=device), 0  # one device->host read at the end
     for i in range(0, len(starts), batch_size):
         chunk = starts[i:i + batch_size]
         inputs = torch.full((len(chunk), seq_len), PAD_ID, dtype=torch.long)
         targets = torch.full((len(chunk), seq_len), -100, dtype=torch.long)
         for row, s in enumerate(chunk):
-            w = stream[s:s + seq_len + 1].long().cpu()
+            w = stream[s:s + seq_len + 1].long()  # ``stream`` lives on the host
             inputs[row, :w.numel() - 1] = w[:-1]
             targets[row, :w.numel() - 1] = w[1:]
+            count += w.numel() - 1
         inputs, targets = inputs.to(device), targets.to(device)
         with autocast(device):
             logits = model(inputs)
         total += F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1),
-                                 ignore_index=-100, reduction="sum").item()
-        count += int((targets != -100).sum())
+                                 ignore_index=-100, reduction="sum")
     model.train(was_training)
-    return total, count
+    return float(total), count
 
 
 def _optimizer(model: Llama, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -199,7 +200,7 @@ def train(cfg: TrainConfig) -> dict:
                          "--seq-len")
     log(f"tokens: {train_stream.numel():,} train, {val_stream.numel():,} held-out "
         f"(vocab {tok.get_vocab_size()})")
-    train_stream, val_stream = train_stream.to(device), val_stream.to(device)
+    train_stream = train_stream.to(device)  # the held-out stream stays on the host (see evaluate)
 
     mcfg = cfg.model_config(tok.get_vocab_size())
     model = Llama(mcfg).to(device)
@@ -316,7 +317,7 @@ def train(cfg: TrainConfig) -> dict:
     model.load_state_dict(best["model"])
     nats, count = evaluate(model, val_stream, cfg.seq_len, cfg.batch_size, device)
     val_loss = nats / max(count, 1)
-    export_hf(model, cfg.out, dtype=getattr(torch, cfg.dtype))
+    export_hf(model, cfg.out, dtype=DTYPES[cfg.dtype])
     metrics = {
         "params": model.num_parameters(),
         "checkpoint_mib": round(hf_checkpoint_bytes(cfg.out) / 2**20, 3),
