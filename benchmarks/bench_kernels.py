@@ -45,10 +45,11 @@ from minfer.kernels import (  # noqa: E402
 )
 from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
 from minfer.kernels.decode_attention import default_config as default_decode_config  # noqa: E402
+from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
 from minfer.kernels.quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
-PEAK_BW = 4.22e12
+PEAK_BW = HBM_BYTES_PER_S  # BENCHMARKS.md's measured copy bandwidth
 PEAK_FLOPS = 793e12
 DT = torch.bfloat16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -165,6 +166,31 @@ DECODE_SWEEP = [DecodeConfig(bn, w, s) for bn, w, s in [(64, 4, 3), (64, 4, 2), 
 DECODE_SWEEP += [DecodeConfig(bn, w, s) for bn, w, s in [(128, 8, 3), (64, 4, 5), (128, 4, 4), (128, 8, 4), (256, 8, 3)]]
 
 
+def sweep_decode(run: Callable[[DecodeConfig, int], object], out: torch.Tensor, ref: torch.Tensor, shape: str,
+                 impl: str, nbytes: float, flops: float, splits_opts: set[int]) -> list[Row]:
+    """Time ``run(config, num_splits)`` for every DECODE_SWEEP config and split count; print each,
+    return the fastest accurate one as a row."""
+    best = (float("inf"), None, None)
+    for cfg in DECODE_SWEEP:
+        for ns in sorted(splits_opts):
+            try:
+                fn = lambda: run(cfg, ns)
+                fn()
+                err = rel_err(out, ref)
+                ms = bench_graph(fn, rep=50)
+            except Exception as e:  # a config that does not compile (shared memory) is skipped
+                print(f"  sweep decode {impl} {cfg} splits={ns}: {type(e).__name__}", flush=True)
+                continue
+            print(f"  sweep decode {impl} {shape} {cfg} splits={ns}: {ms * 1e3:.1f} us "
+                  f"{100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}% err {err:.1e}", flush=True)
+            if err < 1e-2 and ms < best[0]:
+                best = (ms, cfg, ns)
+    print(f"  BEST decode {impl} {shape}: {best[1]} splits={best[2]} {best[0] * 1e3:.1f} us", flush=True)
+    if best[1] is None:
+        return []
+    return [Row("decode attn", shape, f"{impl}, best of sweep", best[0], nbytes, flops, f"{best[1]} splits={best[2]}")]
+
+
 def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, sweep: bool,
                 kv_dtype: str = "auto") -> list[Row]:
     page = 16
@@ -182,27 +208,10 @@ def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, swe
                                  default_splits, sweep)
     rows: list[Row] = []
     if sweep:
-        splits_opts = sorted({1, 2, default_splits} if batch * hkv >= 256 else
-                             {32, 64, 128, 256, default_splits})
-        best = (float("inf"), None, None)
-        for cfg in DECODE_SWEEP:
-            for ns in splits_opts:
-                try:
-                    fn = lambda: paged_decode_attention(q, kc, vc, table, lens, scale, out, num_splits=ns, config=cfg)
-                    fn()
-                    err = rel_err(out, ref)
-                    ms = bench_graph(fn, rep=50)
-                except Exception as e:  # a config that does not compile (shared memory) is skipped
-                    print(f"  sweep decode {cfg} splits={ns}: {type(e).__name__}", flush=True)
-                    continue
-                print(f"  sweep decode {shape} {cfg} splits={ns}: {ms * 1e3:.1f} us "
-                      f"{100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}% err {err:.1e}", flush=True)
-                if err < 1e-2 and ms < best[0]:
-                    best = (ms, cfg, ns)
-        print(f"  BEST decode {shape}: {best[1]} splits={best[2]} {best[0] * 1e3:.1f} us", flush=True)
-        if best[1] is not None:
-            rows.append(Row("decode attn", shape, "triton, best of sweep", best[0], nbytes, flops,
-                            f"{best[1]} splits={best[2]}"))
+        rows += sweep_decode(lambda cfg, ns: paged_decode_attention(q, kc, vc, table, lens, scale, out, num_splits=ns,
+                                                                    config=cfg),
+                             out, ref, shape, "triton", nbytes, flops,
+                             {1, 2, default_splits} if batch * hkv >= 256 else {32, 64, 128, 256, default_splits})
     fn = lambda: paged_decode_attention(q, kc, vc, table, lens, scale, out)
     fn()
     note = check(f"decode {shape}", out, ref) + f", splits={default_splits}"
@@ -231,28 +240,11 @@ def decode_quant_rows(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table
     ref = paged_decode_attention_ref(q, kq, vq, table, lens, scale, **sc)
     rows: list[Row] = []
     if sweep:
-        splits_opts = sorted({1, 2, default_splits} if q.shape[0] * kq.shape[2] >= 256 else
+        rows += sweep_decode(lambda cfg, ns: paged_decode_attention(q, kq, vq, table, lens, scale, out, num_splits=ns,
+                                                                    config=cfg, **sc),
+                             out, ref, shape, f"triton {kv_dtype}", nbytes, flops,
+                             {1, 2, 4, default_splits} if q.shape[0] * kq.shape[2] >= 256 else
                              {32, 64, 128, default_splits})
-        best = (float("inf"), None, None)
-        for cfg in DECODE_SWEEP:
-            for ns in splits_opts:
-                try:
-                    fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, num_splits=ns,
-                                                        config=cfg, **sc)
-                    fn()
-                    err = rel_err(out, ref)
-                    ms = bench_graph(fn, rep=50)
-                except Exception as e:
-                    print(f"  sweep decode {kv_dtype} {cfg} splits={ns}: {type(e).__name__}", flush=True)
-                    continue
-                print(f"  sweep decode {kv_dtype} {shape} {cfg} splits={ns}: {ms * 1e3:.1f} us "
-                      f"{100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}% err {err:.1e}", flush=True)
-                if err < 1e-2 and ms < best[0]:
-                    best = (ms, cfg, ns)
-        print(f"  BEST decode {kv_dtype} {shape}: {best[1]} splits={best[2]} {best[0] * 1e3:.1f} us", flush=True)
-        if best[1] is not None:
-            rows.append(Row("decode attn", shape, f"triton {kv_dtype}, best of sweep", best[0], nbytes, flops,
-                            f"{best[1]} splits={best[2]}"))
     fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, **sc)
     fn()
     note = check(f"decode {kv_dtype} {shape}", out, ref) + f", quant {rel_err(out, bf16_ref):.1e}"
