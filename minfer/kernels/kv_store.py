@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
-from .quant import check_cache_scales, quantize_ref, row_scales, scaled_codes, store_constexprs
+from .quant import check_cache_scales, row_scales, scaled_codes, store_constexprs
 
 
 @triton.jit
@@ -117,18 +117,11 @@ def store_kv_ref(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Torch reference of :func:`store_kv` (the tests' oracle): an indexed copy of the valid rows,
-    quantized first for 8-bit caches (bit-identical to the kernel's codes and scales)."""
-    fmt = check_cache_scales(k_cache, v_cache, k_scale, v_scale)
+    """Torch reference of :func:`store_kv` (the tests' oracle): the engine's torch-path store
+    (quantizing first for 8-bit caches, bit-identical to the kernel's codes and scales) on the rows
+    whose slot is not -1."""
+    from minfer.model.attention import store_kv as store_kv_torch
+
+    check_cache_scales(k_cache, v_cache, k_scale, v_scale)
     valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    page, num_heads, head_dim = k_cache.shape[1:]
-    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-        rows = x[valid]
-        if fmt is not None:
-            rows, row_scales_ = quantize_ref(rows, fmt, scales.dtype)
-            scales[slots // page, :, slots % page] = row_scales_
-        flat = cache.view(-1, num_heads, head_dim)
-        if fmt is not None:  # index_copy_ has no float8 CPU kernel: copy the bytes
-            flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
-        flat.index_copy_(0, slots, rows.to(flat.dtype))
+    store_kv_torch(k[valid], v[valid], k_cache, v_cache, slot_mapping[valid], k_scale, v_scale)
