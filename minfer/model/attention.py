@@ -97,10 +97,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fmt = format_of(k_cache.dtype)
     page = k_cache.shape[1]
     for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = cache.view(-1, *cache.shape[2:])
         if fmt is not None:
             x, row_scales = quantize_ref(x, fmt, scales.dtype)
             scales[slot_mapping // page, :, slot_mapping % page] = row_scales
-        cache.view(-1, *cache.shape[2:])[slot_mapping] = x
+            rows, x = rows.view(torch.uint8), x.view(torch.uint8)  # as bytes: float8 lacks some index kernels
+        rows[slot_mapping] = x
 
 
 def _gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
