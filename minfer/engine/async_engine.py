@@ -143,11 +143,16 @@ class AsyncLLMEngine:
         return self._error
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters as of its last step, the output rate over the last second, and the
-        server's waiting count. (``list(deque)`` copies atomically under the GIL.)"""
+        """The engine's counters as of its last step with the KV usage and prefix-cache hit rate
+        derived from them, the output rate over the last second, and the server's waiting count.
+        (``list(deque)`` copies atomically under the GIL.)"""
         now = time.time()
         recent = sum(n for t, n in list(self._token_times) if t > now - 1.0)
-        return dict(self._stats, generation_tokens_per_s=float(recent), num_waiting_requests=self._num_waiting,
+        s = self._stats
+        used, queried = s["num_kv_blocks"] - s["num_free_kv_blocks"], s["prefix_cache_queried_tokens"]
+        return dict(s, kv_blocks_used=used, kv_cache_usage=used / max(s["num_kv_blocks"], 1),
+                    prefix_cache_hit_rate=s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
+                    generation_tokens_per_s=float(recent), num_waiting_requests=self._num_waiting,
                     num_streams=len(self._streams))
 
     # ---- requests (event loop side) -------------------------------------------------------

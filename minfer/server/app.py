@@ -80,12 +80,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         """Engine state for the web page's live panel (cheap: a snapshot, no engine call)."""
-        s = async_engine.stats()
-        used = s["num_kv_blocks"] - s["num_free_kv_blocks"]
-        queried = s["prefix_cache_queried_tokens"]
-        return dict(s, kv_blocks_used=used, kv_cache_usage=used / max(s["num_kv_blocks"], 1),
-                    prefix_cache_hit_rate=s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
-                    healthy=async_engine.healthy, model=ctx.model_name, max_model_len=ctx.max_model_len,
+        return dict(async_engine.stats(), healthy=async_engine.healthy, model=ctx.model_name, max_model_len=ctx.max_model_len,
                     has_chat_template=bool(getattr(ctx.tokenizer, "chat_template", None)))
 
     @app.get("/", include_in_schema=False)

@@ -30,26 +30,24 @@ class _EngineStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
-        total, free = s["num_kv_blocks"], s["num_free_kv_blocks"]
-        queried, hits = s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"]
         gauges = {
             "minfer_num_requests_running": ("sequences in the running batch", s["num_running"]),
             "minfer_num_requests_waiting": ("sequences waiting to be scheduled", s["num_waiting"]),
             "minfer_num_requests_queued": ("requests admitted by the server, not yet producing tokens",
                                            s.get("num_waiting_requests", 0)),
-            "minfer_kv_blocks_total": ("KV-cache blocks", total),
-            "minfer_kv_blocks_used": ("KV-cache blocks held by unfinished sequences", total - free),
-            "minfer_kv_cache_usage_ratio": ("fraction of KV-cache blocks in use", (total - free) / max(total, 1)),
+            "minfer_kv_blocks_total": ("KV-cache blocks", s["num_kv_blocks"]),
+            "minfer_kv_blocks_used": ("KV-cache blocks held by unfinished sequences", s["kv_blocks_used"]),
+            "minfer_kv_cache_usage_ratio": ("fraction of KV-cache blocks in use", s["kv_cache_usage"]),
             "minfer_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache / tokens looked up",
-                                             hits / queried if queried else 0.0),
+                                             s["prefix_cache_hit_rate"]),
             "minfer_engine_healthy": ("1 while the engine loop runs", 1.0 if self.healthy() else 0.0),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "minfer_num_preemptions": ("sequences preempted for lack of KV blocks", s["num_preemptions"]),
-            "minfer_prefix_cache_queried_tokens": ("prompt tokens looked up in the prefix cache", queried),
-            "minfer_prefix_cache_hit_tokens": ("prompt tokens found in the prefix cache", hits),
+            "minfer_prefix_cache_queried_tokens": ("prompt tokens looked up in the prefix cache", s["prefix_cache_queried_tokens"]),
+            "minfer_prefix_cache_hit_tokens": ("prompt tokens found in the prefix cache", s["prefix_cache_hit_tokens"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
