@@ -60,7 +60,7 @@ def test_bench_launches_its_own_server(tiny_model: Path, tmp_path: Path) -> None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "minfer.server", "bench-serve", "--launch", "--model", str(tiny_model),
+    cmd = [sys.executable, "-m", "minfer.cli", "bench-serve", "--launch", "--model", str(tiny_model),
            "--port", str(port), "--num-kv-blocks", "128", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
            "--concurrency", "2", "--num-prompts", "4", "--warmup", "1", "--output-dir", str(tmp_path), *FIXED]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
