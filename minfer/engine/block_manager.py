@@ -81,11 +81,12 @@ class BlockManager:
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) + shared
         if need > len(self.free_ids):
             return False
-        if shared:
+        if shared:  # a new list, not an edit in place: see Sequence.table_rows
             src = seq.block_table[first]
             self.blocks[src].ref_count -= 1
-            seq.block_table[first] = self._take_free_block()
-            self.pending_copies.append((src, seq.block_table[first]))
+            dst = self._take_free_block()
+            seq.block_table = seq.block_table[:first] + [dst] + seq.block_table[first + 1:]
+            self.pending_copies.append((src, dst))
         for _ in range(need - shared):
             seq.block_table.append(self._take_free_block())
         return True

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from minfer.sampling_params import SamplingParams
 
 
@@ -30,6 +32,10 @@ class Sequence:
     launched (``num_pending`` counts them, at most two, at the end of ``token_ids``) and filled in
     when the step's results come back; meanwhile the next step reads its value on the device from
     row ``sample_row`` of the previous step's sampled ids.
+
+    ``block_table`` only ever grows by ``append``; any other change (free, fork, copy on write)
+    puts a new list in its place. So ``table_rows``, the model runner's int32 copy of it, is
+    valid while it was made from this very list object and has its length.
     """
 
     seq_id: int
@@ -47,6 +53,7 @@ class Sequence:
     sample_row: int = -1  # this sequence's row in the last launched step's sampled ids
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
+    table_rows: tuple[list[int], np.ndarray] | None = None  # (block_table it copies, int32 copy)
     status: SequenceStatus = SequenceStatus.WAITING
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
