@@ -76,9 +76,10 @@ class BlockManager:
         The first block written to may be shared after a ``fork``: it is then copied first
         (copy on write), the copy queued in ``pending_copies`` for the model runner.
         """
-        first = seq.num_computed_tokens // self.block_size
-        shared = first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1
-        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) + shared
+        bs, table = self.block_size, seq.block_table  # runs for every sequence every step: kept lean
+        first = seq.num_computed_tokens // bs
+        shared = first < len(table) and self.blocks[table[first]].ref_count > 1
+        need = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(table) + shared
         if need > len(self.free_ids):
             return False
         if shared:  # a new list, not an edit in place: see Sequence.table_rows
@@ -107,7 +108,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_known_tokens) // bs):
+        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs):
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             key = (prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             h = hash(key)

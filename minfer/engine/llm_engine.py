@@ -80,6 +80,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self.async_scheduling = config.async_scheduling
         self._inflight: LaunchedStep | None = None  # launched, not yet completed
+        self._penalized: set[str] = set()  # live requests with penalties (skips a per-step scan when empty)
 
     def _resolve_max_model_len(self) -> int:
         mc, limit = self.model_config, self.model_config.max_position_embeddings
@@ -129,6 +130,8 @@ class LLMEngine:
         # Samples 1..n-1 fork from sample 0 once it has computed the prompt (see _fork_samples).
         self.requests[request_id] = Request(request_id, text, ids, params, seqs,
                                             RequestMetrics(arrival_time or time.time()), seqs[1:])
+        if params.has_penalties:
+            self._penalized.add(request_id)
         self.scheduler.add(seqs[0])
 
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
@@ -156,6 +159,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._penalized.discard(request_id)
         for seq in req.seqs:
             if seq in req.unforked:  # never reached the scheduler
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
@@ -171,7 +175,8 @@ class LLMEngine:
         complete one step; return outputs of requests that got a token (or, without
         ``stream_text``, only of those that finished)."""
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and any(s.params.has_penalties for s in self.scheduler.running):
+        if self._inflight is not None and self._penalized and any(
+                s.params.has_penalties for s in self.scheduler.running):
             outputs += self._complete(self._inflight)  # penalties read every token: no overlap
             self._inflight = None
         batch = self.scheduler.schedule()
@@ -192,15 +197,15 @@ class LLMEngine:
             self.block_manager.pending_copies = []
         prev = self._inflight.sample if self._inflight is not None else None
         launched = self.runner.launch(batch, prev.token_ids if prev is not None else None)
-        for seq in batch.seqs:
-            seq.prompt_logprobs += launched.prompt_logprobs.get(seq.seq_id, ())
-            prompt_done = seq.num_computed_tokens < seq.num_prompt_tokens <= \
-                seq.num_computed_tokens + seq.num_scheduled_tokens
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            self.block_manager.cache_full_blocks(seq)
-            if prompt_done and seq.index == 0 and self.requests[seq.request_id].unforked:
-                self._fork_samples(seq)
+        prompt_lp, cache_full_blocks = launched.prompt_logprobs, self.block_manager.cache_full_blocks
+        for seq in batch.seqs:  # plain attributes, no properties: this loop runs for every sequence
+            if prompt_lp:
+                seq.prompt_logprobs += prompt_lp.get(seq.seq_id, ())
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            seq.num_computed_tokens, seq.num_scheduled_tokens = end, 0
+            cache_full_blocks(seq)
+            if start < len(seq.prompt_token_ids) <= end and seq.index == 0 and self.requests[seq.request_id].unforked:
+                self._fork_samples(seq)  # its prompt is done
         for row, seq in enumerate(launched.sampled):
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_pending += 1
@@ -222,38 +227,48 @@ class LLMEngine:
         Sequences that finished meanwhile (aborted, or stopped by the step before) are skipped."""
         out = step.sample.result() if step.sample is not None else None
         touched: dict[str, Request] = {}
+        stopped: set[str] = set()  # requests that may have finished: one of their sequences just did
+        requests, cache_full_blocks, FINISHED = self.requests, self.block_manager.cache_full_blocks, \
+            SequenceStatus.FINISHED
         for i, seq in enumerate(step.sampled):
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 continue
             self._accept_token(seq, out.token_ids[i], out.logprobs[i] if out.logprobs is not None else None)
-            if seq.is_finished and not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
-                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            if seq.status is not FINISHED:
+                cache_full_blocks(seq)  # a block its token completed
             else:
-                self.block_manager.cache_full_blocks(seq)  # a block its token completed
-            touched[seq.request_id] = self.requests[seq.request_id]
+                stopped.add(seq.request_id)
+                if not isinstance(seq.stop_reason, str) and self.tokenizer is not None:
+                    seq.text = self.tokenizer.decode(seq.output_token_ids,
+                                                     skip_special_tokens=seq.params.skip_special_tokens)
+            touched[seq.request_id] = requests[seq.request_id]
         now_done = time.time()
         outputs = []
         for req in touched.values():
-            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or step.batch.scheduled_at
-            req.metrics.first_token_time = req.metrics.first_token_time or now_done
-            finished = req.finished
+            metrics = req.metrics
+            if not metrics.first_scheduled_time:
+                metrics.first_scheduled_time = step.batch.scheduled_at
+            if not metrics.first_token_time:
+                metrics.first_token_time = now_done
+            finished = req.request_id in stopped and req.finished
             if finished:
                 req.metrics.finished_time = now_done
                 del self.requests[req.request_id]
+                self._penalized.discard(req.request_id)
             if finished or self.stream_text:
                 outputs.append(self._make_output(req))
         return outputs
 
     def _accept_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         """Replace the sequence's first pending token by its value; stop it if that token ends it."""
-        at = seq.num_tokens - seq.num_pending
+        at = len(seq.token_ids) - seq.num_pending
         seq.token_ids[at] = token
         seq.num_pending -= 1
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token]
         p = seq.params
-        may_stop = at + 1 - seq.num_prompt_tokens >= p.min_tokens
+        may_stop = at + 1 - len(seq.prompt_token_ids) >= p.min_tokens
         if may_stop and token in p.stop_token_ids:
             return self.scheduler.finish(seq, "stop", token)
         if may_stop and not p.ignore_eos and token in seq.eos_token_ids:

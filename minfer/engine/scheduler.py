@@ -51,13 +51,15 @@ class Scheduler:
         scheduled: list[Sequence] = []
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            if seq.num_pending and seq.num_tokens >= seq.max_total_tokens:
+        running, allocate_slots = self.running, self.block_manager.allocate_slots
+        while i < len(running) and budget > 0:  # plain attributes, no properties: runs for every sequence
+            seq = running[i]
+            num_tokens = len(seq.token_ids)
+            if seq.num_pending and num_tokens >= seq.max_total_tokens:
                 i += 1  # its last token is on the device and ends it ("length"): nothing left to compute
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(seq, num_new):
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            while not allocate_slots(seq, num_new):
                 preempted = True
                 victim = self.running[-1]
                 self._preempt(victim)
