@@ -111,11 +111,11 @@ class Sampler:
             logits = self._block_early_stops(logits, seqs)
         greedy = [p.greedy for p in params]
         if all(greedy):
-            token_ids = logits.argmax(-1)
+            token_ids = self._greedy(logits)
         elif not any(greedy):
             token_ids = self._sample(logits, seqs)
         else:
-            token_ids = torch.where(self._tensor(greedy, torch.bool), logits.argmax(-1), self._sample(logits, seqs))
+            token_ids = torch.where(self._tensor(greedy, torch.bool), self._greedy(logits), self._sample(logits, seqs))
         sample = DeviceSample(token_ids, want_logprobs)
         if raw_logprobs is not None:
             k = max(w or 0 for w in want_logprobs)
@@ -123,6 +123,16 @@ class Sampler:
             sample.top_vals, sample.top_ids = raw_logprobs.topk(k, dim=-1) if k else (
                 raw_logprobs[:, :0], raw_logprobs[:, :0].long())
         return sample
+
+    @staticmethod
+    def _greedy(logits: torch.Tensor) -> torch.Tensor:
+        """Argmax per row; on CUDA one chunked kernel (torch's argmax runs a 128k-vocabulary row on one
+        block: 28 us of a batch-1 decode step on an H200)."""
+        if logits.is_cuda:
+            from minfer.kernels.sampling import greedy_argmax
+
+            return greedy_argmax(logits)
+        return logits.argmax(-1)
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         cuda = self.device.type == "cuda"

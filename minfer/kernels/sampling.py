@@ -4,7 +4,8 @@ The engine's sampler draws from softmax(logits / T) as ``argmax(logits / T + g)`
 ``g = -log(-log u)``, where ``u`` is a counter-based hash of (the row's seed and output index, the
 token id): see ``minfer.engine.sampler.uniform_noise``, the reference. In torch that is a dozen
 full passes over a ``[rows, vocab]`` int64 tensor (a quarter of a decode step's GPU time at a
-150k vocabulary); here each program reads its row's logits once and keeps a running argmax.
+150k vocabulary); here each program reads a chunk of a row's logits once and keeps a running
+argmax. Greedy rows take the same kernel without the noise.
 """
 from __future__ import annotations
 
@@ -22,36 +23,71 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
-def _gumbel_argmax_kernel(LOGITS, ROW_HASH, INV_TEMP, OUT, stride, vocab, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["chunk"])
+def _argmax_chunk_kernel(LOGITS, ROW_HASH, INV_TEMP, VALS, IDXS, stride, vocab, chunk,
+                         NOISE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, c): best score and its lowest column in columns [c * chunk, (c + 1) * chunk)."""
     row = tl.program_id(0).to(tl.int64)
-    row_hash = tl.load(ROW_HASH + row).to(tl.uint32)
-    inv_temp = tl.load(INV_TEMP + row)
+    c = tl.program_id(1)
+    if NOISE:
+        row_hash = tl.load(ROW_HASH + row).to(tl.uint32)
+        inv_temp = tl.load(INV_TEMP + row)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, vocab, BLOCK):
+    best_idx = tl.full([BLOCK], vocab, tl.int32)
+    end = tl.minimum(c * chunk + chunk, vocab)
+    for start in range(c * chunk, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < vocab
-        logits = tl.load(LOGITS + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        col_hash = _mix32(cols.to(tl.uint32) * 0x27D4EB2F + 0x165667B1)
-        bits = _mix32(row_hash ^ col_hash) >> 8
-        u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = logits * inv_temp - tl.log(-tl.log(u))
-        better = score > best_val
+        mask = cols < end
+        score = tl.load(LOGITS + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if NOISE:
+            col_hash = _mix32(cols.to(tl.uint32) * 0x27D4EB2F + 0x165667B1)
+            bits = _mix32(row_hash ^ col_hash) >> 8
+            u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = score * inv_temp - tl.log(-tl.log(u))
+        better = (score > best_val) & mask
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)
     top = tl.max(best_val, axis=0)
     idx = tl.min(tl.where(best_val == top, best_idx, vocab), axis=0)  # lowest index among ties
-    tl.store(OUT + row, idx.to(tl.int64))
+    out = row * tl.num_programs(1) + c
+    tl.store(VALS + out, top)
+    tl.store(IDXS + out, idx.to(tl.int64))
+
+
+def _chunked_argmax(logits: torch.Tensor, row_hash: torch.Tensor | None, inv_temp: torch.Tensor | None,
+                    block: int) -> torch.Tensor:
+    """Argmax per row of ``logits`` (plus Gumbel noise when ``row_hash`` is given), in two passes.
+
+    One program per row would leave all but a few multiprocessors idle at small batches (batch 1:
+    one program walking a 128k vocabulary, ~28 us); instead each row's vocabulary is cut into
+    chunks so that about two programs per SM exist, and a second tiny pass picks the best chunk
+    (``argmax`` returns the first maximum, so ties still resolve to the lowest token id).
+    """
+    rows, vocab = logits.shape
+    if rows == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
+    chunks = max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(vocab, block)))
+    chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
+    chunks = triton.cdiv(vocab, chunk)
+    vals = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
+    idxs = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
+    noise = row_hash is not None
+    _argmax_chunk_kernel[(rows, chunks)](
+        logits, row_hash if noise else logits, inv_temp if noise else logits, vals, idxs,
+        logits.stride(0), vocab, chunk, NOISE=noise, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    if chunks == 1:
+        return idxs[:, 0]
+    return idxs.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)
 
 
 def gumbel_argmax(logits: torch.Tensor, row_hash: torch.Tensor, temperature: torch.Tensor,
                   block: int = 2048) -> torch.Tensor:
     """Sampled token per row of ``logits`` [rows, vocab] (float32). ``row_hash`` (int64, values in
     [0, 2^32)) is the per-row hash of seed and output index; ``temperature`` float32 [rows] > 0."""
-    rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        _gumbel_argmax_kernel[(rows,)](logits, row_hash, (1.0 / temperature).float().contiguous(), out,
-                                       logits.stride(0), vocab, BLOCK=block, num_warps=8)
-    return out
+    return _chunked_argmax(logits, row_hash, (1.0 / temperature).float().contiguous(), block)
+
+
+def greedy_argmax(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:
+    """``logits.argmax(-1)`` (first maximum), spread over the whole GPU even for a single row."""
+    return _chunked_argmax(logits, None, None, block)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minfer.engine.sampler import row_hash, uniform_noise
-from minfer.kernels.sampling import gumbel_argmax
+from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
 
 
 @pytest.mark.parametrize("rows,vocab", [(3, 1000), (5, 5003)])
@@ -22,6 +22,28 @@ def test_gumbel_argmax_matches_reference(rows, vocab):
     picked = score.gather(-1, got[:, None]).squeeze(-1)
     assert torch.all(score.max(-1).values - picked <= 1e-5)  # the kernel's pick is the reference's max
     assert int((got == ref).sum()) == rows
+
+
+@pytest.mark.parametrize("rows,vocab,block", [(1, 5003, 256), (3, 1000, 128), (2, 70, 64)])
+def test_greedy_argmax_matches_torch(rows, vocab, block):
+    """Chunked over the vocabulary (one row: many chunks); ties resolve to the lowest id, like torch."""
+    torch.manual_seed(vocab)
+    logits = torch.randn(rows, vocab)
+    logits[0, vocab - 1] = logits[0, 3] = 50.0  # a tie across chunks: the first one wins
+    if rows > 1:
+        logits[1, :] = float("-inf")
+        logits[1, vocab // 2] = 0.0
+    got = greedy_argmax(logits, block=block)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.argmax(-1))
+    assert int(got[0]) == 3
+
+
+@pytest.mark.gpu
+def test_greedy_argmax_on_gpu_matches_torch():
+    for rows in (1, 7, 256):
+        logits = torch.randn(rows, 128256, device="cuda") * 3
+        assert torch.equal(greedy_argmax(logits), logits.argmax(-1))
 
 
 @pytest.mark.gpu
