@@ -44,6 +44,8 @@ from minfer.kernels import (  # noqa: E402
     silu_and_mul_ref, store_kv, store_kv_ref,
 )
 from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
+from minfer.kernels.gemv import GemvConfig, gemv, gemv_ref  # noqa: E402
+from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
 from minfer.kernels.decode_attention import default_config as default_decode_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
@@ -401,6 +403,26 @@ def store_case(t: int, hkv: int, d: int, sweep: bool, kv_dtype: str = "auto") ->
     return rows
 
 
+GEMV_SWEEP = [GemvConfig(bn, bk, w) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8)]
+
+
+def gemv_case(n: int, k: int, label: str, sweep: bool) -> list[Row]:
+    """Batch-1 linear layer: the Triton matrix-vector kernel against torch's linear (cuBLAS)."""
+    x = torch.randn(1, k, device=DEV, dtype=DT)
+    w = torch.randn(n, k, device=DEV, dtype=DT) / k ** 0.5
+    nbytes, flops = 2 * (n * k + n + k), 2 * n * k
+    shape = f"{label} {n}x{k}, x [1, {k}]"
+    note = check(f"gemv {shape}", gemv(x, w), gemv_ref(x, w))
+    rows = [Row("gemv", shape, "triton", bench_graph(lambda: gemv(x, w)), nbytes, flops,
+                f"{note}, {default_gemv_config(n, k, w.device)}"),
+            Row("gemv", shape, "torch linear", bench_graph(lambda: torch.nn.functional.linear(x, w)), nbytes, flops)]
+    if sweep:
+        best = min(((bench_graph(lambda: gemv(x, w, config=c), rep=50), c) for c in GEMV_SWEEP), key=lambda t: t[0])
+        print(f"  BEST gemv {shape}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+        rows.append(Row("gemv", shape, "triton, best of sweep", best[0], nbytes, flops, str(best[1])))
+    return rows
+
+
 def add_speedups(rows: list[Row]) -> None:
     """Note each 8-bit row's speed-up over the bf16 Triton row of the same kernel and shape."""
     base = {(r.kernel, r.shape): r.ms for r in rows if r.impl in ("triton", "triton paged")}  # bf16 rows
@@ -414,7 +436,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="try launch configs first and print the best")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself (CPU ok)")
-    ap.add_argument("--only", default="", help="comma list: decode,prefill,rms,rotary,silu,store")
+    ap.add_argument("--only", default="", help="comma list: decode,prefill,rms,rotary,silu,store,gemv")
     ap.add_argument("--kv-dtypes", default="auto",
                     help="comma list of KV cache formats for decode/prefill: auto (bf16), int8, fp8_e4m3, fp8_e5m2")
     args = ap.parse_args()
@@ -440,6 +462,7 @@ def main() -> None:
             ("rms", lambda: rms_case(8, 256)),
             ("rotary", lambda: rotary_case(8, 4, 2, 32)),
             ("silu", lambda: silu_case(8, 256)),
+            ("gemv", lambda: gemv_case(40, 96, "tiny", sw)),
         ]
     else:
         attention = [
@@ -454,6 +477,10 @@ def main() -> None:
             ("rms", lambda: rms_case(8192, 4096)),
             ("rotary", lambda: rotary_case(8192, 32, 8, 128)),
             ("silu", lambda: silu_case(8192, 14336)),
+            *[("gemv", lambda n=n, k=k, lb=lb: gemv_case(n, k, lb, sw)) for n, k, lb in [
+                (3072, 2048, "1b qkv"), (2048, 2048, "1b o"), (16384, 2048, "1b gate_up"), (2048, 8192, "1b down"),
+                (4096, 1024, "0.6b qkv"), (1024, 2048, "0.6b o"), (6144, 1024, "0.6b gate_up"),
+                (1024, 3072, "0.6b down")]],
         ]
     # Each KV-cache shape once per format, formats adjacent so the rows compare at a glance.
     steps = [(name, (lambda f=f, kd=kd: f(kd))) for name, f in attention for kd in kv_dtypes] + others

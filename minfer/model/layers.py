@@ -19,9 +19,11 @@ class FusedLinear(nn.Module):
     rows each checkpoint tensor fills; ``load_shard`` copies one of them into its slice.
     """
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 use_triton: bool = False) -> None:
         super().__init__()
         self.shard_sizes = shard_sizes
+        self.use_triton = use_triton
         self.weight = nn.Parameter(torch.empty(sum(shard_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(shard_sizes), dtype=dtype), requires_grad=False) if bias else None
 
@@ -34,6 +36,10 @@ class FusedLinear(nn.Module):
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton and x.dim() == 2 and x.shape[0] == 1:  # batch-1 decode: a weight stream
+            from minfer.kernels.gemv import gemv
+
+            return gemv(x.contiguous(), self.weight, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -129,8 +135,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, use_triton: bool = False) -> None:
         super().__init__()
         self.use_triton = use_triton
-        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], False, dtype)
-        self.down_proj = FusedLinear(intermediate, [hidden], False, dtype)
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], False, dtype, use_triton)
+        self.down_proj = FusedLinear(intermediate, [hidden], False, dtype, use_triton)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_triton:

@@ -18,9 +18,10 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias, dtype)
-        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype)
         triton = backend == "triton"
+        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias,
+                                    dtype, triton)
+        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype, triton)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, triton) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, triton) if cfg.qk_norm else None
         self.rotary = rotary
