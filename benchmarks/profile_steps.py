@@ -3,7 +3,8 @@
 Prints the GPU-busy share of wall time, the top kernels by device time, and host time per phase
 of ``engine.step()``: schedule, launch (input building and kernel launches; with async scheduling
 nothing here waits for the GPU), complete (waiting for the draws, then stops and outputs).
-Usage (GPU): python3 benchmarks/profile_steps.py --shape qwen3-0.6b [--no-async] --out profile.txt
+Usage (GPU): python3 benchmarks/profile_steps.py --shape qwen3-0.6b [--no-async] [--batch1] --out profile.txt
+``--batch1``: one greedy request (128-token prompt) instead of workload A, for the batch-1 latency split.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minfer import LLM
+from minfer import LLM, SamplingParams
 from minfer.benchmark.shapes import write_random_checkpoint
-from minfer.benchmark.workload import workload_a
+from minfer.benchmark.workload import fixed_workload, workload_a
 
 
 def main() -> None:
@@ -25,13 +26,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-async", action="store_true", help="async_scheduling=False")
+    ap.add_argument("--batch1", action="store_true", help="one greedy request instead of workload A")
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
     path = write_random_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape)
     llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=4096, attention_backend=args.attention_backend,
               async_scheduling=not args.no_async)
     engine = llm.llm_engine
-    prompts, params = workload_a()
+    if args.batch1:
+        prompts, _ = fixed_workload(1, 128, 4096, vocab_size=engine.model_config.vocab_size)
+        params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=4096)]
+    else:
+        prompts, params = workload_a()
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
