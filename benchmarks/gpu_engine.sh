@@ -5,8 +5,9 @@
 #
 # 1. The engine's gpu tests (HF agreement, graphs == eager, async == sync scheduling).
 # 2. Workload A (BENCHMARKS.md) on qwen3-0.6b, with and without async scheduling, and on llama-3.2-1b.
-# 3. A torch.profiler trace of steady-state decode steps (qwen3-0.6b).
-# 4. Batch-1 decode on llama-3.2-1b; HF transformers' generate_batch on a subset, same process.
+# 3. torch.profiler traces of steady-state decode steps (qwen3-0.6b workload A; llama-3.2-1b batch 1).
+# 4. Batch-1 decode on llama-3.2-1b; HF transformers' generate_batch on a subset, same process
+#    (SKIP_HF=1 leaves that out).
 # The llama-3.1-8b runs (16 GB checkpoint) are in benchmarks/gpu_8b.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,7 +25,8 @@ bench() {  # name, then minfer bench arguments
 }
 
 echo "== gpu tests ($(left) s left)"
-timeout "$(cap 120)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
+timeout "$(cap 150)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py \
+  tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_sampling.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
 bench workload_a_qwen3-0.6b --shape qwen3-0.6b
 bench workload_a_qwen3-0.6b_sync --shape qwen3-0.6b --no-async-scheduling
 bench workload_a_llama-3.2-1b --shape llama-3.2-1b
@@ -32,7 +34,10 @@ bench batch1_llama-3.2-1b --shape llama-3.2-1b --batch1
 echo "== profile ($(left) s left)"
 timeout "$(cap 100)" python3 benchmarks/profile_steps.py --shape qwen3-0.6b --out "$OUT/profile_qwen3-0.6b.txt" 2>&1 \
   | grep -v Warn | head -14
-bench compare_hf_qwen3-0.6b --shape qwen3-0.6b --compare-hf
+echo "== profile batch 1 ($(left) s left)"
+timeout "$(cap 80)" python3 benchmarks/profile_steps.py --shape llama-3.2-1b --batch1 --steps 50 \
+  --out "$OUT/profile_llama-3.2-1b_batch1.txt" 2>&1 | grep -v Warn | head -30
+[ "${SKIP_HF:-0}" = 1 ] || bench compare_hf_qwen3-0.6b --shape qwen3-0.6b --compare-hf
 
 python3 - "$OUT" <<'PY'
 import json, sys

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._utils import num_sms
+
 
 @triton.jit
 def _mix32(x):
@@ -66,7 +68,7 @@ def _chunked_argmax(logits: torch.Tensor, row_hash: torch.Tensor | None, inv_tem
     rows, vocab = logits.shape
     if rows == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
+    sms = num_sms(logits.device)
     chunks = max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(vocab, block)))
     chunk = triton.cdiv(triton.cdiv(vocab, chunks), block) * block
     chunks = triton.cdiv(vocab, chunk)
