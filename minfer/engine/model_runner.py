@@ -201,11 +201,13 @@ class ModelRunner:
             a = self._synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32))
             a.positions[:] = a.slots[:] = 0  # positions in any rotary table; all writes into block 0
             ids, positions, slots, rows = self._upload(torch.int64, a.ids, a.positions, a.slots, a.logit_rows)
-            logits = self.model.compute_logits(self.model(ids, positions, self._metadata(a, slots))[rows])
-        from minfer.kernels.sampling import gumbel_argmax
+            hidden = self.model(ids, positions, self._metadata(a, slots))
+            logits = self.model.compute_logits(hidden[rows], float32=False)
+        from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
 
         gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device),
                       torch.ones(len(logits), device=self.device))
+        greedy_argmax(logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -293,7 +295,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, self._metadata(a, slots))
         seqs = batch.seqs
         sampled = list(seqs) if len(a.logit_rows) == len(seqs) else [s for s in seqs if s.samples_this_step]
-        sample = self.sampler(self.model.compute_logits(hidden[rows]), sampled) if sampled else None
+        sample = self.sampler(self.model.compute_logits(hidden[rows], float32=False), sampled) if sampled else None
         if sample is not None:
             sample.start_copy()
         prompt_lp = self._prompt_logprobs(batch, hidden) if any(

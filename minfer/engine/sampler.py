@@ -137,9 +137,13 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
-        """logits: float32 [len(seqs), vocab] of the rows that sample this step. Nothing here waits
-        for the device: per-row parameters go up through pinned memory, the draws stay down."""
+        """logits: [len(seqs), vocab] of the rows that sample this step (float32, or the model dtype).
+        Nothing here waits for the device: per-row parameters go up through pinned memory, the draws
+        stay down."""
         facts = self._batch_facts(seqs)
+        if logits.dtype != torch.float32 and (not logits.is_cuda or facts.any_logprobs or facts.any_penalties
+                                              or facts.any_min_tokens or facts.any_filters):
+            logits = logits.float()  # else the argmax kernels read the model dtype and convert exactly
         want_logprobs = facts.want_logprobs
         raw_logprobs = logits.log_softmax(-1) if facts.any_logprobs else None
         if facts.any_penalties:

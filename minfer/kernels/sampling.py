@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from ._utils import num_sms
+from ._utils import interpreting, num_sms
 
 
 @triton.jit
@@ -27,7 +28,7 @@ def _mix32(x):
 
 @triton.jit(do_not_specialize=["chunk"])
 def _argmax_chunk_kernel(LOGITS, ROW_HASH, INV_TEMP, VALS, IDXS, stride, vocab, chunk,
-                         NOISE: tl.constexpr, BLOCK: tl.constexpr):
+                         NOISE: tl.constexpr, FAST_LOG: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, c): best score and its lowest column in columns [c * chunk, (c + 1) * chunk)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -45,7 +46,10 @@ def _argmax_chunk_kernel(LOGITS, ROW_HASH, INV_TEMP, VALS, IDXS, stride, vocab, 
             col_hash = _mix32(cols.to(tl.uint32) * 0x27D4EB2F + 0x165667B1)
             bits = _mix32(row_hash ^ col_hash) >> 8
             u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-            score = score * inv_temp - tl.log(-tl.log(u))
+            if FAST_LOG:  # the hardware's approximate log (libdevice's precise one is ~20 FMAs per call)
+                score = score * inv_temp - libdevice.fast_logf(-libdevice.fast_logf(u))
+            else:  # the interpreter has no fast_logf
+                score = score * inv_temp - tl.log(-tl.log(u))
         better = (score > best_val) & mask
         best_val = tl.where(better, score, best_val)
         best_idx = tl.where(better, cols, best_idx)
@@ -77,7 +81,8 @@ def _chunked_argmax(logits: torch.Tensor, row_hash: torch.Tensor | None, inv_tem
     noise = row_hash is not None
     _argmax_chunk_kernel[(rows, chunks)](
         logits, row_hash if noise else logits, inv_temp if noise else logits, vals, idxs,
-        logits.stride(0), vocab, chunk, NOISE=noise, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        logits.stride(0), vocab, chunk, NOISE=noise, FAST_LOG=not interpreting(), BLOCK=block,
+        num_warps=8 if block >= 2048 else 4)
     if chunks == 1:
         return idxs[:, 0]
     return idxs.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)

@@ -92,9 +92,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, meta)
         return x + residual  # the final norm runs in compute_logits, on the sampling rows only
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head for the selected rows, as float32 logits."""
-        return nn.functional.linear(self.norm(hidden), self.lm_head.weight).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Final norm + LM head for the selected rows, as float32 logits (or in the model dtype, for a
+        consumer that converts as it reads: the cast writes and rereads [rows, vocab] floats)."""
+        logits = nn.functional.linear(self.norm(hidden), self.lm_head.weight)
+        return logits.float() if float32 else logits
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

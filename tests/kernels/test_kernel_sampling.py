@@ -58,3 +58,16 @@ def test_gumbel_argmax_on_gpu_matches_reference():
     score = logits / temps[:, None] - torch.log(-torch.log(uniform_noise(seeds, counters, vocab)))
     picked = score.gather(-1, got[:, None]).squeeze(-1)
     assert torch.all(score.max(-1).values - picked <= 1e-4)
+
+
+def test_argmax_kernels_read_bfloat16_logits_exactly():
+    """The engine hands the model-dtype logits straight to the kernels (no float32 copy): each value
+    converts exactly, so the draws equal those on the float32 logits."""
+    torch.manual_seed(1)
+    logits = (torch.randn(3, 3000) * 4).bfloat16()
+    seeds = torch.randint(0, 2**62, (3,), dtype=torch.int64)
+    hashes = row_hash(seeds, torch.tensor([0, 5, 9]))
+    temps = torch.tensor([0.5, 1.0, 1.7])
+    assert torch.equal(gumbel_argmax(logits, hashes, temps, block=512),
+                       gumbel_argmax(logits.float(), hashes, temps, block=512))
+    assert torch.equal(greedy_argmax(logits, block=256), logits.float().argmax(-1))
