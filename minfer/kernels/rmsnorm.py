@@ -17,13 +17,13 @@ from ._utils import check_dtype, check_last_dim_contiguous, next_pow2
 
 @triton.jit
 def _rms_norm_kernel(
-    X, R, W, OUT, stride_x, stride_r, stride_o, hidden, eps,
+    X, R, W, OUT, stride_x, stride_xh, stride_r, heads, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    x = tl.load(X + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask, other=0.0)
     dtype = x.dtype
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
@@ -34,7 +34,7 @@ def _rms_norm_kernel(
     normed = (xf * tl.rsqrt(var + eps)).to(dtype)
     w = tl.load(W + cols, mask=mask, other=0.0)
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-    tl.store(OUT + row * stride_o + cols, out, mask=mask)
+    tl.store(OUT + row * hidden + cols, out, mask=mask)  # OUT is contiguous
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -42,9 +42,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     check_dtype("x", x)
     check_dtype("weight", weight)
     check_last_dim_contiguous("x", x)
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
-    num_rows, hidden = x.shape
+    if x.dim() != 2 and (x.dim() != 3 or residual is not None):
+        raise ValueError(f"x must be [T, H] (or [T, heads, H] without a residual), got shape {tuple(x.shape)}")
+    heads, stride_xh = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    num_rows, hidden = x.shape[0] * heads, x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -60,14 +61,18 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if num_warps is None:
         num_warps = min(16, max(1, block // 512))
     _rms_norm_kernel[(num_rows,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), hidden, eps,
+        x, res, weight, out, x.stride(0), stride_xh, res.stride(0), heads, hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
     )
     return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim of ``x`` ``[T, H]``; output in x's dtype."""
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim of ``x`` ``[T, H]``; output in x's dtype.
+
+    ``x`` may also be ``[T, heads, H]`` with any token and head strides (Qwen3's per-head q/k norms
+    read the fused qkv output in place, where a reshape would copy every step); the output is
+    contiguous."""
     return _launch(x, None, weight, eps)
 
 

@@ -61,7 +61,7 @@ class RMSNorm(nn.Module):
             from minfer.kernels import fused_add_rms_norm, rms_norm
 
             if residual is None:
-                return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+                return rms_norm(x if x.dim() == 3 else x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             return fused_add_rms_norm(x, residual, self.weight, self.eps), residual  # residual updated in place
         if residual is None:
             return self.norm(x)

@@ -128,6 +128,11 @@ def check_rms_norm(num_tokens: int, hidden: int, dtype: torch.dtype, device: str
     weight = (1 + 0.1 * torch.randn(hidden, device=device)).to(dtype)
     eps = 1e-6
     assert_close(rms_norm(x, weight, eps), rms_norm_ref(x.double(), weight.double(), eps), dtype, "rms_norm")
+    # Per-head norms read in place from a strided [T, heads, H] view (Qwen3's q/k norms on the qkv output).
+    qkv = torch.randn(num_tokens, 5 * hidden, device=device).to(dtype)
+    heads = qkv[:, hidden:4 * hidden].view(num_tokens, 3, hidden)
+    assert_close(rms_norm(heads, weight, eps), rms_norm_ref(heads.double(), weight.double(), eps), dtype,
+                 "rms_norm on strided heads")
     res = residual.clone()
     out = fused_add_rms_norm(x, res, weight, eps)
     res_ref = residual.clone()
