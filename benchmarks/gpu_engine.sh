@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_engine.sh        # logs, JSON and a summary table under $OUT (default /tmp/minfer-out)
 #
-# 1. The engine's gpu tests (HF agreement, graphs == eager, async == sync scheduling).
+# 1. The engine's and kernels' gpu tests (HF agreement, graphs == eager, async == sync scheduling).
 # 2. Workload A (BENCHMARKS.md) on qwen3-0.6b, with and without async scheduling, and on llama-3.2-1b.
 # 3. torch.profiler traces of steady-state decode steps (qwen3-0.6b workload A; llama-3.2-1b batch 1).
 # 4. Batch-1 decode on llama-3.2-1b; HF transformers' generate_batch on a subset, same process
@@ -25,8 +25,7 @@ bench() {  # name, then minfer bench arguments
 }
 
 echo "== gpu tests ($(left) s left)"
-timeout "$(cap 150)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py \
-  tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_sampling.py 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
+timeout "$(cap 150)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/kernels 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
 bench workload_a_qwen3-0.6b --shape qwen3-0.6b
 bench workload_a_qwen3-0.6b_sync --shape qwen3-0.6b --no-async-scheduling
 bench workload_a_llama-3.2-1b --shape llama-3.2-1b
