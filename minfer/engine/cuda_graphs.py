@@ -39,6 +39,10 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=dev)
         self.context_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        # The LM head runs in the graph too (eagerly it was three more launches per step, on the host's
+        # critical path at small batches), into one logits buffer that every bucket shares.
+        vocab, _ = model.lm_head.weight.shape
+        self.logits = torch.empty(b, vocab, dtype=model.lm_head.weight.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -53,23 +57,29 @@ class DecodeGraphs:
         pool = None
         for b in reversed(self.sizes):
             meta = self._meta(b)
-            self.model(self.input_ids[:b], self.positions[:b], meta)  # compile kernels, settle allocations
+            self._forward(b, meta)  # compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self.model(self.input_ids[:b], self.positions[:b], meta)
+                self.outputs[b] = self._forward(b, meta)
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch %d..%d)", len(self.graphs), self.sizes[0], self.max_batch)
 
+    def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], meta)
+        self.model.compute_logits(hidden, float32=False, out=self.logits[:b])
+        return hidden
+
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[1]
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor,
-            tables: torch.Tensor) -> torch.Tensor:
+            tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest bucket that holds this decode batch (inputs already on the device);
-        returns hidden states [n, H], a view of the graph's output valid until the next replay."""
+        returns hidden states [n, H] and model-dtype logits [n, vocab], views of the graph's buffers
+        valid until the next replay (work queued before it, like the draws, reads them in time)."""
         n = len(ids)
         b = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(ids)
@@ -82,5 +92,7 @@ class DecodeGraphs:
             self.context_lens[n:b].fill_(1)
         if b in self.graphs:
             self.graphs[b].replay()
-            return self.outputs[b][:n]
-        return self.model(self.input_ids[:b], self.positions[:b], self._meta(b))[:n]  # uncaptured: same buffers
+            hidden = self.outputs[b]
+        else:  # uncaptured: the same buffers, eagerly
+            hidden = self._forward(b, self._meta(b))
+        return hidden[:n], self.logits[:n]

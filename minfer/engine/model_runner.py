@@ -290,12 +290,19 @@ class ModelRunner:
         if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
                                                                                               a.tables.shape[1]):
             tables, ctx_lens = self._upload(torch.int32, a.tables, a.ctx_lens)
-            hidden = self.graphs.run(ids, positions, slots, ctx_lens, tables)
+            hidden, logits = self.graphs.run(ids, positions, slots, ctx_lens, tables)
+            if len(a.logit_rows) != len(logits):
+                logits = logits[rows]
         else:
             hidden = self.model(ids, positions, self._metadata(a, slots))
+            logits = None
         seqs = batch.seqs
         sampled = list(seqs) if len(a.logit_rows) == len(seqs) else [s for s in seqs if s.samples_this_step]
-        sample = self.sampler(self.model.compute_logits(hidden[rows], float32=False), sampled) if sampled else None
+        sample = None
+        if sampled:
+            if logits is None:
+                logits = self.model.compute_logits(hidden[rows], float32=False)
+            sample = self.sampler(logits, sampled)
         if sample is not None:
             sample.start_copy()
         prompt_lp = self._prompt_logprobs(batch, hidden) if any(

@@ -92,10 +92,11 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, meta)
         return x + residual  # the final norm runs in compute_logits, on the sampling rows only
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head for the selected rows, as float32 logits (or in the model dtype, for a
-        consumer that converts as it reads: the cast writes and rereads [rows, vocab] floats)."""
-        logits = nn.functional.linear(self.norm(hidden), self.lm_head.weight)
+        consumer that converts as it reads: the cast writes and rereads [rows, vocab] floats).
+        ``out`` (model dtype) receives the model-dtype logits: the decode CUDA graphs' static buffer."""
+        logits = torch.mm(self.norm(hidden), self.lm_head.weight.t(), out=out)
         return logits.float() if float32 else logits
 
     def attention_layers(self) -> list[Attention]:
