@@ -19,6 +19,8 @@ from minfer import LLM, SamplingParams
 from minfer.benchmark.shapes import write_random_checkpoint
 from minfer.benchmark.workload import fixed_workload, workload_a
 
+from host_overhead import time_phases  # this folder
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -43,20 +45,7 @@ def main() -> None:
     while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
         engine.step()  # until every prompt is prefilled: steady-state decode from here
     torch.cuda.synchronize()
-    phases = {"schedule": 0.0, "launch": 0.0, "complete": 0.0}
-
-    def timed(name: str, fn):
-        def wrapper(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                phases[name] += time.perf_counter() - t0
-        return wrapper
-
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine._launch = timed("launch", engine._launch)
-    engine._complete = timed("complete", engine._complete)
+    phases = time_phases(engine)
     batch_size = len(engine.scheduler.running)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
