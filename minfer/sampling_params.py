@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -54,6 +56,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.seed is not None:
             _int_at_least("seed", self.seed, 0)
+            if self.seed > MAX_SEED:
+                raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed!r}")
         if self.max_tokens is not None:
             _int_at_least("max_tokens", self.max_tokens, 1)
         _int_at_least("min_tokens", self.min_tokens, 0)

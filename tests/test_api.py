@@ -126,7 +126,7 @@ def test_bad_engine_arguments_name_the_field(checkpoints, kwargs, field):
     (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"), (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-5), "max_tokens"), (dict(n=0), "n"), (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(seed=-1), "seed"), (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"), (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(temperature="hot"), "temperature"),
 ])

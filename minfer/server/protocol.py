@@ -13,9 +13,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from minfer.sampling_params import MAX_SEED
+
 MAX_N = 128  # OpenAI's own limit on `n`
 MAX_LOGPROBS = 20  # OpenAI's limit on `top_logprobs`
-MAX_SEED = 2**63 - 1
 
 StopStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
