@@ -143,6 +143,9 @@ def test_bad_prompts_fail_cleanly_and_queue_nothing(checkpoints):
         llm.generate(["ok", {"prompt_token_ids": list(range(2, 80))}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"\[0, 320\)"):
         llm.generate({"prompt_token_ids": [5, 100000]}, use_tqdm=False)
+    for bad in (1.5, True, "7"):
+        with pytest.raises(ValueError, match="integers"):
+            llm.generate({"prompt_token_ids": [5, bad]}, use_tqdm=False)
     with pytest.raises(ValueError, match="KV blocks"):  # 58 tokens need 4 blocks of 16; the cache has 2
         LLM(str(checkpoints["llama3"]), num_kv_blocks=2).generate(
             {"prompt_token_ids": list(range(2, 40))}, SamplingParams(max_tokens=20), use_tqdm=False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 from transformers import AutoTokenizer
@@ -141,6 +142,11 @@ class LLMEngine:
         if not ids:
             raise PromptError("the prompt is empty: it must contain at least one token", "prompt")
         vocab = self.model_config.vocab_size
+        if not all(type(t) is int for t in ids):  # the fast check; numpy integers pass the slow one
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
+            if bad:  # a float 1.5 would silently become token 1
+                raise PromptError(f"prompt token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})",
+                                  "prompt")
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"prompt token ids must be in [0, {vocab}), got min {min(ids)}, max {max(ids)}", "prompt")
         if len(ids) >= self.max_model_len:
