@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One generated sequence. ``logprobs`` is a list (one per token) of {token_id: logprob}."""
+    """One generated sequence. ``logprobs`` is a list (one per token) of {token_id: logprob}.
+
+    ``token_offset`` is the position in the whole output of ``token_ids[0]`` (and ``logprobs[0]``).
+    It is 0 except in the delta outputs of an engine with ``delta_outputs`` set (the server's), where
+    it counts the tokens that earlier outputs of this sequence already carried, so each step copies
+    only its new tokens instead of the whole output so far. ``text`` and ``cumulative_logprob``
+    are always whole: a str is shared, not copied.
+    """
 
     index: int
     text: str
@@ -15,6 +22,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    token_offset: int = 0  # output tokens before token_ids[0]; nonzero only in delta outputs
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -38,4 +46,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # None for the first prompt token
+    # None for the first prompt token. In delta outputs, only a request's first output carries them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

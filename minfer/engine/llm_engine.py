@@ -52,20 +52,32 @@ class Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     unforked: list[Sequence] = field(default_factory=list)  # samples 1..n-1 until sample 0's prompt is in
+    reported: bool = False  # a delta output went out (it carried the prompt logprobs)
     @property
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, stream_text: bool = True) -> None:
+    def __init__(self, config: EngineConfig, stream_text: bool = True, delta_outputs: bool = False) -> None:
         """``stream_text``: ``step`` returns partial outputs, with text detokenized every step (for
         streaming); when False it returns finished requests only, their text decoded once at the
-        end (unless stop strings need it earlier)."""
+        end (unless stop strings need it earlier).
+
+        ``delta_outputs`` (with ``stream_text``): the partial outputs carry only what is new. A
+        whole snapshot copies every output token and logprob so far, so a stream of n tokens would
+        cost O(n^2); instead each completion's ``token_ids`` and ``logprobs`` hold the tokens since
+        the sequence's previous output, from ``token_offset`` on, and ``prompt_logprobs`` comes only
+        with the request's first output. ``text`` stays whole (sharing a str costs nothing, and stop
+        strings may cut text already produced). A finished request's output is whole as always, so
+        a consumer that keeps only the last output still gets everything. ``AsyncLLMEngine`` turns
+        this on and joins the deltas that a reader has not read yet.
+        """
         if config.model is None:
             raise ValueError("model is required (a local folder or a Hugging Face hub id)")
         self.config = config
         self.stream_text = stream_text
+        self.delta_outputs = delta_outputs
         self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
@@ -262,7 +274,7 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self._penalized.discard(req.request_id)
             if finished or self.stream_text:
-                outputs.append(self._make_output(req))
+                outputs.append(self._make_output(req, finished))
         return outputs
 
     def _accept_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
@@ -298,18 +310,30 @@ class LLMEngine:
                 return True
         return False
 
-    def _make_output(self, req: Request) -> RequestOutput:
+    def _make_output(self, req: Request, finished: bool) -> RequestOutput:
+        """The request's output: whole, or (``delta_outputs``, unfinished request) what is new since
+        each sequence's previous output. It runs for every request of every streaming step, so it
+        reads plain attributes, not properties."""
+        delta = self.delta_outputs and not finished
         completions = []
         for seq in req.seqs:
-            text = seq.text if seq.is_finished else (seq.detokenizer.text if seq.detokenizer else "")
+            num_prompt, known = len(seq.prompt_token_ids), len(seq.token_ids) - seq.num_pending
+            start = seq.num_reported_tokens if delta else 0
+            seq.num_reported_tokens = num_out = known - num_prompt
+            if seq.status is SequenceStatus.FINISHED:
+                text = seq.text
+            else:
+                text = seq.detokenizer.text if seq.detokenizer is not None else ""
             wants_lp = seq.params.logprobs is not None
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.output_token_ids,
-                cumulative_logprob=seq.cumulative_logprob if wants_lp else None,
-                logprobs=list(seq.output_logprobs) if wants_lp else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
-        prompt_lp = list(req.seqs[0].prompt_logprobs) if req.params.prompt_logprobs is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, req.metrics,
+                seq.index, text, seq.token_ids[num_prompt + start:known],
+                seq.cumulative_logprob if wants_lp else None, seq.output_logprobs[start:num_out] if wants_lp else None,
+                seq.finish_reason, seq.stop_reason, start))
+        prompt_lp = None
+        if req.params.prompt_logprobs is not None and not (delta and req.reported):
+            prompt_lp = list(req.seqs[0].prompt_logprobs)
+        req.reported = req.reported or delta
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics,
                              prompt_lp)
 
     # ---- introspection --------------------------------------------------------------------

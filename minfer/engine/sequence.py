@@ -62,6 +62,7 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""
     detokenizer: object | None = None
+    num_reported_tokens: int = 0  # output tokens already sent in delta outputs (LLMEngine.delta_outputs)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
