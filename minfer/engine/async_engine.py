@@ -53,11 +53,12 @@ class EngineObserver(Protocol):
 
 
 class RequestStream:
-    """The newest cumulative output of one request, read on the event loop.
+    """The outputs of one request not yet read, joined into one, read on the event loop.
 
-    Outputs are cumulative, so a reader that falls behind needs only the latest one: ``put``
-    overwrites instead of queueing, which bounds memory per request whatever the client's pace
-    and lets a slow client receive several tokens in one chunk.
+    The engine runs in delta mode (``LLMEngine.delta_outputs``): an unfinished request's output
+    holds only its new tokens, the finished one everything. ``put`` joins a delta onto the unread
+    output instead of queueing it (a finished output replaces it), which bounds what is kept per
+    request whatever the client's pace and lets a slow client receive several tokens in one chunk.
     """
 
     __slots__ = ("request_id", "started", "finished", "_latest", "_error", "_event")
@@ -71,7 +72,7 @@ class RequestStream:
         self._event = asyncio.Event()
 
     def put(self, output: RequestOutput) -> None:
-        self._latest = output
+        self._latest = output if self._latest is None else join_outputs(self._latest, output)
         self._event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -94,6 +95,21 @@ class RequestStream:
         return out
 
 
+def join_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """``new`` with the tokens and logprobs of ``old`` (an earlier, unread output) in front where
+    ``new`` is a delta that continues it; ``old``'s lists are extended in place (the engine thread
+    made them for this stream alone). A whole output (``token_offset`` 0) replaces ``old``."""
+    for o, n in zip(old.outputs, new.outputs):
+        if n.token_offset > o.token_offset:
+            o.token_ids += n.token_ids
+            if o.logprobs is not None and n.logprobs is not None:
+                o.logprobs += n.logprobs
+            n.token_ids, n.logprobs, n.token_offset = o.token_ids, o.logprobs, o.token_offset
+    if new.prompt_logprobs is None:
+        new.prompt_logprobs = old.prompt_logprobs
+    return new
+
+
 class AsyncLLMEngine:
     """Serve an ``LLMEngine`` to asyncio callers from a background thread.
 
@@ -102,6 +118,7 @@ class AsyncLLMEngine:
     """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
+        engine.delta_outputs = True  # see LLMEngine.__init__; RequestStream.put joins the deltas
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.observer: EngineObserver | None = None  # told of every step and abort, on the engine thread
@@ -266,7 +283,7 @@ class AsyncLLMEngine:
         counts = self._num_tokens
         new = []
         for out in outputs:
-            total = sum(len(c.token_ids) for c in out.outputs)
+            total = sum(c.token_offset + len(c.token_ids) for c in out.outputs)
             new.append(total - counts.get(out.request_id, 0))
             if out.finished:
                 counts.pop(out.request_id, None)

@@ -1,9 +1,10 @@
 """Turning cumulative engine outputs into streamed deltas, and the SSE framing around them.
 
-The engine reports each request's whole text so far; a stream sends only what is new. With stop
-strings, the last ``len(longest stop) - 1`` characters are held back until the request ends: they
-might be the start of a stop string, which the final text cuts off, and text already sent cannot
-be taken back. That keeps the streamed text equal to the non-streamed text.
+The engine reports each request's whole text so far, and its tokens either whole or, in delta
+outputs (``LLMEngine.delta_outputs``), from ``token_offset`` on; a stream sends only what is new.
+With stop strings, the last ``len(longest stop) - 1`` characters are held back until the request
+ends: they might be the start of a stop string, which the final text cuts off, and text already
+sent cannot be taken back. That keeps the streamed text equal to the non-streamed text.
 """
 from __future__ import annotations
 
@@ -45,16 +46,19 @@ class DeltaTracker:
             return None
         first = key not in self.sent_chars
         chars, toks = self.sent_chars.get(key, 0), self.sent_tokens.get(key, 0)
+        skip = toks - c.token_offset  # of c's tokens, those already sent
+        if skip < 0:
+            raise RuntimeError(f"choice {key}: an output starts at token {c.token_offset}, but {toks} were sent")
         finished = c.finish_reason is not None
         end = len(c.text) if finished else max(chars, len(c.text) - self.holdback)
         text = c.text[chars:end]
-        new_ids = c.token_ids[toks:]
+        new_ids = c.token_ids[skip:]
         if not text and not new_ids and not finished:
             return None
-        self.sent_chars[key], self.sent_tokens[key] = max(chars, end), len(c.token_ids)
+        self.sent_chars[key], self.sent_tokens[key] = max(chars, end), c.token_offset + len(c.token_ids)
         if finished:
             self.done.add(key)
-        lps = c.logprobs[toks:len(c.token_ids)] if c.logprobs is not None else None
+        lps = c.logprobs[skip:len(c.token_ids)] if c.logprobs is not None else None
         return Delta(text, new_ids, lps, c.finish_reason, c.stop_reason, first)
 
 
