@@ -56,7 +56,7 @@ def build_engine(num_seqs: int, stream: bool, async_scheduling: bool, stub_vocab
     config = EngineConfig(model=str(path), skip_tokenizer_init=True, device="cpu", max_model_len=max_len,
                           max_num_seqs=max(num_seqs, 1), num_kv_blocks=num_seqs * cdiv(max_len, 16) + 16,
                           async_scheduling=async_scheduling)
-    engine = LLMEngine(config, stream_text=stream)
+    engine = LLMEngine(config, stream_text=stream, delta_outputs=stream)  # as AsyncLLMEngine sets it
     runner, model = engine.runner, engine.runner.model
     hidden = torch.zeros(config.max_num_batched_tokens, TINY["hidden_size"])
     logits = torch.zeros(config.max_num_seqs, stub_vocab)
@@ -93,7 +93,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="timed decode steps")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of --steps steps; the best is reported")
-    ap.add_argument("--stream", action="store_true", help="stream_text=True (outputs every step, as the server)")
+    ap.add_argument("--stream", action="store_true",
+                    help="stream_text and delta_outputs (outputs every step, as the server)")
     ap.add_argument("--no-async", action="store_true", help="async_scheduling=False")
     ap.add_argument("--stub-vocab", type=int, default=64)
     ap.add_argument("--cprofile", action="store_true", help="print cProfile top-25 (cumulative and tottime)")
