@@ -48,16 +48,21 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 
     tracker = DeltaTracker(holdback_for(req.stop))
     want_usage = req.stream_options is not None and req.stream_options.include_usage
+    # Per choice, the characters of the token strings sent so far: ``text_offset`` counts those, as in
+    # the non-streamed response (the text sent may lag behind while stop strings hold some back).
+    token_chars: dict[int, int] = {}
 
     def render(i: int, out: RequestOutput) -> list[bytes]:
         choices = []
         for c in out.outputs:
             key = i * n + c.index
-            offset = tracker.sent_chars.get(key, 0)
             d = tracker.delta(key, c)
             if d is None:
                 continue
-            lp = completion_logprobs(d.logprobs, d.token_ids, tok, offset) if d.logprobs is not None else None
+            lp = None
+            if d.logprobs is not None:
+                lp = completion_logprobs(d.logprobs, d.token_ids, tok, token_chars.get(key, 0))
+                token_chars[key] = token_chars.get(key, 0) + sum(map(len, lp["tokens"]))
             choices.append({"index": key, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
                             "stop_reason": d.stop_reason})
         if not choices:

@@ -27,9 +27,9 @@ def _streamed(client: httpx.Client, body: dict[str, Any]) -> tuple[dict[int, dic
             usage = chunk["usage"] or usage
             for ch in chunk["choices"]:
                 c = choices.setdefault(ch["index"], {"text": "", "tokens": [], "token_logprobs": [],
-                                                     "top_logprobs": []})
+                                                     "top_logprobs": [], "text_offset": []})
                 c["text"] += ch["text"]
-                for key in ("tokens", "token_logprobs", "top_logprobs"):
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     c[key] += ch["logprobs"][key]
                 if ch["finish_reason"] is not None:
                     assert "finish_reason" not in c, "a choice finished twice"
@@ -48,8 +48,6 @@ def test_streamed_chunks_join_to_the_whole_response(client: httpx.Client) -> Non
     for ch in whole["choices"]:
         s = streamed[ch["index"]]
         assert (s["text"], s["finish_reason"], s["stop_reason"]) == (ch["text"], ch["finish_reason"], ch["stop_reason"])
-        # text_offset is left out: streamed chunks count it from the characters sent so far, which lag
-        # behind while stop strings hold text back (as before delta outputs)
-        for key in ("tokens", "token_logprobs", "top_logprobs"):
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             assert s[key] == ch["logprobs"][key], key
     assert usage == whole["usage"]
