@@ -54,3 +54,17 @@ def test_random_shape_checkpoint_is_a_loadable_sharded_hf_folder(tmp_path, monke
 def test_bench_cli_needs_a_model(capsys):
     assert cli_main(["bench", "--quiet"]) == 2
     assert "--model or --shape" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(num_prompts=0, input_len=8), "num_prompts"), (dict(input_len=0), "input_len"),
+    (dict(input_len=8, output_len=0), "output_len"),
+])
+def test_bench_rejects_empty_workloads(checkpoints, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        bench(str(checkpoints["llama3"]), None, TINY, progress=False, **kwargs)
+
+
+def test_workload_a_needs_a_vocabulary_above_its_token_ids(checkpoints):
+    with pytest.raises(ValueError, match="--input-len"):  # the tiny test models have a few hundred tokens
+        bench(str(checkpoints["llama3"]), None, TINY, progress=False)

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from minfer.benchmark.workload import WORKLOAD_A_BOUND, WORKLOAD_A_SUM_BOUND, fixed_workload, workload_a
+from minfer.benchmark.workload import (
+    WORKLOAD_A_BOUND, WORKLOAD_A_MAX_TOKEN_ID, WORKLOAD_A_SUM_BOUND, fixed_workload, workload_a,
+)
 from minfer.llm import LLM
 from minfer.sampling_params import SamplingParams
 
@@ -100,8 +102,16 @@ def run_hf(model: str, prompts: list[dict], output_len: int) -> dict[str, Any]:
 def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_prompts: int = 256,
           input_len: int | None = None, output_len: int = 128, batch1: bool = False, compare_hf: bool = False,
           hf_num_prompts: int = 64, hf_output_len: int = 256, progress: bool = True) -> dict[str, Any]:
+    for name, value in (("num_prompts", num_prompts), ("output_len", output_len),
+                        ("input_len", 1 if input_len is None else input_len),
+                        ("hf_num_prompts", hf_num_prompts), ("hf_output_len", hf_output_len)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     llm = LLM(model, skip_tokenizer_init=True, **engine_kwargs)
     vocab = llm.llm_engine.model_config.vocab_size
+    if not batch1 and input_len is None and vocab <= WORKLOAD_A_MAX_TOKEN_ID:
+        raise ValueError(f"workload A draws token ids up to {WORKLOAD_A_MAX_TOKEN_ID:,}, but this model's vocabulary "
+                         f"has {vocab:,}; give --input-len/--output-len for a fixed-length workload")
     result: dict[str, Any] = {"model": shape or model, "device": _device(),
                               "engine": {k: v for k, v in engine_kwargs.items() if v is not None}}
     if batch1:
