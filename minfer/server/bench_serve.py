@@ -138,15 +138,37 @@ async def run_level(base_url: str, model: str, bodies: list[dict[str, Any]], con
     return list(await asyncio.gather(*tasks))
 
 
+def parse_levels(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """The load levels, with every numeric argument checked before any server is started or called."""
+    for name in ("num_prompts", "max_concurrency", "input_len", "output_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.token_id_max < 0 or args.warmup < 0:
+        raise ValueError(f"--token-id-max and --warmup must be >= 0, got {args.token_id_max} and {args.warmup}")
+    if args.request_rate:
+        kind, flag, text, cast = "rate", "--request-rate", args.request_rate, float
+    else:
+        kind, flag, text, cast = "concurrency", "--concurrency", args.concurrency, int
+    try:
+        values = [cast(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated numbers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise ValueError(f"{flag} values must be > 0, got {text!r}")
+    return [(kind, v) for v in values]
+
+
 def run(args: argparse.Namespace) -> int:
     from minfer.server.launch import launched_server
 
+    levels = parse_levels(args)
     with launched_server(args) as base_url:
-        model = get_json(base_url + "/v1/models")["data"][0]["id"]
-        if args.request_rate:
-            levels = [("rate", float(r)) for r in args.request_rate.split(",")]
-        else:
-            levels = [("concurrency", int(c)) for c in args.concurrency.split(",")]
+        try:
+            model = get_json(base_url + "/v1/models")["data"][0]["id"]
+        except OSError as exc:
+            raise ValueError(f"cannot reach a server at {base_url} ({exc}); start one with `minfer serve`, "
+                             f"or pass --launch") from None
         results = []
         for i, (kind, value) in enumerate(levels):
             n = args.num_prompts or max(16, 2 * int(value))

@@ -69,3 +69,20 @@ def test_bench_launches_its_own_server(tiny_model: Path, tmp_path: Path) -> None
     assert level["completed"] == 4 and level["output_tokens"] == 4 * 12
     with socket.socket() as s:  # the launched server is gone again
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_bad_arguments_and_an_unreachable_server_are_clear_errors(capsys: Any) -> None:
+    from minfer.cli import main
+
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens here now
+    url = f"http://127.0.0.1:{port}"
+    for extra, message in ((["--concurrency", "0"], "--concurrency values must be > 0"),
+                           (["--concurrency", "abc"], "--concurrency must be comma-separated numbers"),
+                           (["--request-rate", "-1"], "--request-rate values must be > 0"),
+                           (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+                           ([], "cannot reach a server")):
+        assert main(["bench-serve", "--base-url", url, "--quiet", *extra]) == 2
+        assert message in capsys.readouterr().err
