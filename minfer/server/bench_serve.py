@@ -36,12 +36,13 @@ class RequestResult:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from minfer.cli import _add_engine_args
+    from minfer.server.cli import port_number
 
     p.add_argument("--base-url", default=None, help="a running server (default: http://127.0.0.1:8000)")
     p.add_argument("--launch", action="store_true", help="start a server on --model / --shape first")
     p.add_argument("--shape", default=None, help="with --launch: a random-weight shape (e.g. llama-3.1-8b)")
     p.add_argument("--checkpoint-dir", default="/tmp/minfer-shapes")
-    p.add_argument("--port", type=int, default=8000, help="with --launch: the port to serve on")
+    p.add_argument("--port", type=port_number, default=8000, help="with --launch: the port to serve on")
     p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the launched server")
     p.add_argument("--concurrency", default="1,4", help="comma-separated client counts (closed loop)")
     p.add_argument("--request-rate", default=None, help="comma-separated req/s (open loop, Poisson) instead")

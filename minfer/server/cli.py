@@ -12,12 +12,23 @@ from typing import Any
 DEFAULT_MAX_WAITING = 1024
 
 
+def port_number(text: str) -> int:
+    """argparse type of ``--port``: caught when parsing, not after the model has loaded."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {port}")
+    return port
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     from minfer.cli import _add_engine_args
 
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with a demo web page at /")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name clients pass as `model` (repeatable; default: --model as given)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,

@@ -36,3 +36,11 @@ def test_serve_defaults_to_the_builtin_model(monkeypatch: pytest.MonkeyPatch, tm
         server_cli.run_server(None, {})
     args = _parse([])
     assert args.model is None and args.port == 8000 and args.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("port", ["65536", "-1", "http"])
+def test_a_bad_port_fails_while_parsing(port: str, capsys: pytest.CaptureFixture) -> None:
+    """Before the model loads (an out-of-range port used to surface as an OverflowError from bind)."""
+    with pytest.raises(SystemExit):
+        _parse(["--port", port])
+    assert "--port: must be an integer in [0, 65535]" in capsys.readouterr().err
