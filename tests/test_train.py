@@ -16,7 +16,7 @@ from minfer.train.export import export_hf
 from minfer.train.model import Llama, ModelConfig
 from minfer.train.tokenizer import (BOS_ID, EOS_ID, PAD_ID, encode_documents, load_tokenizer,
                                     save_tokenizer, train_tokenizer)
-from minfer.train.trainer import TrainConfig, train
+from minfer.train.trainer import TrainConfig, resolve_device, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -213,3 +213,12 @@ def test_minfer_generates_hf_greedy_tokens_from_export(trained):
         got = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
         ref, ref_logits = hf_greedy(out, ids, 12)
         assert_greedy_match(got[0].outputs[0].token_ids, ref, ref_logits)
+
+
+def test_device_names_are_checked():
+    assert resolve_device("cpu") == torch.device("cpu")
+    for bad in ("tpu", "mps", "cuda:x"):
+        with pytest.raises(ValueError, match="'auto', 'cpu', 'cuda' or 'cuda:N'"):
+            resolve_device(bad)
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        resolve_device(f"cuda:{torch.cuda.device_count()}")  # one past the last GPU (any machine)

@@ -93,9 +93,19 @@ class TrainConfig:
 
 
 def resolve_device(name: str) -> torch.device:
+    """'auto', 'cpu', 'cuda' or 'cuda:N', checked here so that a bad name is a clear error, not a
+    failure deep inside the first tensor op."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
 
 
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
