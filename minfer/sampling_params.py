@@ -67,14 +67,15 @@ class SamplingParams:
             _int_at_least("logprobs", self.logprobs, 0)
         if self.prompt_logprobs is not None:
             _int_at_least("prompt_logprobs", self.prompt_logprobs, 0)
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self._stop_strings = tuple(stops)
-        ids = list(self.stop_token_ids or [])
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = ids
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                         for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(ids)
 
     @property
     def greedy(self) -> bool:

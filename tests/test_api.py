@@ -127,6 +127,7 @@ def test_bad_engine_arguments_name_the_field(checkpoints, kwargs, field):
     (dict(max_tokens=-5), "max_tokens"), (dict(n=0), "n"), (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"), (dict(logprobs=-1), "logprobs"), (dict(stop=[""]), "stop"),
+    (dict(stop=123), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
     (dict(stop_token_ids=[-3]), "stop_token_ids"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(temperature="hot"), "temperature"),
 ])
@@ -143,6 +144,9 @@ def test_bad_prompts_fail_cleanly_and_queue_nothing(checkpoints):
         llm.generate(["ok", {"prompt_token_ids": list(range(2, 80))}], use_tqdm=False)
     with pytest.raises(ValueError, match=r"\[0, 320\)"):
         llm.generate({"prompt_token_ids": [5, 100000]}, use_tqdm=False)
+    for field in ("logprobs", "prompt_logprobs"):  # top-k over a 320-token vocabulary
+        with pytest.raises(ValueError, match=f"{field} must be at most the vocabulary size"):
+            llm.generate("ok", SamplingParams(**{field: 321}), use_tqdm=False)
     for bad in (1.5, True, "7"):
         with pytest.raises(ValueError, match="integers"):
             llm.generate({"prompt_token_ids": [5, bad]}, use_tqdm=False)

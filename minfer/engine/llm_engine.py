@@ -127,6 +127,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         max_total = self.check_prompt(ids, params.max_tokens)
+        vocab = self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:  # top-k over the vocabulary
+                raise ValueError(f"{name} must be at most the vocabulary size ({vocab}), got {k}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
         seqs = []
