@@ -31,7 +31,7 @@ def test_samples_follow_softmax_of_scaled_logits():
     temp = 0.7
     n = 20_000
     params = [SamplingParams(temperature=temp)] * n
-    out = Sampler(5, torch.device("cpu"))(logits.repeat(n, 1), _seqs(params, list(range(n)))).result()
+    out = Sampler(torch.device("cpu"))(logits.repeat(n, 1), _seqs(params, list(range(n)))).result()
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=5).float() / n
     expected = (logits / temp).softmax(-1)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
@@ -46,18 +46,17 @@ def test_samples_follow_softmax_of_scaled_logits():
 def test_filters_restrict_support(kw, support):
     logits = torch.tensor([2.0, 1.0, 0.4, -1.0, 0.0])
     n = 3000
-    out = Sampler(5, torch.device("cpu"))(logits.repeat(n, 1),
+    out = Sampler(torch.device("cpu"))(logits.repeat(n, 1),
                                           _seqs([SamplingParams(temperature=1.0, **kw)] * n, list(range(n)))).result()
     assert set(out.token_ids) == support
 
 
 def test_penalties_match_definitions():
-    vocab = 6
     logits = torch.tensor([[3.0, -2.0, 1.0, 0.5, 2.9, -0.1]])
     seq = _seqs([SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5,
                                 frequency_penalty=0.25)], [0], tokens=[2, 3])[0]
     seq.token_ids += [0, 0, 1]  # output tokens: 0 twice, 1 once; prompt: 2, 3
-    out = Sampler(vocab, torch.device("cpu"))._apply_penalties(logits, [seq])
+    out = Sampler(torch.device("cpu"))._apply_penalties(logits, [seq])
     expected = torch.tensor([[3.0 / 2 - 0.5 - 0.5, -2.0 * 2 - 0.5 - 0.25, 1.0 / 2, 0.5 / 2, 2.9, -0.1]])
     assert torch.allclose(out, expected)
 

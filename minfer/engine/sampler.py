@@ -112,8 +112,7 @@ class _BatchFacts:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self._facts: _BatchFacts | None = None
 
