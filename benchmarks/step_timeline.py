@@ -28,7 +28,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-0.6b")
     ap.add_argument("--model", default=None, help="a checkpoint folder instead of a random-weight --shape")
     ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--max-model-len", type=int, default=4096, help="workload A needs 2,011; smaller clips each request")
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="workload A needs 2,011; smaller clips each request")
     ap.add_argument("--no-async", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -95,7 +95,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = self._resolve_backend()
         self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.backend)
-        self.sampler = Sampler(model_config.vocab_size, self.device)
+        self.sampler = Sampler(self.device)
         self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype, config.kv_cache_dtype)
         self.num_kv_blocks = self._count_kv_blocks()
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.num_kv_blocks, self.device)
@@ -191,8 +191,9 @@ class ModelRunner:
     def _warm_up_kernels(self) -> None:
         """Compile the Triton variants that eager (mixed prefill + decode) steps use before the first
         request, not in the middle of serving: on a GPU each costs seconds, and together they took
-        about half the wall time of a first workload-A run on a fresh machine. Steps of 1, 7, 16 and 49 tokens cover decodes with and without
-        split-K, prompt chunks, and every integer specialisation class (1, multiples of 16, other).
+        about half the wall time of a first workload-A run on a fresh machine. Steps of 1, 7, 16 and
+        49 tokens cover decodes with and without split-K, prompt chunks, and every integer
+        specialisation class (1, multiples of 16, other).
         They write garbage into block 0, which no sequence holds yet."""
         width = 64
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
@@ -303,7 +304,6 @@ class ModelRunner:
             if logits is None:
                 logits = self.model.compute_logits(hidden[rows], float32=False)
             sample = self.sampler(logits, sampled)
-        if sample is not None:
             sample.start_copy()
         prompt_lp = self._prompt_logprobs(batch, hidden) if any(
             s.params.prompt_logprobs is not None for s in batch.seqs) else {}

@@ -6,9 +6,9 @@ FLOPs. cuBLAS's GEMM kernels for M=1 reach 30-50% of HBM bandwidth on the 8-12 M
 plus a split-K reduce), because a few hundred KB per SM is too little to amortise their tiling.
 Here each program streams ``BLOCK_N`` whole weight rows with wide loads and keeps a float32
 partial sum per column lane, reducing it once at the end: no split-K pass, no shared memory, and
-many small programs in flight on every SM. Measured in the engine (llama-3.2-1b shape, batch 1):
-654 us of linear layers per step against cuBLAS's 697 us; both are still ~70% of bandwidth, the
-rest being each kernel's ramp-up (``benchmarks/bench_kernels.py --only gemv --sweep``).
+many small programs in flight on every SM. Measured in the engine (llama-3.2-1b shape, batch 1,
+``benchmarks/profile_steps.py --batch1``): 580 us of linear layers per step against cuBLAS's 697 us,
+~70% of bandwidth, the rest being each kernel's ramp-up (``bench_kernels.py --only gemv --sweep``).
 """
 from __future__ import annotations
 

@@ -46,7 +46,8 @@ class _EngineStateCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
             "minfer_num_preemptions": ("sequences preempted for lack of KV blocks", s["num_preemptions"]),
-            "minfer_prefix_cache_queried_tokens": ("prompt tokens looked up in the prefix cache", s["prefix_cache_queried_tokens"]),
+            "minfer_prefix_cache_queried_tokens": ("prompt tokens looked up in the prefix cache",
+                                                   s["prefix_cache_queried_tokens"]),
             "minfer_prefix_cache_hit_tokens": ("prompt tokens found in the prefix cache", s["prefix_cache_hit_tokens"]),
         }
         for name, (doc, value) in counters.items():
