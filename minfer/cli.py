@@ -35,7 +35,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_kv_blocks=args.num_kv_blocks,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype)
+                async_scheduling=not args.no_async_scheduling, attention_backend=args.attention_backend,
+                kv_cache_dtype=args.kv_cache_dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
