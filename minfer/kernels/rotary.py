@@ -4,6 +4,9 @@ The cache holds ``cos`` in ``[:, :D/2]`` and ``sin`` in ``[:, D/2:]`` as float32
 scaling (Llama 3, YaRN, ...) is decided once when the cache is built and this kernel never
 changes. q and k usually are strided views into the fused qkv projection: we write through the
 views instead of copying, which saves a full read and write of q and k.
+
+The engine rotates inside its KV-store launch (``rope_store.py``); this standalone kernel is what
+that fused one is tested against, element for element, and a building block for other callers.
 """
 
 from __future__ import annotations

@@ -45,6 +45,18 @@ class AttentionMetadata:
     _decode_slots: torch.Tensor | None = None  # torch backend: cache slots of the decodes' context
 
 
+@dataclass(slots=True)
+class RopeInputs:
+    """What the fused store kernel needs to finish q and k: positions, the rotary table and, for Qwen3,
+    the per-head norms (one launch instead of up to four small ones per layer)."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_sin_cache: torch.Tensor  # [max_position, D] float32
+    q_norm_weight: torch.Tensor | None = None
+    k_norm_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 class Attention(nn.Module):
     """Stores K/V into this layer's cache, then computes attention for decodes and prompt chunks."""
 
@@ -58,10 +70,14 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None  # [num_blocks, Hkv, block_size] for 8-bit caches
         self.v_scale: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] → [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                rope: RopeInputs | None = None) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] → [T, Hq, D]. With ``rope`` (Triton backend only) q and k
+        arrive before their norms and rotary, which the store kernel applies on the way."""
         if self.backend == "triton":
-            return self._forward_triton(q, k, v, meta)
+            return self._forward_triton(q, k, v, meta, rope)
+        if rope is not None:
+            raise ValueError("the torch attention path takes q and k already rotated")
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
         out = torch.empty_like(q)
@@ -72,12 +88,19 @@ class Attention(nn.Module):
             out[nd:] = torch_prefill_attention(q, self.k_cache, self.v_cache, meta, self.scale, **scales)
         return out
 
-    def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_triton(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                        rope: RopeInputs | None) -> torch.Tensor:
         from minfer.kernels import paged_decode_attention, paged_prefill_attention
         from minfer.kernels import store_kv as store_kv_triton
+        from minfer.kernels.rope_store import rope_store_kv
 
         scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
-        store_kv_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        if rope is None:
+            store_kv_triton(k, v, self.k_cache, self.v_cache, meta.slot_mapping, **scales)
+        else:
+            rope_store_kv(q, k, v, rope.positions, rope.cos_sin_cache, self.k_cache, self.v_cache,
+                          meta.slot_mapping, q_norm_weight=rope.q_norm_weight, k_norm_weight=rope.k_norm_weight,
+                          eps=rope.eps, **scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:

@@ -100,25 +100,19 @@ class RotaryEmbedding(nn.Module):
     """Non-interleaved ("rotate half") rotary embedding from a precomputed float32 cache.
 
     ``cos_sin_cache[p] = [cos(p·f) | sin(p·f)]`` over the head_dim/2 frequencies f: the layout the
-    Triton kernel reads too.
+    Triton kernels read too.
     """
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
-                 use_triton: bool = False) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        self.use_triton = use_triton
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns them rotated (HF rounding: products in the model dtype;
-        the Triton kernel rotates in place in float32 and rounds once)."""
-        if self.use_triton:
-            from minfer.kernels import apply_rotary
-
-            apply_rotary(q, k, positions, self.cos_sin_cache)
-            return q, k
+        """q: [T, Hq, D], k: [T, Hkv, D]; returns them rotated with HF's rounding (products in the model
+        dtype). The Triton backend rotates inside its KV-store kernel instead (``kernels/rope_store.py``:
+        float32 arithmetic, one rounding)."""
         cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
         cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

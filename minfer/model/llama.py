@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from minfer.config import ModelConfig
-from minfer.model.attention import Attention, AttentionMetadata
+from minfer.model.attention import Attention, AttentionMetadata, RopeInputs
 from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding
 
 
@@ -33,6 +33,11 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # views into the fused qkv output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.attn.backend == "triton":  # norms + rotary + KV store: one kernel
+            rope = RopeInputs(positions, self.rotary.cos_sin_cache)
+            if self.q_norm is not None:
+                rope.q_norm_weight, rope.k_norm_weight, rope.eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+            return self.o_proj(self.attn(q, k, v, meta, rope).reshape(t, self.q_size))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
@@ -74,7 +79,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         triton = backend == "triton"
-        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, triton)
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, backend) for _ in range(cfg.num_hidden_layers))
