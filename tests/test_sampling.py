@@ -148,3 +148,18 @@ def test_abort_before_fork_frees_everything(checkpoints):
     engine.abort_request("r")
     stats = engine.get_stats()
     assert not engine.has_unfinished_requests() and stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+
+
+def test_row_hash_on_host_equals_the_device_formula():
+    """The sampler hashes rows in numpy (uint64) on the host; the tests' references hash torch int64
+    tensors: both must give the same numbers, seeds up to 2**63 - 1 included."""
+    import numpy as np
+
+    from minfer.engine.sampler import row_hash
+
+    seeds = [0, 1, 12345, 2**32 - 1, 2**32, 2**62 + 7, 2**63 - 1]
+    counters = [0, 1, 7, 1000, 65535, 3, 2**20]
+    host = row_hash(np.array(seeds, dtype=np.uint64), np.array(counters, dtype=np.uint64))
+    dev = row_hash(torch.tensor(seeds, dtype=torch.int64), torch.tensor(counters, dtype=torch.int64))
+    assert host.dtype == np.uint64 and host.max() < 2**32
+    assert host.astype(np.int64).tolist() == dev.tolist()

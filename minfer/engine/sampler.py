@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minfer.engine.sequence import Sequence
@@ -18,7 +19,7 @@ _M32 = 0xFFFFFFFF
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche finaliser on int64 tensors holding values in [0, 2^32)."""
+    """A 32-bit avalanche finaliser on int64 tensors (or uint64 arrays) holding values in [0, 2^32)."""
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & _M32
     x = x ^ (x >> 13)
@@ -27,14 +28,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_hash(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """Per-row 32-bit hash of (seed, output index): the row part of the noise."""
+    """Per-row 32-bit hash of (seed, output index): the row part of the noise. Takes int64 tensors or
+    uint64 numpy arrays alike; the sampler hashes on the host, where 256 rows cost a few microseconds
+    against a dozen tiny kernels on the device."""
     return _mix32((_mix32(seeds & _M32) ^ (seeds >> 32)) ^ ((counters * 0x9E3779B1) & _M32))
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u[r, v] in (0, 1), a pure function of (seeds[r], counters[r], v)."""
-    row = row_hash(seeds, counters)
-    col = _mix32((torch.arange(vocab_size, device=seeds.device) * 0x27D4EB2F + 0x165667B1) & _M32)
+    return noise_from_row_hash(row_hash(seeds, counters), vocab_size)
+
+
+def noise_from_row_hash(row: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """:func:`uniform_noise` from the rows' hashes (int64 ``[R]``)."""
+    col = _mix32((torch.arange(vocab_size, device=row.device) * 0x27D4EB2F + 0x165667B1) & _M32)
     bits = _mix32(row[:, None] ^ col[None, :]) >> 8  # 24 random bits
     return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
@@ -107,8 +114,8 @@ class _BatchFacts:
     any_min_tokens: bool
     any_filters: bool  # top-k, top-p or min-p
     greedy: list[bool]
-    temps: torch.Tensor  # [R] float32 on the device (1.0 on greedy rows)
-    seeds: torch.Tensor  # [R] int64 on the device
+    inv_temps: torch.Tensor  # [R] float32 1 / temperature on the device (1.0 on greedy rows)
+    seeds: np.ndarray  # [R] uint64 on the host
 
 
 class Sampler:
@@ -126,12 +133,12 @@ class Sampler:
         params = [s.params for s in seqs]
         want_logprobs = [p.logprobs for p in params]
         greedy = [p.greedy for p in params]
+        inv_temps = self._tensor([1.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)], torch.float32)
         facts = self._facts = _BatchFacts(
             key, list(seqs), want_logprobs, any(k is not None for k in want_logprobs),
             any(p.has_penalties for p in params), any(p.min_tokens > 0 for p in params),
-            any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params), greedy,
-            self._tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
-            self._tensor([s.sample_seed for s in seqs], torch.int64))
+            any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params), greedy, inv_temps,
+            np.array([s.sample_seed for s in seqs], dtype=np.uint64))
         return facts
 
     @torch.no_grad()
@@ -184,11 +191,12 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], facts: _BatchFacts) -> torch.Tensor:
         params = [s.params for s in seqs] if facts.any_filters else []
-        temps, seeds = facts.temps, facts.seeds
-        counters = self._tensor([len(s.token_ids) - len(s.prompt_token_ids) for s in seqs], torch.int64)
+        inv_temps = facts.inv_temps
+        counters = np.array([len(s.token_ids) - len(s.prompt_token_ids) for s in seqs], dtype=np.uint64)
+        hashes = self._tensor(row_hash(facts.seeds, counters), torch.int64)
         if facts.any_filters:  # filters see logits / T
-            logits = logits / temps[:, None]
-            temps = torch.ones_like(temps)
+            logits = logits * inv_temps[:, None]
+            inv_temps = torch.ones_like(inv_temps)
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
                 logits = self._top_k_top_p(logits, params)
             if any(p.min_p > 0 for p in params):
@@ -199,9 +207,9 @@ class Sampler:
         if logits.is_cuda:  # one fused pass over the logits (the same draws up to rounding)
             from minfer.kernels.sampling import gumbel_argmax
 
-            return gumbel_argmax(logits.contiguous(), row_hash(seeds, counters), temps)
-        gumbel = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[-1])))
-        return (logits / temps[:, None] + gumbel).argmax(-1)
+            return gumbel_argmax(logits.contiguous(), hashes, inv_temps)
+        gumbel = -torch.log(-torch.log(noise_from_row_hash(hashes, logits.shape[-1])))
+        return (logits * inv_temps[:, None] + gumbel).argmax(-1)
 
     def _top_k_top_p(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Keep the k most likely tokens and the smallest set whose probability reaches top_p."""

@@ -88,11 +88,12 @@ def _chunked_argmax(logits: torch.Tensor, row_hash: torch.Tensor | None, inv_tem
     return idxs.gather(1, vals.argmax(-1, keepdim=True)).squeeze(1)
 
 
-def gumbel_argmax(logits: torch.Tensor, row_hash: torch.Tensor, temperature: torch.Tensor,
+def gumbel_argmax(logits: torch.Tensor, row_hash: torch.Tensor, inv_temperature: torch.Tensor,
                   block: int = 2048) -> torch.Tensor:
-    """Sampled token per row of ``logits`` [rows, vocab] (float32). ``row_hash`` (int64, values in
-    [0, 2^32)) is the per-row hash of seed and output index; ``temperature`` float32 [rows] > 0."""
-    return _chunked_argmax(logits, row_hash, (1.0 / temperature).float().contiguous(), block)
+    """Sampled token per row of ``logits`` [rows, vocab] (float32 or the model dtype). ``row_hash``
+    (int64, values in [0, 2^32)) is the per-row hash of seed and output index; ``inv_temperature``
+    contiguous float32 [rows], 1 / T (the sampler keeps it per batch: one division fewer per step)."""
+    return _chunked_argmax(logits, row_hash, inv_temperature, block)
 
 
 def greedy_argmax(logits: torch.Tensor, block: int = 2048) -> torch.Tensor:

@@ -16,7 +16,7 @@ def test_gumbel_argmax_matches_reference(rows, vocab):
     seeds = torch.randint(0, 2**62, (rows,), dtype=torch.int64)
     counters = torch.randint(0, 1000, (rows,), dtype=torch.int64)
     temps = torch.rand(rows) + 0.3
-    got = gumbel_argmax(logits, row_hash(seeds, counters), temps, block=512)
+    got = gumbel_argmax(logits, row_hash(seeds, counters), 1 / temps, block=512)
     score = logits / temps[:, None] - torch.log(-torch.log(uniform_noise(seeds, counters, vocab)))
     ref = score.argmax(-1)
     picked = score.gather(-1, got[:, None]).squeeze(-1)
@@ -54,7 +54,7 @@ def test_gumbel_argmax_on_gpu_matches_reference():
     seeds = torch.randint(0, 2**62, (rows,), dtype=torch.int64).cuda()
     counters = torch.randint(0, 1000, (rows,), dtype=torch.int64).cuda()
     temps = (torch.rand(rows) + 0.3).cuda()
-    got = gumbel_argmax(logits, row_hash(seeds, counters), temps)
+    got = gumbel_argmax(logits, row_hash(seeds, counters), 1 / temps)
     score = logits / temps[:, None] - torch.log(-torch.log(uniform_noise(seeds, counters, vocab)))
     picked = score.gather(-1, got[:, None]).squeeze(-1)
     assert torch.all(score.max(-1).values - picked <= 1e-4)
@@ -67,7 +67,7 @@ def test_argmax_kernels_read_bfloat16_logits_exactly():
     logits = (torch.randn(3, 3000) * 4).bfloat16()
     seeds = torch.randint(0, 2**62, (3,), dtype=torch.int64)
     hashes = row_hash(seeds, torch.tensor([0, 5, 9]))
-    temps = torch.tensor([0.5, 1.0, 1.7])
-    assert torch.equal(gumbel_argmax(logits, hashes, temps, block=512),
-                       gumbel_argmax(logits.float(), hashes, temps, block=512))
+    inv_temps = 1 / torch.tensor([0.5, 1.0, 1.7])
+    assert torch.equal(gumbel_argmax(logits, hashes, inv_temps, block=512),
+                       gumbel_argmax(logits.float(), hashes, inv_temps, block=512))
     assert torch.equal(greedy_argmax(logits, block=256), logits.float().argmax(-1))
