@@ -44,7 +44,7 @@ from minfer.kernels import (  # noqa: E402
     silu_and_mul_ref, store_kv, store_kv_ref,
 )
 from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
-from minfer.kernels.gemv import GemvConfig, gemv, gemv_ref  # noqa: E402
+from minfer.kernels.gemv import GemvConfig, gemv, gemv_ref, gemv_rms_norm, gemv_silu_mul  # noqa: E402
 from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
 from minfer.kernels.decode_attention import default_config as default_decode_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
@@ -423,6 +423,47 @@ def gemv_case(n: int, k: int, label: str, sweep: bool) -> list[Row]:
     return rows
 
 
+def gemv_fused_case(n: int, k: int, label: str, prologue: str, sweep: bool) -> list[Row]:
+    """Batch-1 linear layer with its input op fused in (``prologue`` "silu": SwiGLU of [1, 2K] gate|up before the
+    down projection; "add_rms": residual add + RMSNorm before qkv / gate_up) against the two launches it replaces,
+    which are also what it is checked against (the same roundings; the references round differently under the
+    interpreter, which truncates to bfloat16).
+
+    Both rows count the same bytes (weight, the vector inputs once, y and the new residual once), so their
+    bandwidth columns compare directly; the saving is the second launch and the [1, K] round trip."""
+    eps = 1e-5
+    w = torch.randn(n, k, device=DEV, dtype=DT) / k ** 0.5
+    if prologue == "silu":
+        xgu = torch.randn(1, 2 * k, device=DEV, dtype=DT)
+        nbytes = 2 * (n * k + n + 2 * k)
+        fused = lambda cfg=None: gemv_silu_mul(xgu, w, cfg)
+        unfused = lambda: gemv(silu_and_mul(xgu), w)
+        kernel, unfused_impl = "gemv+silu", "silu_and_mul then gemv"
+        note = check(f"gemv+silu {n}x{k}", fused(), unfused())
+    else:
+        x = torch.randn(1, k, device=DEV, dtype=DT)
+        res = torch.randn(1, k, device=DEV, dtype=DT)
+        nw = torch.randn(k, device=DEV, dtype=DT)
+        nbytes = 2 * (n * k + n + 4 * k)  # read x, residual, norm weight; write the new residual
+        fused = lambda cfg=None: gemv_rms_norm(x, res, nw, eps, w, config=cfg)
+        unfused = lambda: gemv(fused_add_rms_norm(x, res, nw, eps), w)  # res grows each replay, as in rms_case
+        kernel, unfused_impl = "gemv+add_rms", "fused_add_rms_norm then gemv"
+        y, new_res = fused()
+        res_check = res.clone()
+        note = check(f"gemv+add_rms {n}x{k}", y, gemv(fused_add_rms_norm(x, res_check, nw, eps), w))
+        note += "" if torch.equal(new_res, res_check) else " residual MISMATCH"
+    shape = f"{label} {n}x{k}, x [1, {k}]"
+    fused_ms, unfused_ms = bench_graph(fused), bench_graph(unfused)
+    rows = [Row(kernel, shape, "triton fused", fused_ms, nbytes, 2 * n * k,
+                f"{note}, {unfused_ms / fused_ms:.2f}x unfused, {default_gemv_config(k, prologue == 'silu')}"),
+            Row(kernel, shape, unfused_impl, unfused_ms, nbytes, 2 * n * k, "two launches")]
+    if sweep:
+        best = min(((bench_graph(lambda c=c: fused(c), rep=50), c) for c in GEMV_SWEEP), key=lambda t: t[0])
+        print(f"  BEST {kernel} {shape}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+        rows.append(Row(kernel, shape, "triton fused, best of sweep", best[0], nbytes, 2 * n * k, str(best[1])))
+    return rows
+
+
 def add_speedups(rows: list[Row]) -> None:
     """Note each 8-bit row's speed-up over the bf16 Triton row of the same kernel and shape."""
     base = {(r.kernel, r.shape): r.ms for r in rows if r.impl in ("triton", "triton paged")}  # bf16 rows
@@ -463,6 +504,8 @@ def main() -> None:
             ("rotary", lambda: rotary_case(8, 4, 2, 32)),
             ("silu", lambda: silu_case(8, 256)),
             ("gemv", lambda: gemv_case(40, 96, "tiny", sw)),
+            ("gemv", lambda: gemv_fused_case(40, 96, "tiny", "add_rms", sw)),
+            ("gemv", lambda: gemv_fused_case(40, 96, "tiny", "silu", sw)),
         ]
     else:
         attention = [
@@ -481,6 +524,10 @@ def main() -> None:
                 (3072, 2048, "1b qkv"), (2048, 2048, "1b o"), (16384, 2048, "1b gate_up"), (2048, 8192, "1b down"),
                 (4096, 1024, "0.6b qkv"), (1024, 2048, "0.6b o"), (6144, 1024, "0.6b gate_up"),
                 (1024, 3072, "0.6b down")]],
+            # the same layers with the op before them fused in, next to the two launches they replace
+            *[("gemv", lambda n=n, k=k, lb=lb, p=p: gemv_fused_case(n, k, lb, p, sw)) for n, k, lb, p in [
+                (3072, 2048, "1b qkv", "add_rms"), (16384, 2048, "1b gate_up", "add_rms"),
+                (2048, 8192, "1b down", "silu")]],
         ]
     # Each KV-cache shape once per format, formats adjacent so the rows compare at a glance.
     steps = [(name, (lambda f=f, kd=kd: f(kd))) for name, f in attention for kd in kv_dtypes] + others

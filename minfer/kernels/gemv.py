@@ -9,6 +9,11 @@ partial sum per column lane, reducing it once at the end: no split-K pass, no sh
 many small programs in flight on every SM. Measured in the engine (llama-3.2-1b shape, batch 1,
 ``benchmarks/profile_steps.py --batch1``): 580 us of linear layers per step against cuBLAS's 697 us,
 ~70% of bandwidth, the rest being each kernel's ramp-up (``bench_kernels.py --only gemv --sweep``).
+
+Two optional prologues fold the elementwise op before a projection into it, saving that op's launch
+(~2 us each at batch 1, three per layer): :func:`gemv_silu_mul` (SwiGLU before down_proj) and
+:func:`gemv_rms_norm` (residual add + RMSNorm before qkv and gate_up). They are constexpr branches of
+the one kernel, so the plain :func:`gemv` compiles to what it was.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, next_pow2
+from .activation import silu_and_mul_ref
+from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
 
 @dataclass(frozen=True)
@@ -32,21 +39,117 @@ class GemvConfig:
     num_warps: int = 4
 
 
+# What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, or rms_norm(x + residual).
+_PLAIN, _SILU_MUL, _RMS_NORM = 0, 1, 2
+# Widest single block the RMS prologue sums in one tl.sum (like rmsnorm.py's one next_pow2(K) block); wider
+# rows are summed block by block, which changes the float32 summation order. Module-level so tests can shrink it.
+RMS_MAX_BLOCK = 8192
+
+
 @triton.jit
-def _gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _sum_squares(X, R, K, HAS_RESIDUAL: tl.constexpr, RMS_BLOCK: tl.constexpr, EVEN_R: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr):
+    """float32 sum over the row of ``r * r``, ``r = x (+ residual)`` rounded to x's dtype as the norm rounds it."""
+    cols = tl.arange(0, RMS_BLOCK)
+    if ONE_BLOCK:  # the whole row in one block, one tl.sum: the shape of the rmsnorm kernel's reduction
+        if EVEN_R:
+            x = tl.load(X + cols)
+        else:
+            x = tl.load(X + cols, mask=cols < K, other=0.0)
+        if HAS_RESIDUAL:
+            if EVEN_R:
+                res = tl.load(R + cols)
+            else:
+                res = tl.load(R + cols, mask=cols < K, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        xf = x.to(tl.float32)
+        ss = tl.sum(xf * xf, axis=0)
+    else:
+        ss = 0.0
+        for r0 in range(0, K, RMS_BLOCK):
+            if EVEN_R:
+                x = tl.load(X + r0 + cols)
+            else:
+                x = tl.load(X + r0 + cols, mask=r0 + cols < K, other=0.0)
+            if HAS_RESIDUAL:
+                if EVEN_R:
+                    res = tl.load(R + r0 + cols)
+                else:
+                    res = tl.load(R + r0 + cols, mask=r0 + cols < K, other=0.0)
+                x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+            xf = x.to(tl.float32)
+            ss += tl.sum(xf * xf, axis=0)
+    return ss
+
+
+@triton.jit
+def _input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, PROLOGUE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, MASKED: tl.constexpr):
+    """The input vector's elements at ``offs`` (zero past K when MASKED), rounded to x's dtype as the unfused
+    kernels round them; under the RMS prologue, ``write_residual`` also stores ``x + residual`` to R_OUT."""
+    mask = offs < K
+    if PROLOGUE == 1:  # silu_and_mul (activation.py): silu in float32, rounded, then the product, rounded
+        if MASKED:
+            gate = tl.load(X + offs, mask=mask, other=0.0)
+            up = tl.load(X + K + offs, mask=mask, other=0.0)
+        else:
+            gate = tl.load(X + offs)
+            up = tl.load(X + K + offs)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    elif PROLOGUE == 2:  # fused_add_rms_norm / rms_norm (rmsnorm.py), same roundings
+        if MASKED:
+            x = tl.load(X + offs, mask=mask, other=0.0)
+            w = tl.load(NW + offs, mask=mask, other=0.0)
+        else:
+            x = tl.load(X + offs)
+            w = tl.load(NW + offs)
+        dtype = x.dtype
+        if HAS_RESIDUAL:
+            if MASKED:
+                res = tl.load(R + offs, mask=mask, other=0.0)
+            else:
+                res = tl.load(R + offs)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
+            if write_residual:
+                if MASKED:
+                    tl.store(R_OUT + offs, x, mask=mask)
+                else:
+                    tl.store(R_OUT + offs, x)
+        normed = (x.to(tl.float32) * inv_rms).to(dtype)
+        x = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    else:
+        if MASKED:
+            x = tl.load(X + offs, mask=mask, other=0.0)
+        else:
+            x = tl.load(X + offs)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr = 0,
+                 HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True,
+                 ONE_BLOCK: tl.constexpr = True):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    inv_rms = 1.0
+    if PROLOGUE == 2:  # every program needs the whole row's mean square before its first chunk
+        ss = _sum_squares(X, R, K, HAS_RESIDUAL, RMS_BLOCK, EVEN_R, ONE_BLOCK)
+        inv_rms = tl.rsqrt(ss / K + eps)
+    write_residual = pid == 0
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K and EVEN_N:
-            x = tl.load(X + k0 + cols)
+            x = _input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL, False)
             w = tl.load(w_ptrs + k0)
         else:
-            k_mask = k0 + cols < K
-            x = tl.load(X + k0 + cols, mask=k_mask, other=0.0)
-            w = tl.load(w_ptrs + k0, mask=(rows < N)[:, None] & k_mask[None, :], other=0.0)
+            x = _input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL,
+                             not EVEN_K)
+            w = tl.load(w_ptrs + k0, mask=(rows < N)[:, None] & (k0 + cols < K)[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -54,8 +157,37 @@ def _gemv_kernel(X, W, B, Y, N, K, stride_wn, HAS_BIAS: tl.constexpr, EVEN_N: tl
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
-def default_config(k: int) -> GemvConfig:
-    return GemvConfig(block_k=min(1024, next_pow2(k)))
+def default_config(k: int, silu_prologue: bool = False) -> GemvConfig:
+    """Four rows by up to 1024 columns, four warps; eight warps under the SwiGLU prologue, whose exp and division
+    per element want more warps in flight to hide (H200, llama-3.2-1b down 2048x8192: 17.8 us against 21.5 with
+    four warps; qwen3-0.6b down 1024x3072: 8.8 against 10.5). The RMS prologue keeps the plain default, which
+    was the fastest of 4/8 rows x 512/1024/2048 columns x 4/8 warps there."""
+    return GemvConfig(block_k=min(1024, next_pow2(k)), num_warps=8 if silu_prologue else 4)
+
+
+def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.stride(1) != 1:
+        raise ValueError("weight rows must be contiguous")
+    if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{weight.shape[0]}], got {tuple(bias.shape)}")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
+            prologue: int = _PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            new_residual: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    n, k = weight.shape
+    cfg = config or default_config(k, silu_prologue=prologue == _SILU_MUL)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, y,
+        residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        new_residual if new_residual is not None else y, n, k, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        RMS_BLOCK=rms_block, EVEN_R=k % rms_block == 0, ONE_BLOCK=rms_block >= k, num_warps=cfg.num_warps,
+    )
+    return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -69,15 +201,82 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"expected x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if weight.stride(1) != 1 or not x.is_contiguous():
         raise ValueError("weight rows and x must be contiguous")
-    n, k = weight.shape
-    cfg = config or default_config(k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-    )
-    return y
+    return _launch(x, weight, bias, config)
+
+
+def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """``gemv(silu_and_mul(x_gate_up), weight)`` in one launch: ``x_gate_up`` [1, 2*K] = [gate | up], ``weight``
+    [N, K] (the MLP's down projection) -> [1, N].
+
+    Why: at batch 1 the activation is a ~2 us kernel of its own over a few KB, launched once per layer (16 on
+    llama-3.2-1b), for a vector the down projection reads next anyway. Here every program recomputes
+    ``silu(gate) * up`` for its own K chunk as it streams its weight rows; the vector stays in L2, so the
+    recomputation costs a few FLOPs per weight row, while the launch and the [1, K] round trip go away
+    (H200, CUDA-graph replay: llama-3.2-1b down 2048x8192 17.8 us against 18.9 us for the pair, qwen3-0.6b
+    down 1024x3072 8.8 against 10.2; see ``default_config`` for why this variant runs eight warps).
+
+    The roundings are activation.py's (silu in float32 rounded to the dtype, then the product rounded), so the
+    vector fed to the products is bit-identical to ``silu_and_mul``'s; ``y`` matches ``gemv`` of it exactly
+    under the same ``config``, and up to float32 summation order under the defaults, whose warp counts differ
+    (on an H200 bfloat16 outputs still came out identical on the llama/qwen shapes; float32 ones within an ulp).
+    """
+    check_dtype("x_gate_up", x_gate_up)
+    if x_gate_up.dim() != 2 or x_gate_up.shape[0] != 1 or weight.dim() != 2:
+        raise ValueError(f"expected x_gate_up [1, 2*K] and weight [N, K], got {tuple(x_gate_up.shape)} and "
+                         f"{tuple(weight.shape)}")
+    width = x_gate_up.shape[1]
+    if width % 2:
+        raise ValueError(f"x_gate_up width must be even ([gate | up]), got {width}")
+    if width != 2 * weight.shape[1]:
+        raise ValueError(f"x_gate_up width must be 2*K = {2 * weight.shape[1]} for weight {tuple(weight.shape)}, "
+                         f"got {width}")
+    if not x_gate_up.is_contiguous():
+        raise ValueError("x_gate_up must be contiguous")
+    _check_weight(weight, None)
+    return _launch(x_gate_up, weight, None, config, prologue=_SILU_MUL)
+
+
+def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gemv(fused_add_rms_norm(x, residual, norm_weight, eps), weight, bias)`` in one launch -> ``(y, new_residual)``.
+
+    ``x`` and ``residual`` [1, K] (``residual`` may be None: then plain ``rms_norm(x)``), ``norm_weight`` [K],
+    ``weight`` [N, K], ``bias`` [N] or None; ``y`` is [1, N].
+
+    Why: at batch 1 the norm before qkv and before gate_up is a ~2 us launch twice per layer (32 on
+    llama-3.2-1b) over a 4 KB row. Folding it into the projection that consumes it removes the launch: each
+    program first sums the squares of the whole row (one tl.sum over a next_pow2(K) block, the reduction
+    shape of rmsnorm.py, so the result tends to be bit-identical to ``fused_add_rms_norm``; rows wider than
+    ``RMS_MAX_BLOCK`` are summed block by block), then normalises each K chunk as it streams its weight rows.
+    The row is a few KB and stays in L2, so every program re-reading it is cheap next to its weight rows, but
+    the first pass delays each program's weight stream: measured on an H200 (CUDA-graph replay) the fusion
+    saves ~1 us on llama-3.2-1b qkv 3072x2048 (10.6 us against 11.5) and qwen3-0.6b gate_up 6144x1024 (10.7
+    against 11.8), and nothing on llama-3.2-1b gate_up 16384x2048 (29.1 against 28.9: its 4096 programs each
+    pay the first pass). Prefetching the first weight tile across the first pass was tried and was slower.
+
+    Unlike ``fused_add_rms_norm``, ``residual`` is NOT updated in place: other programs are still reading it.
+    ``x + residual`` (rounded to the dtype) is written to a fresh ``new_residual`` by program 0 alone; with no
+    residual, ``new_residual`` is ``x`` itself. The inputs are left unmodified.
+    """
+    check_dtype("x", x)
+    check_dtype("norm_weight", norm_weight)
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    k = x.shape[1]
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"residual must be a contiguous {tuple(x.shape)} {x.dtype} like x, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
+        raise ValueError(f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
+    _check_weight(weight, bias)
+    new_residual = x if residual is None else torch.empty_like(x)
+    y = _launch(x, weight, bias, config, prologue=_RMS_NORM, residual=residual, norm_weight=norm_weight,
+                new_residual=new_residual if residual is not None else None, eps=eps)
+    return y, new_residual
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,3 +285,20 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype)
+
+
+def gemv_silu_mul_ref(x_gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Torch reference of :func:`gemv_silu_mul`. For bfloat16/float16, torch's silu and product each compute in
+    float32 and round, which is exactly the kernel's rounding (silu rounded, then the product rounded)."""
+    return gemv_ref(silu_and_mul_ref(x_gate_up), weight)
+
+
+def gemv_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`gemv_rms_norm`: ``(y, new_residual)``; ``residual`` is left unmodified."""
+    if residual is None:
+        new_residual, xn = x, rms_norm_ref(x, norm_weight, eps)
+    else:
+        new_residual = residual.clone()
+        xn = fused_add_rms_norm_ref(x, new_residual, norm_weight, eps)
+    return gemv_ref(xn.to(x.dtype), weight, bias), new_residual

@@ -1,10 +1,22 @@
-"""Batch-1 matrix-vector kernel (interpreter on CPU) against a float32 reference and torch's linear."""
+"""Batch-1 matrix-vector kernel (interpreter on CPU) against a float32 reference and torch's linear, and its fused
+SwiGLU and residual-add + RMSNorm prologues against the unfused kernels they replace."""
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testlib import EXACT_BF16, REL_TOL, rel_err
 
-from minfer.kernels.gemv import GemvConfig, gemv, gemv_ref
+from minfer.kernels import fused_add_rms_norm, rms_norm, silu_and_mul
+from minfer.kernels import gemv as gemv_module
+from minfer.kernels.gemv import (
+    GemvConfig,
+    gemv,
+    gemv_ref,
+    gemv_rms_norm,
+    gemv_rms_norm_ref,
+    gemv_silu_mul,
+    gemv_silu_mul_ref,
+)
 
 
 @pytest.mark.parametrize("n,k,bias,config", [
@@ -42,3 +54,149 @@ def test_gemv_on_gpu_matches_reference(n, k):
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     torch.testing.assert_close(gemv(x, w), gemv_ref(x, w), rtol=1e-2, atol=1e-2)
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def _assert_near_ref(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Relative error against a torch reference. The interpreter rounds float32 -> bfloat16 toward zero where
+    torch rounds to nearest, a bias that two or three intermediate roundings add up to ~1%: 3e-2 there."""
+    tol = 3e-2 if out.dtype == torch.bfloat16 and not EXACT_BF16 else REL_TOL[out.dtype]
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: rel err {err:.2e} > {tol:.0e}"
+
+
+def _unfused_rms(x: torch.Tensor, residual: torch.Tensor | None, nw: torch.Tensor, eps: float, w: torch.Tensor,
+                 b: torch.Tensor | None, config: GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two launches gemv_rms_norm replaces: (y, the residual fused_add_rms_norm leaves in a clone)."""
+    if residual is None:
+        return gemv(rms_norm(x, nw, eps), w, b, config), x
+    new_res = residual.clone()
+    return gemv(fused_add_rms_norm(x, new_res, nw, eps), w, b, config), new_res
+
+
+FUSED_SHAPES = [
+    (64, 128, None),
+    (50, 200, None),                       # ragged rows and columns: the masked path
+    (96, 256, GemvConfig(16, 64, 4)),      # several K chunks per program, even shapes
+    (33, 300, GemvConfig(4, 128, 2)),      # several K chunks, ragged both ways
+]
+
+
+@pytest.mark.parametrize("n,k,config", FUSED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_silu_mul_matches_unfused(n, k, config, dtype):
+    torch.manual_seed(n + k)
+    xgu = torch.randn(1, 2 * k, dtype=dtype) * 2
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    xgu0 = xgu.clone()
+    got = gemv_silu_mul(xgu, w, config)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert torch.equal(xgu, xgu0)
+    tol = _tol(dtype)
+    unfused = gemv(silu_and_mul(xgu), w, config=config)
+    torch.testing.assert_close(got, unfused, rtol=tol, atol=tol)
+    # Same roundings, same float32 summation order (the interpreter's): bit-identical. A missing intermediate
+    # rounding would hide inside the bf16 tolerance above, not here.
+    assert torch.equal(got, unfused)
+    _assert_near_ref(got, gemv_silu_mul_ref(xgu, w), "gemv_silu_mul vs reference")
+
+
+@pytest.mark.parametrize("n,k,config", FUSED_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rms_norm_matches_unfused(n, k, config, bias, with_residual, dtype):
+    torch.manual_seed(n * k + bias)
+    eps = 1e-5
+    x = torch.randn(1, k, dtype=dtype)
+    res = torch.randn(1, k, dtype=dtype) * 3 if with_residual else None
+    nw = 1 + 0.1 * torch.randn(k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    b = torch.randn(n, dtype=dtype) if bias else None
+    x0, res0 = x.clone(), None if res is None else res.clone()
+    y, new_res = gemv_rms_norm(x, res, nw, eps, w, b, config)
+    assert y.shape == (1, n) and y.dtype == dtype and new_res.shape == (1, k) and new_res.dtype == dtype
+    assert torch.equal(x, x0), "x was modified"
+    if res is None:
+        assert new_res is x
+    else:
+        assert torch.equal(res, res0), "residual was updated in place"
+        assert new_res.data_ptr() not in (x.data_ptr(), res.data_ptr())
+    y_unfused, res_unfused = _unfused_rms(x, res0, nw, eps, w, b, config)
+    assert torch.equal(new_res, res_unfused)  # x + residual, rounded exactly as fused_add_rms_norm rounds it
+    tol = _tol(dtype)
+    torch.testing.assert_close(y, y_unfused, rtol=tol, atol=tol)
+    assert torch.equal(y, y_unfused)  # one tl.sum over the same next_pow2(K) block as rmsnorm.py: bit-identical
+    y_ref, res_ref = gemv_rms_norm_ref(x, res, nw, eps, w, b)
+    _assert_near_ref(y, y_ref, "gemv_rms_norm vs reference")
+    if dtype != torch.bfloat16 or EXACT_BF16:  # the interpreter rounds float32 -> bfloat16 toward zero
+        assert torch.equal(new_res, res_ref)
+    else:
+        torch.testing.assert_close(new_res, res_ref, rtol=1e-2, atol=1e-2)
+    if res is not None:
+        assert torch.equal(res, res0), "gemv_rms_norm_ref updated residual in place"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rms_norm_row_wider_than_one_block(monkeypatch, dtype):
+    """Rows wider than RMS_MAX_BLOCK: the sum of squares loops over blocks (here 3 blocks, the last ragged)."""
+    monkeypatch.setattr(gemv_module, "RMS_MAX_BLOCK", 64)
+    torch.manual_seed(1)
+    n, k, eps = 24, 150, 1e-6
+    x, res = torch.randn(1, k, dtype=dtype), torch.randn(1, k, dtype=dtype)
+    nw, w = torch.randn(k, dtype=dtype), torch.randn(n, k, dtype=dtype) / k ** 0.5
+    for residual in (res, None):
+        y, new_res = gemv_rms_norm(x, residual, nw, eps, w, config=GemvConfig(8, 64, 4))
+        y_unfused, res_unfused = _unfused_rms(x, residual, nw, eps, w, None, GemvConfig(8, 64, 4))
+        assert torch.equal(new_res, res_unfused)
+        torch.testing.assert_close(y, y_unfused, rtol=_tol(dtype), atol=_tol(dtype))
+
+
+def test_gemv_fused_reject_bad_shapes():
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="even"):
+        gemv_silu_mul(torch.randn(1, 15), w)
+    with pytest.raises(ValueError, match=r"2\*K = 16"):
+        gemv_silu_mul(torch.randn(1, 8), w)
+    with pytest.raises(ValueError, match=r"x_gate_up \[1, 2\*K\]"):
+        gemv_silu_mul(torch.randn(2, 16), w)
+    nw = torch.randn(8)
+    with pytest.raises(ValueError, match=r"x \[1, K\]"):
+        gemv_rms_norm(torch.randn(1, 9), None, nw, 1e-6, w)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_rms_norm(torch.randn(1, 8), torch.randn(1, 9), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv_rms_norm(torch.randn(1, 8), None, torch.randn(9), 1e-6, w)
+    with pytest.raises(ValueError, match="bias"):
+        gemv_rms_norm(torch.randn(1, 8), None, nw, 1e-6, w, torch.randn(5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(3072, 2048), (16384, 2048)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_gemv_rms_norm_on_gpu_matches_unfused(n, k, with_residual):
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(1, k, device="cuda", dtype=dt)
+    res = torch.randn(1, k, device="cuda", dtype=dt) * 3 if with_residual else None
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dt)
+    w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+    res0 = None if res is None else res.clone()
+    y, new_res = gemv_rms_norm(x, res, nw, 1e-5, w)
+    y_unfused, res_unfused = _unfused_rms(x, res0, nw, 1e-5, w, None, None)
+    if res is not None:
+        assert torch.equal(res, res0)
+    assert torch.equal(new_res, res_unfused)
+    torch.testing.assert_close(y, y_unfused, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gemv_silu_mul_on_gpu_matches_unfused():
+    torch.manual_seed(0)
+    n, k, dt = 2048, 8192, torch.bfloat16
+    xgu = torch.randn(1, 2 * k, device="cuda", dtype=dt) * 2
+    w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+    torch.testing.assert_close(gemv_silu_mul(xgu, w), gemv(silu_and_mul(xgu), w), rtol=1e-2, atol=1e-2)
