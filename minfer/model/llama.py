@@ -28,8 +28,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.attend(self.qkv_proj(x), positions, meta)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything after the qkv projection: norms, rotary, KV store, attention, o_proj."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # views into the fused qkv output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -52,9 +56,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, dtype, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, triton)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, triton)
+        self.triton = triton
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.triton and x.shape[0] == 1:
+            return self._forward_one_token(x, residual, positions, meta)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -62,6 +69,20 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, positions, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_one_token(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                           meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch 1, where each small kernel costs about what a matrix-vector product does: both norms
+        run in the prologue of the matrix-vector kernel after them and SwiGLU in the down projection's,
+        three launches fewer per layer (``kernels/gemv.py``)."""
+        from minfer.kernels.gemv import gemv_rms_norm, gemv_silu_mul
+
+        ln, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
+        qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        x = attn.attend(qkv, positions, meta)
+        ln = self.post_attention_layernorm
+        gate_up, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, mlp.gate_up_proj.weight)
+        return gemv_silu_mul(gate_up, mlp.down_proj.weight), residual
 
 
 class LlamaForCausalLM(nn.Module):
