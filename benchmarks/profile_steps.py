@@ -5,6 +5,8 @@ of ``engine.step()``: schedule, launch (input building and kernel launches; with
 nothing here waits for the GPU), complete (waiting for the draws, then stops and outputs).
 Usage (GPU): python3 benchmarks/profile_steps.py --shape qwen3-0.6b [--no-async] [--batch1] --out profile.txt
 ``--batch1``: one greedy request (128-token prompt) instead of workload A, for the batch-1 latency split.
+``--prompt-steps``: profile workload A's first steps instead (each carries prompt chunks, eagerly: no
+CUDA graph covers them), to split their wall time into GPU work and host launch cost.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--no-async", action="store_true", help="async_scheduling=False")
     ap.add_argument("--batch1", action="store_true", help="one greedy request instead of workload A")
+    ap.add_argument("--prompt-steps", action="store_true", help="profile the first, prompt-carrying steps")
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
     path = write_random_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape)
@@ -40,9 +43,14 @@ def main() -> None:
         params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=4096)]
     else:
         prompts, params = workload_a()
+    if args.prompt_steps:  # one warm-up request first: the kernels' first compiles stay out of the trace
+        engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+    while not args.prompt_steps and (engine.scheduler.waiting or any(
+            s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running)):
         engine.step()  # until every prompt is prefilled: steady-state decode from here
     torch.cuda.synchronize()
     phases = time_phases(engine)
@@ -55,8 +63,9 @@ def main() -> None:
     wall = time.perf_counter() - start
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    kind = "prompt-carrying" if args.prompt_steps else "decode"
     lines = [f"shape {args.shape}, backend {engine.runner.backend}, async_scheduling {engine.async_scheduling}, "
-             f"{batch_size} running sequences, {args.steps} decode steps in {wall * 1e3:.1f} ms = "
+             f"{batch_size} running sequences, {args.steps} {kind} steps in {wall * 1e3:.1f} ms = "
              f"{wall / args.steps * 1e3:.2f} ms/step ({batch_size * args.steps / wall:.0f} tok/s)",
              f"GPU busy (sum of kernel time / wall): {device_us / 1e6 / wall:.1%}",
              "host time per step: " + ", ".join(f"{k} {v / args.steps * 1e3:.2f} ms" for k, v in phases.items()),
