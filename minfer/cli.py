@@ -16,7 +16,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto | cuda | cpu")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument("--max-num-batched-tokens", type=int, default=16384)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)

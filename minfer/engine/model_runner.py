@@ -159,10 +159,14 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         c = self.model_config
-        n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        blocks = cdiv(n, self.block_size)
+        # A step carries up to the whole token budget, as chunks of several prompts when the budget
+        # exceeds max_model_len: profile that many tokens, one sequence per max_model_len of them.
+        n = self.config.max_num_batched_tokens
+        lens = [min(self.max_model_len, n - start) for start in range(0, n, self.max_model_len)]
+        width = cdiv(lens[0], self.block_size)
+        blocks = width * len(lens)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, blocks, self.device, zero=False)
-        a = self._synthetic_step([n], [n], np.arange(blocks, dtype=np.int32)[None, :])
+        a = self._synthetic_step(lens, lens, np.arange(blocks, dtype=np.int32).reshape(len(lens), width))
         ids, positions, slots = self._upload(torch.int64, a.ids, a.positions, a.slots)
         hidden = self.model(ids, positions, self._metadata(a, slots))
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
