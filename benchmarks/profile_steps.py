@@ -11,6 +11,9 @@ CUDA graph covers them), to split their wall time into GPU work and host launch 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--no-async", action="store_true", help="async_scheduling=False")
     ap.add_argument("--batch1", action="store_true", help="one greedy request instead of workload A")
     ap.add_argument("--prompt-steps", action="store_true", help="profile the first, prompt-carrying steps")
+    ap.add_argument("--cprofile", action="store_true", help="Python's cProfile over the steps instead (host hot spots)")
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
     path = write_random_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape)
@@ -55,6 +59,18 @@ def main() -> None:
     torch.cuda.synchronize()
     phases = time_phases(engine)
     batch_size = len(engine.scheduler.running)
+    if args.cprofile:
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        host.disable()
+        stats = io.StringIO()
+        pstats.Stats(host, stream=stats).sort_stats("tottime").print_stats(30)
+        Path(args.out).write_text(stats.getvalue())
+        print(stats.getvalue())
+        return
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):

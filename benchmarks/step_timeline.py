@@ -7,6 +7,12 @@ tokens), and prints a table of buckets: count, seconds, ms per step, output toke
 With async scheduling a step's time is charged to the batch it launched (it also completes the
 previous one), which is what bounds the loop.
 
+On a GPU, CUDA events around each launch also split the device's timeline: "GPU span" is the time
+from the step's first queued work to its last (kernels plus any wait for the host's next launch
+inside an eager step), "GPU idle before" the time the device sat waiting for the step to be
+launched at all: host-bound steps show up there. "host launch" is the host's time inside the
+launch (building inputs and queueing kernels; it never waits for the device).
+
     python3 benchmarks/step_timeline.py --shape qwen3-0.6b [--no-async] [--out timeline.md]
     python3 benchmarks/step_timeline.py --model minfer/assets/builtin-model --num-prompts 4 --max-model-len 256  # CPU
 """
@@ -15,6 +21,8 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+
+import torch
 
 from minfer import LLM, SamplingParams
 from minfer.benchmark.shapes import write_random_checkpoint
@@ -46,28 +54,48 @@ def main() -> None:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
 
     launched: list[tuple[int, int]] = []  # (sequences, prompt tokens) of each launched batch
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # around each launch, on the GPU
     launch = engine._launch
+    cuda = torch.cuda.is_available()
+
+    host_launch: list[float] = []  # host seconds inside each launch
 
     def recording_launch(batch):
         launched.append((len(batch.seqs), batch.num_tokens - batch.num_decodes))
-        return launch(batch)
+        t0 = time.perf_counter()
+        if not cuda:
+            out = launch(batch)
+            host_launch.append(time.perf_counter() - t0)
+            return out
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        out = launch(batch)
+        after.record()
+        host_launch.append(time.perf_counter() - t0)
+        events.append((before, after))
+        return out
 
     engine._launch = recording_launch
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), p, sp)
-    steps: list[tuple[float, tuple[int, int] | None]] = []
+    steps: list[tuple[float, tuple[int, int] | None, int]] = []  # wall, batch, index into events
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         before = len(launched)
         t0 = time.perf_counter()
         engine.step()
-        steps.append((time.perf_counter() - t0, launched[-1] if len(launched) > before else None))
+        steps.append((time.perf_counter() - t0, launched[-1] if len(launched) > before else None, len(launched) - 1))
     wall = time.perf_counter() - start
+    if cuda:
+        torch.cuda.synchronize()
+    span = [b.elapsed_time(a) / 1e3 for b, a in events]
+    idle = [0.0] + [events[i - 1][1].elapsed_time(events[i][0]) / 1e3 for i in range(1, len(events))]
 
-    rows = {"steps with prompt tokens": [0, 0.0, 0]}
-    rows.update({f"decode only, {lo}-{hi if hi < 10**9 else 'max'} seqs": [0, 0.0, 0] for lo, hi in BUCKETS})
-    rows["completion only (nothing launched)"] = [0, 0.0, 0]
-    for dt, batch in steps:
+    rows = {"steps with prompt tokens": [0, 0.0, 0, 0.0, 0.0, 0.0]}
+    rows.update({f"decode only, {lo}-{hi if hi < 10**9 else 'max'} seqs": [0, 0.0, 0, 0.0, 0.0, 0.0]
+                 for lo, hi in BUCKETS})
+    rows["completion only (nothing launched)"] = [0, 0.0, 0, 0.0, 0.0, 0.0]
+    for dt, batch, ev in steps:
         if batch is None:
             key = "completion only (nothing launched)"
         elif batch[1] > 0:
@@ -79,11 +107,19 @@ def main() -> None:
         r[0] += 1
         r[1] += dt
         r[2] += batch[0] if batch and batch[1] == 0 else 0
-    lines = [f"{args.model or args.shape}, async {not args.no_async}: {len(steps)} steps in {wall:.2f} s",
-             "| steps | count | seconds | ms/step | decode tokens | share of wall |", "|---|---|---|---|---|---|"]
-    for key, (n, secs, toks) in rows.items():
+        if batch is not None:
+            r[5] += host_launch[ev]
+        if batch is not None and cuda:
+            r[3] += span[ev]
+            r[4] += idle[ev]
+    lines = [f"{args.model or args.shape}, async {not args.no_async}: {len(steps)} steps in {wall:.2f} s"
+             + (f"; GPU idle between steps {sum(idle):.2f} s" if cuda else ""),
+             "| steps | count | seconds | ms/step | decode tokens | share of wall | host launch s | GPU span s "
+             "| GPU idle before s |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, (n, secs, toks, sp, idl, hl) in rows.items():
         if n:
-            lines.append(f"| {key} | {n} | {secs:.2f} | {1e3 * secs / n:.2f} | {toks:,} | {secs / wall:.1%} |")
+            lines.append(f"| {key} | {n} | {secs:.2f} | {1e3 * secs / n:.2f} | {toks:,} | {secs / wall:.1%} "
+                         f"| {hl:.2f} | {sp:.2f} | {idl:.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:
