@@ -12,10 +12,12 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous
+from .pdl import launch_options, use_pdl, wait_for_previous
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(X, OUT, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -42,7 +44,9 @@ def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> t
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=num_warps)
+    pdl = use_pdl(x.device)
+    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, PDL=pdl, num_warps=num_warps,
+                               **launch_options(pdl))
     return out
 
 

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ._utils import dot_mode, interpreting, next_pow2, num_sms
+from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant import (
     F16_INT8_BIASED, INT8_F16_BIAS, check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref,
     gather_scales,
@@ -68,7 +69,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16_DOT: tl.constexpr, F16_KIND: tl.constexpr, BIASED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,8 +161,9 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     MID_O, MID_LSE, O, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * num_heads + h).to(tl.int64) * num_splits
@@ -264,6 +268,7 @@ def paged_decode_attention(
     if f16_dot:
         upcast, prec = dot_mode(torch.float16)
     f16_kind = fmt.f16_kind if f16_dot else -1
+    pdl = use_pdl(q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
         context_lens, out, mid_o, mid_lse, scale * LOG2E,
@@ -271,13 +276,13 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16_DOT=f16_dot,
-        F16_KIND=f16_kind, BIASED=f16_kind == F16_INT8_BIASED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        F16_KIND=f16_kind, BIASED=f16_kind == F16_INT8_BIASED, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, CHUNK=16, num_warps=4,
+            HEAD_DIM=head_dim, CHUNK=16, PDL=pdl, num_warps=4, **launch_options(pdl),
         )
     return out
 

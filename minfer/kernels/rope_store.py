@@ -22,6 +22,7 @@ import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
 from .kv_store import _quantize_store
+from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant import check_cache_scales, store_constexprs
 
 
@@ -60,8 +61,9 @@ def _rope_store_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, MAX_SCALE: tl.constexpr,
     IS_INT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, S_MANT: tl.constexpr, S_EMIN: tl.constexpr,
-    EXACT: tl.constexpr,
+    EXACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, HEAD_DIM)
@@ -135,14 +137,15 @@ def rope_store_kv(
     norm = q_norm_weight is not None
     quant = store_constexprs(fmt, None if k_scale is None else k_scale.dtype, interpreting())
     block_hq = next_pow2(num_q_heads)
+    pdl = use_pdl(q.device)
     _rope_store_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_sin_cache, q_norm_weight if norm else q, k_norm_weight if norm else k,
         k_cache, v_cache, k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,
         slot_mapping, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], NORM=norm, **quant,
-        num_warps=min(8, max(1, block_hq * head_dim // 1024)),
+        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], NORM=norm, **quant, PDL=pdl,
+        num_warps=min(8, max(1, block_hq * head_dim // 1024)), **launch_options(pdl),
     )
 
 
