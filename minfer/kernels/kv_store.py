@@ -34,6 +34,25 @@ def _quantize_store(x, C, S, row, s_idx, mask, h_mask,
 
 
 @triton.jit
+def store_token_rows(k, v, KC, VC, KS, VS, slot, heads, row, mask, h_mask, NUM_HEADS: tl.constexpr,
+                     PAGE: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                     MAX_SCALE: tl.constexpr, IS_INT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr,
+                     S_MANT: tl.constexpr, S_EMIN: tl.constexpr, EXACT: tl.constexpr):
+    """Write one token's K and V rows ``[heads, D]`` at ``row`` of the caches; 8-bit caches get codes and,
+    at ``KS``/``VS``, a scale per head."""
+    if QUANT:
+        # Scales are [num_blocks, NUM_HEADS, PAGE]: this token's scale of head h sits at h * PAGE + offset.
+        s_idx = (slot // PAGE).to(tl.int64) * (NUM_HEADS * PAGE) + heads * PAGE + slot % PAGE
+        _quantize_store(k, KC, KS, row, s_idx, mask, h_mask, QMAX, MIN_SCALE, MAX_SCALE, IS_INT, MANT, EMIN,
+                        S_MANT, S_EMIN, EXACT)
+        _quantize_store(v, VC, VS, row, s_idx, mask, h_mask, QMAX, MIN_SCALE, MAX_SCALE, IS_INT, MANT, EMIN,
+                        S_MANT, S_EMIN, EXACT)
+    else:
+        tl.store(KC + row, k.to(KC.dtype.element_ty), mask=mask)
+        tl.store(VC + row, v.to(VC.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _store_kv_kernel(
     K, V, KC, VC, KS, VS, SLOTS,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -53,16 +72,8 @@ def _store_kv_kernel(
     row = slot.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
     k = tl.load(K + t.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(V + t.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    if QUANT:
-        # Scales are [num_blocks, NUM_HEADS, PAGE]: this token's scale of head h sits at h * PAGE + offset.
-        s_idx = (slot // PAGE).to(tl.int64) * (NUM_HEADS * PAGE) + heads * PAGE + slot % PAGE
-        _quantize_store(k, KC, KS, row, s_idx, mask, h_mask, QMAX, MIN_SCALE, MAX_SCALE, IS_INT, MANT, EMIN,
-                        S_MANT, S_EMIN, EXACT)
-        _quantize_store(v, VC, VS, row, s_idx, mask, h_mask, QMAX, MIN_SCALE, MAX_SCALE, IS_INT, MANT, EMIN,
-                        S_MANT, S_EMIN, EXACT)
-    else:
-        tl.store(KC + row, k.to(KC.dtype.element_ty), mask=mask)
-        tl.store(VC + row, v.to(VC.dtype.element_ty), mask=mask)
+    store_token_rows(k, v, KC, VC, KS, VS, slot, heads, row, mask, h_mask, NUM_HEADS, PAGE, QUANT, QMAX, MIN_SCALE,
+                     MAX_SCALE, IS_INT, MANT, EMIN, S_MANT, S_EMIN, EXACT)
 
 
 def store_kv(

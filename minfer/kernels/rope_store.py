@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
-from .kv_store import _quantize_store
+from .kv_store import store_token_rows
 from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant import check_cache_scales, store_constexprs
 
@@ -82,16 +82,8 @@ def _rope_store_kernel(
             heads = tl.arange(0, BLOCK_HK)
             v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
             row = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
-            if QUANT:
-                h_mask = heads < NUM_KV_HEADS
-                s_idx = (slot // PAGE) * (NUM_KV_HEADS * PAGE) + heads * PAGE + slot % PAGE
-                _quantize_store(k, KC, KS, row, s_idx, mask, h_mask, QMAX, MIN_SCALE, MAX_SCALE, IS_INT, MANT,
-                                EMIN, S_MANT, S_EMIN, EXACT)
-                _quantize_store(v, VC, VS, row, s_idx, mask, h_mask, QMAX, MIN_SCALE, MAX_SCALE, IS_INT, MANT,
-                                EMIN, S_MANT, S_EMIN, EXACT)
-            else:
-                tl.store(KC + row, k.to(KC.dtype.element_ty), mask=mask)
-                tl.store(VC + row, v.to(VC.dtype.element_ty), mask=mask)
+            store_token_rows(k, v, KC, VC, KS, VS, slot, heads, row, mask, heads < NUM_KV_HEADS, NUM_KV_HEADS, PAGE,
+                             QUANT, QMAX, MIN_SCALE, MAX_SCALE, IS_INT, MANT, EMIN, S_MANT, S_EMIN, EXACT)
 
 
 def rope_store_kv(
