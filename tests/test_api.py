@@ -216,3 +216,14 @@ def test_kv_cache_sizing_from_bytes(checkpoints):
     # 2 layers x (K, V) x 16 tokens x 2 kv heads x 16 dims x 4 bytes = 8 KiB per block
     assert runner.block_bytes == 8192 and llm.get_stats()["num_kv_blocks"] == (1 << 20) // 8192
     assert LLM(str(checkpoints["llama3"]), num_kv_blocks=7, kv_cache_memory_bytes=1 << 20).get_stats()["num_kv_blocks"] == 7
+
+
+def test_memory_profile_covers_the_whole_token_budget():
+    """The start-up profile (GPU) runs a step as large as any real one: the budget split into
+    sequences no longer than max_model_len, as a step of several prompt chunks carries it."""
+    from minfer.engine.model_runner import profile_lengths
+
+    assert profile_lengths(16384, 4096) == [4096] * 4
+    assert profile_lengths(16384, 5000) == [5000, 5000, 5000, 1384]
+    assert profile_lengths(100, 4096) == [100]
+    assert sum(profile_lengths(12345, 678)) == 12345
