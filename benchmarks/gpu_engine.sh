@@ -7,7 +7,7 @@
 # 2. Workload A (BENCHMARKS.md) on qwen3-0.6b, with and without async scheduling, and on llama-3.2-1b.
 # 3. torch.profiler traces of steady-state decode steps (qwen3-0.6b workload A; llama-3.2-1b batch 1)
 #    and of workload A's first, prompt-carrying (eager) steps; the host cost of one kernel launch.
-# 4. Batch-1 decode on llama-3.2-1b; HF transformers' generate_batch on a subset, same process
+# 4. Batch-1 decode on llama-3.2-1b (with and without PDL); HF transformers' generate_batch on a subset, same process
 #    (SKIP_HF=1 leaves that out; SKIP_SYNC=1 the sync-scheduling run, SKIP_PROFILES=1 step 3).
 # The llama-3.1-8b runs (16 GB checkpoint) are in benchmarks/gpu_8b.sh.
 set -uo pipefail
@@ -31,6 +31,7 @@ bench workload_a_qwen3-0.6b --shape qwen3-0.6b
 [ "${SKIP_SYNC:-0}" = 1 ] || bench workload_a_qwen3-0.6b_sync --shape qwen3-0.6b --no-async-scheduling
 bench workload_a_llama-3.2-1b --shape llama-3.2-1b
 bench batch1_llama-3.2-1b --shape llama-3.2-1b --batch1
+MINFER_PDL=0 bench batch1_llama-3.2-1b_no_pdl --shape llama-3.2-1b --batch1   # programmatic dependent launch off
 if [ "${SKIP_PROFILES:-0}" != 1 ]; then
 echo "== profile ($(left) s left)"
 timeout "$(cap 100)" python3 benchmarks/profile_steps.py --shape qwen3-0.6b --out "$OUT/profile_qwen3-0.6b.txt" 2>&1 \
