@@ -38,10 +38,6 @@ class GemvConfig:
     block_n: int = 4
     block_k: int = 1024
     num_warps: int = 4
-    # Columns of the first weight tile (a power-of-two multiple of block_k; 0: block_k). Under PDL that tile is
-    # loaded before the kernel waits for its input, so a wider one streams more of the weights while the previous
-    # kernel still runs; the kernel sums it in the same order with or without PDL.
-    first_k: int = 0
 
 
 # What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, or rms_norm(x + residual).
@@ -133,42 +129,39 @@ def _input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, PROLOGUE: tl
 
 
 @triton.jit
-def _weight_tile(W, stride_wn, k0, rows, cols, N, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + (k0 + cols)[None, :]
+def _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     if EVEN_K and EVEN_N:
-        return tl.load(w_ptrs)
-    return tl.load(w_ptrs, mask=(rows < N)[:, None] & (k0 + cols < K)[None, :], other=0.0)
+        return tl.load(w_ptrs + k0)
+    return tl.load(w_ptrs + k0, mask=(rows < N)[:, None] & (k0 + cols < K)[None, :], other=0.0)
 
 
 @triton.jit
 def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FIRST_K: tl.constexpr,
-                 EVEN_FIRST: tl.constexpr, PROLOGUE: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False,
-                 RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True, ONE_BLOCK: tl.constexpr = True,
-                 PDL: tl.constexpr = False):
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr = 0,
+                 HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True,
+                 ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    first_cols = tl.arange(0, FIRST_K)
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     if PDL:  # the first weight tile streams in while the previous kernel drains (weights never change)
-        w_first = _weight_tile(W, stride_wn, 0, rows, first_cols, N, K, EVEN_N, EVEN_FIRST)
+        w_first = _weight_tile(w_ptrs, 0, rows, cols, N, K, EVEN_N, EVEN_K)
         wait_for_previous(PDL)
     inv_rms = 1.0
     if PROLOGUE == 2:  # every program needs the whole row's mean square before its first chunk
         ss = _sum_squares(X, R, K, HAS_RESIDUAL, RMS_BLOCK, EVEN_R, ONE_BLOCK)
         inv_rms = tl.rsqrt(ss / K + eps)
-    if not PDL:  # plain launches: after the RMS pass, which was faster there (see gemv_rms_norm)
-        w_first = _weight_tile(W, stride_wn, 0, rows, first_cols, N, K, EVEN_N, EVEN_FIRST)
     write_residual = pid == 0
-    # The first tile folds into the [BLOCK_N, BLOCK_K] accumulator (exact when FIRST_K == BLOCK_K: 0 + a = a).
-    x_first = _input_chunk(X, R, NW, R_OUT, first_cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL,
-                           not EVEN_FIRST)
-    prod = w_first.to(tl.float32) * x_first.to(tl.float32)[None, :]
-    acc = tl.sum(tl.reshape(prod, [BLOCK_N, FIRST_K // BLOCK_K, BLOCK_K]), axis=1)
-    cols = tl.arange(0, BLOCK_K)
-    for k0 in range(FIRST_K, K, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    first = 0
+    if PDL:  # the first chunk with the prefetched tile
+        x = _input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL, not EVEN_K)
+        acc += w_first.to(tl.float32) * x.to(tl.float32)[None, :]
+        first = BLOCK_K
+    for k0 in range(first, K, BLOCK_K):
         x = _input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL,
                          not EVEN_K)
-        w = _weight_tile(W, stride_wn, k0, rows, cols, N, K, EVEN_N, EVEN_K)
+        w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -198,15 +191,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     cfg = config or default_config(k, silu_prologue=prologue == _SILU_MUL)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
-    first_k = min(max(cfg.first_k, cfg.block_k), max(next_pow2(k), cfg.block_k))
     pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         new_residual if new_residual is not None else y, n, k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FIRST_K=first_k, EVEN_FIRST=k >= first_k,
-        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         RMS_BLOCK=rms_block, EVEN_R=k % rms_block == 0, ONE_BLOCK=rms_block >= k, PDL=pdl, num_warps=cfg.num_warps,
         **launch_options(pdl),
     )
