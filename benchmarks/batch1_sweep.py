@@ -1,11 +1,11 @@
 """Batch-1 decode speed under launch-config variants, in one process (issue 5's batch-1 target).
 
-A kernel's config only shows its worth inside the decode chain: under programmatic dependent launch (PDL) a
-matrix-vector kernel streams its first weight tile while the previous kernel still runs, which a kernel timed
-alone cannot show. So each variant here patches the config functions, builds a fresh engine (its CUDA graphs
-are captured with the patched configs) and runs ``minfer bench --batch1``'s measurement on the same checkpoint.
+A launch config only shows its worth inside the decode chain: under programmatic dependent launch (PDL) each
+kernel overlaps the previous one's tail, which a kernel timed alone cannot show. So each variant here patches the
+module constants, builds a fresh engine (its CUDA graphs are captured with them) and runs ``minfer bench
+--batch1``'s measurement on the same checkpoint. Run one variant per process (``gpu_tuning.sh`` does).
 
-    python benchmarks/batch1_sweep.py --shape llama-3.2-1b [--variants base,first2k] [--output-len 256]
+    python benchmarks/batch1_sweep.py --shape llama-3.2-1b --variants splits4 [--input-len 2048]
 """
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
-
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -24,30 +22,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from minfer import LLM  # noqa: E402
 from minfer.benchmark.offline import run_batch1  # noqa: E402
 from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
-from minfer.kernels import decode_attention, gemv  # noqa: E402
+from minfer.kernels import decode_attention  # noqa: E402
 
-_BASE_GEMV = gemv.default_config
-
-
-def _gemv_first(first: int, first_down: int = 0, down_warps: int | None = None) -> Callable:
-    """gemv configs whose first (pre-wait) tile is ``first`` columns wide (``first_down`` under SwiGLU)."""
-    def config(k: int, silu_prologue: bool = False) -> gemv.GemvConfig:
-        base = _BASE_GEMV(k, silu_prologue)
-        if silu_prologue:
-            return gemv.GemvConfig(base.block_n, base.block_k, down_warps or base.num_warps, first_down or first)
-        return gemv.GemvConfig(base.block_n, base.block_k, base.num_warps, first)
-    return config
-
-
-# name -> (gemv default_config, decode MIN_SPLIT_TOKENS)
-VARIANTS: dict[str, tuple[Callable, int]] = {
-    "base": (_BASE_GEMV, decode_attention.MIN_SPLIT_TOKENS),
-    "first2k": (_gemv_first(2048), decode_attention.MIN_SPLIT_TOKENS),
-    "first2k_down4k": (_gemv_first(2048, 4096), decode_attention.MIN_SPLIT_TOKENS),
-    "first2k_down8k": (_gemv_first(2048, 8192, 8), decode_attention.MIN_SPLIT_TOKENS),
-    "splits8": (_BASE_GEMV, 512),
-    "splits4": (_BASE_GEMV, 1024),
-    "first2k_splits4": (_gemv_first(2048), 1024),
+# name -> (decode MIN_SPLIT_TOKENS: the host's split count is the block table's width over it,
+#          decode MIN_SPLIT_RANGE: the kernel's floor on each split's token range)
+VARIANTS: dict[str, tuple[int, int]] = {
+    "base": (decode_attention.MIN_SPLIT_TOKENS, decode_attention.MIN_SPLIT_RANGE),
+    "splits1": (1 << 20, 0),
+    "splits2": (2048, 0),
+    "splits4": (1024, 0),
+    "splits8": (512, 0),
+    "min256": (256, 256),
+    "min512": (256, 512),
 }
 
 
@@ -63,9 +49,7 @@ def main() -> None:
     model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape, device="cuda"))
     results = {}
     for name in args.variants.split(","):
-        gemv_config, min_split = VARIANTS[name]
-        gemv.default_config = gemv_config
-        decode_attention.MIN_SPLIT_TOKENS = min_split
+        decode_attention.MIN_SPLIT_TOKENS, decode_attention.MIN_SPLIT_RANGE = VARIANTS[name]
         llm = LLM(model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
         r = run_batch1(llm, args.input_len, args.output_len)
         results[name] = r

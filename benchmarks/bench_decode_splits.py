@@ -4,7 +4,8 @@ The kernel table (``bench_kernels.py``) times equal context lengths. Workload A'
 at step t the live sequences are those with more than t output tokens, each at its own prompt length + t, so
 between 32 and 200 sequences one (sequence, KV head) program may stream 3x the tokens of another. This script
 rebuilds those mixes from the workload's own random draws (``workload_a``), takes snapshots at several live-batch
-sizes and times one layer's decode attention (CUDA-graph replay, cold L2) for every split count, reporting
+sizes and times one layer's decode attention (also with the batch sorted longest first, the order the
+hardware then starts the programs in, and with every context at the mean length, which has the same bytes) (CUDA-graph replay, cold L2) for every split count, reporting
 achieved bandwidth against BENCHMARKS.md's 4.22 TB/s and the heuristic's pick.
 
     python benchmarks/bench_decode_splits.py                 # qwen3-0.6b heads (16/8, D=128)
@@ -24,7 +25,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_kernels import DEV, DT, PEAK_BW, bench_graph, kv_bytes, paged_cache  # noqa: E402
 from minfer.benchmark.workload import workload_a  # noqa: E402
 from minfer.kernels import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
-from minfer.kernels.decode_attention import choose_num_splits  # noqa: E402
+from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
+
+PAGE = 16
 
 
 def snapshots(batches: list[int], max_model_len: int = 4096) -> list[tuple[int, list[int]]]:
@@ -47,32 +50,42 @@ def main() -> None:
     ap.add_argument("--heads", default="16/8/128", help="Hq/Hkv/D")
     ap.add_argument("--batches", default="256,192,128,96,64,48,32,16")
     ap.add_argument("--splits", default="1,2,3,4,6,8")
+    ap.add_argument("--mixes", default="as-is", help="comma list of as-is (the batch's order), longest-first "
+                    "(sorted by length, descending), equal (every context at the mean length)")
+    ap.add_argument("--configs", default="default", help="comma list of default or BLOCK_N/WARPS/STAGES")
     args = ap.parse_args()
+    configs = [None if c == "default" else DecodeConfig(*map(int, c.split("/"))) for c in args.configs.split(",")]
     hq, hkv, d = (int(v) for v in args.heads.split("/"))
-    page = 16
-    width = 4096 // page  # the engine's block table width at max_model_len 4096 (what the heuristic sees)
-    print(f"| live seqs | step | context min / mean / max | heuristic | " +
-          " | ".join(f"{s} split{'s' * (s > 1)}" for s in map(int, args.splits.split(","))) + " |")
-    print("|---" * (4 + len(args.splits.split(","))) + "|")
-    for step, lens in snapshots([int(b) for b in args.batches.split(",")]):
-        kc, vc, table, ctx = paged_cache(lens, hkv, d, page)
-        table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
-        q = torch.randn(len(lens), hq, d, device=DEV, dtype=DT)
-        out = torch.empty_like(q)
-        ref = paged_decode_attention_ref(q, kc, vc, table, ctx, d ** -0.5)
-        nbytes = kv_bytes(sum(lens), hkv, d, "auto")
-        cells = []
-        for s in map(int, args.splits.split(",")):
-            fn = lambda: paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, out, num_splits=s)
-            fn()
-            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-            ms = bench_graph(fn, rep=100)
-            cells.append(f"{ms * 1e3:.1f} us, {100 * nbytes / (ms * 1e-3) / PEAK_BW:.0f}%" + (" FAIL" if err > 1e-2 else ""))
-        pick = choose_num_splits(len(lens), hkv, width * page, q.device)
-        print(f"| {len(lens)} | {step} | {min(lens)} / {sum(lens) // len(lens)} / {max(lens)} | {pick} | "
-              + " | ".join(cells) + " |", flush=True)
-        del kc, vc
+    width = 4096 // PAGE  # the engine's block table width at max_model_len 4096 (what the heuristic sees)
+    heads = [f"{c}, {s} split{'s' * (s > 1)}" for c in args.configs.split(",") for s in map(int, args.splits.split(","))]
+    print("| live seqs | step | context min / mean / max | heuristic | " + " | ".join(heads) + " |")
+    print("|---" * (4 + len(heads)) + "|")
+    for step, live in snapshots([int(b) for b in args.batches.split(",")]):
+        for mix in args.mixes.split(","):
+            lens = {"as-is": live, "longest-first": sorted(live, reverse=True),
+                    "equal": [sum(live) // len(live)] * len(live)}[mix]
+            cells = [time_splits(lens, hq, hkv, d, width, s, cfg) for cfg in configs
+                     for s in map(int, args.splits.split(","))]
+            pick = choose_num_splits(len(lens), hkv, width * PAGE, torch.device(DEV))
+            print(f"| {len(lens)} | {step} | {mix}: {min(lens)} / {sum(lens) // len(lens)} / {max(lens)} | {pick} | "
+                  + " | ".join(cells) + " |", flush=True)
 
+
+def time_splits(lens: list[int], hq: int, hkv: int, d: int, width: int, splits: int,
+                config: DecodeConfig | None) -> str:
+    """One layer's decode attention over contexts ``lens`` with ``splits`` splits: time and share of bandwidth."""
+    kc, vc, table, ctx = paged_cache(lens, hkv, d, PAGE)
+    table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+    q = torch.randn(len(lens), hq, d, device=DEV, dtype=DT)
+    out = torch.empty_like(q)
+    ref = paged_decode_attention_ref(q, kc, vc, table, ctx, d ** -0.5)
+    fn = lambda: paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, out, num_splits=splits,
+                                        config=config)
+    fn()
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    ms = bench_graph(fn, rep=100)
+    share = kv_bytes(sum(lens), hkv, d, "auto") / (ms * 1e-3) / PEAK_BW
+    return f"{ms * 1e3:.1f} us, {100 * share:.0f}%" + (" FAIL" if err > 1e-2 else "")
 
 if __name__ == "__main__":
     main()
