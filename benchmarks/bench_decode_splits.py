@@ -89,7 +89,7 @@ def time_splits(lens: list[int], hq: int, hkv: int, d: int, width: int, splits: 
     """One layer's decode attention over contexts ``lens`` with ``splits`` splits (the split kernel), or with
     ``-splits`` programs per SM (the stream kernel, its plan built before timing): time and share of bandwidth."""
     kc, vc, table, ctx = paged_cache(lens, hkv, d, PAGE)
-    table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+    table = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
     q = torch.randn(len(lens), hq, d, device=DEV, dtype=DT)
     out = torch.empty_like(q)
     ref = paged_decode_attention_ref(q, kc, vc, table, ctx, d ** -0.5)
