@@ -102,7 +102,7 @@ def time_splits(lens: list[int], hq: int, hkv: int, d: int, width: int, splits: 
                                             config=config, **scales)
     else:
         block_n = decode_block_n(q.device, d, q.dtype, kc.dtype if kv_dtype != "auto" else None)
-        plan, programs = make_plan(ctx, block_n), triton.cdiv(-splits * num_sms(q.device), hkv)
+        plan, programs = make_plan(ctx, table, block_n, PAGE), triton.cdiv(-splits * num_sms(q.device), hkv)
         fn = lambda: paged_decode_attention_stream(q, kc, vc, table, ctx, d ** -0.5, out, plan=plan,
                                                    programs=programs, **scales)
     fn()

@@ -38,8 +38,8 @@ TILE_BITS = 16  # a plan entry is (sequence << 16) | tile: up to 65,535 tiles (4
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """The step's tile list (host-built, on the device): ``tiles`` [>= num_tiles] int32 entries
-    ``(seq << 16) | tile``; ``seq_starts`` [num_seqs + 1] int32, sequence s's first entry, the last value
+    """The step's tile list (host-built, on the device): ``tiles`` [>= num_tiles, 2 + pages per tile] int32
+    records (``plan_arrays``); ``seq_starts`` [num_seqs + 1] int32, sequence s's first record, the last value
     the number of tiles. ``block_n`` is the tile the plan was cut for."""
 
     tiles: torch.Tensor
@@ -47,17 +47,33 @@ class DecodePlan:
     block_n: int
 
 
-def plan_arrays(context_lens: np.ndarray, block_n: int, out_tiles: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
-    """(tiles, seq_starts) of ``context_lens`` (host ints) in tiles of ``block_n`` tokens (numpy, no device)."""
-    n_tiles = -(-np.asarray(context_lens, dtype=np.int64) // block_n)
+def pages_per_tile(block_n: int, page: int) -> int:
+    return max(1, block_n // page)
+
+
+def plan_arrays(context_lens: np.ndarray, block_tables: np.ndarray, block_n: int, page: int) -> tuple[np.ndarray, ...]:
+    """(tiles, seq_starts) for ``context_lens`` [B] and ``block_tables`` [B, blocks] (host arrays), in tiles of
+    ``block_n`` tokens over pages of ``page``.
+
+    A tile's record holds everything the kernel's loop needs, so that its K/V addresses are one load away from
+    the loop counter (as in the split kernel) and the pipeline can fetch them stages ahead: ``(seq << 16) |
+    tile``, ``valid tokens | (last tile of its sequence) << 16``, then the tile's page ids."""
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    n_tiles = -(-ctx // block_n)
+    if len(n_tiles) and n_tiles.max() >= 1 << TILE_BITS:
+        raise ValueError(f"a context of {int(ctx.max())} tokens exceeds the plan's tile field")
     starts = np.zeros(len(n_tiles) + 1, dtype=np.int64)
     np.cumsum(n_tiles, out=starts[1:])
-    total = int(starts[-1])
     seq = np.repeat(np.arange(len(n_tiles), dtype=np.int64), n_tiles)
-    tile = np.arange(total, dtype=np.int64) - starts[seq]
-    if len(n_tiles) and n_tiles.max() >= 1 << TILE_BITS:
-        raise ValueError(f"a context of {int(n_tiles.max()) * block_n} tokens exceeds the plan's tile field")
-    return ((seq << TILE_BITS) | tile).astype(np.int32), starts.astype(np.int32)
+    tile = np.arange(int(starts[-1]), dtype=np.int64) - starts[seq]
+    ppt = pages_per_tile(block_n, page)
+    rec = np.empty((len(seq), 2 + ppt), dtype=np.int64)
+    rec[:, 0] = (seq << TILE_BITS) | tile
+    first_tok = tile * block_n
+    rec[:, 1] = np.minimum(ctx[seq] - first_tok, block_n) | ((tile == n_tiles[seq] - 1).astype(np.int64) << 16)
+    cols = np.minimum(first_tok[:, None] // page + np.arange(ppt), block_tables.shape[1] - 1)
+    rec[:, 2:] = block_tables[seq[:, None], cols]
+    return rec.astype(np.int32), starts.astype(np.int32)
 
 
 def decode_programs(num_kv_heads: int, device: torch.device) -> int:
@@ -79,8 +95,8 @@ def _load_q(Q, b, stride_qb, heads, stride_qh, dims, row_mask, UPCAST: tl.conste
 
 @triton.jit
 def _decode_stream_kernel(
-    Q, K, V, KS, VS, BT, CL, TILES, SEQ_STARTS, O, MID_O, MID_LSE, scale_log2e, num_seqs,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
+    Q, K, V, KS, VS, TILES, SEQ_STARTS, O, MID_O, MID_LSE, scale_log2e, num_seqs,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_ob, stride_oh, REC: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16_DOT: tl.constexpr, F16_KIND: tl.constexpr, BIASED: tl.constexpr,
@@ -110,23 +126,24 @@ def _decode_stream_kernel(
     seg_from_seq_start = 0  # does the current piece start at its sequence's first tile?
     seg_is_first = 1  # is the current piece this program's first?
     for g in range(g_start, g_end):
-        entry = tl.load(TILES + g)
+        rec = TILES + g * REC
+        entry = tl.load(rec)
         b = entry >> 16
         t = entry & 0xFFFF
-        ctx = tl.load(CL + b)
-        n_tiles = tl.cdiv(ctx, BLOCK_N)
+        fill = tl.load(rec + 1)
+        seq_last = (fill >> 16) != 0
         first = (t == 0) | (g == g_start)
         seg_from_seq_start = tl.where(first, (t == 0).to(tl.int32), seg_from_seq_start)
         seg_is_first = tl.where(first, (g == g_start).to(tl.int32), seg_is_first)
-        last = (t == n_tiles - 1) | (g == g_end - 1)
+        last = seq_last | (g == g_end - 1)
 
         if first:  # a new sequence's query (in registers until the next one)
             q = _load_q(Q, b, stride_qb, heads, stride_qh, dims, row_mask, UPCAST, F16_DOT)
             if BIASED:  # int8 codes arrive as float16 1152 + code: the bias's share of every score
                 q_bias = INT8_F16_BIAS * tl.sum(q.to(tl.float32), axis=1)
         offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = offs < ctx
-        page = tl.load(BT + b.to(tl.int64) * stride_btb + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        valid = tl.arange(0, BLOCK_N) < (fill & 0xFFFF)
+        page = tl.load(rec + 2 + offs // PAGE - (t * BLOCK_N) // PAGE).to(tl.int64)
         tok = kv_base + page * stride_kb + (offs % PAGE) * stride_kt
         k = tl.load(K + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
@@ -169,7 +186,7 @@ def _decode_stream_kernel(
             if BIASED:
                 res = acc - INT8_F16_BIAS * v_bias[:, None]
             out = res / l_i[:, None]
-            if (seg_from_seq_start != 0) & (t == n_tiles - 1):
+            if (seg_from_seq_start != 0) & seq_last:
                 tl.store(O + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                          out.to(O.dtype.element_ty), mask=row_mask[:, None])
             else:
@@ -219,10 +236,10 @@ def decode_block_n(device: torch.device, head_dim: int, dtype: torch.dtype, cach
     return default_config(device, head_dim, dtype, cache_dtype).block_n
 
 
-def make_plan(context_lens: torch.Tensor, block_n: int) -> DecodePlan:
-    """A plan for ``context_lens`` on their device, read back to the host (a sync: tests and one-off calls;
-    the engine builds plans from its host-side lengths, ``plan_arrays``)."""
-    tiles, starts = plan_arrays(context_lens.cpu().numpy(), block_n)
+def make_plan(context_lens: torch.Tensor, block_tables: torch.Tensor, block_n: int, page: int) -> DecodePlan:
+    """A plan for ``context_lens`` and ``block_tables`` on their device, read back to the host (a sync: tests and
+    one-off calls; the engine builds plans from its host-side arrays, ``plan_arrays``)."""
+    tiles, starts = plan_arrays(context_lens.cpu().numpy(), block_tables.cpu().numpy(), block_n, page)
     dev = context_lens.device
     return DecodePlan(torch.from_numpy(tiles).to(dev), torch.from_numpy(starts).to(dev), block_n)
 
@@ -252,8 +269,8 @@ def paged_decode_attention_stream(
         return out
     cfg = config or default_config(q.device, head_dim, q.dtype, k_cache.dtype if quant else None)
     if plan is None:
-        plan = make_plan(context_lens, cfg.block_n)
-    if plan.block_n != cfg.block_n:
+        plan = make_plan(context_lens, block_tables, cfg.block_n, page)
+    if plan.block_n != cfg.block_n or plan.tiles.shape[1] != 2 + pages_per_tile(cfg.block_n, page):
         raise ValueError(f"the plan was cut in tiles of {plan.block_n} tokens, the kernel's are {cfg.block_n}")
     if plan.seq_starts.shape != (batch + 1,):
         raise ValueError(f"plan.seq_starts must be [{batch + 1}], got {tuple(plan.seq_starts.shape)}")
@@ -267,10 +284,10 @@ def paged_decode_attention_stream(
     f16_kind = fmt.f16_kind if f16_dot else -1
     pdl = use_pdl(q.device)
     _decode_stream_kernel[(num_programs, num_kv_heads)](
-        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
-        context_lens, plan.tiles, plan.seq_starts, out, mid_o, mid_lse, scale * LOG2E, batch,
+        q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache,
+        plan.tiles, plan.seq_starts, out, mid_o, mid_lse, scale * LOG2E, batch,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), REC=plan.tiles.shape[1],
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page, BLOCK_N=cfg.block_n,
         DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16_DOT=f16_dot, F16_KIND=f16_kind,
         BIASED=f16_kind == F16_INT8_BIASED, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
