@@ -24,16 +24,14 @@ from minfer.benchmark.offline import run_batch1  # noqa: E402
 from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
 
-# name -> (decode MIN_SPLIT_TOKENS: the host's split count is the block table's width over it,
-#          decode MIN_SPLIT_RANGE: the kernel's floor on each split's token range)
-VARIANTS: dict[str, tuple[int, int]] = {
-    "base": (decode_attention.MIN_SPLIT_TOKENS, decode_attention.MIN_SPLIT_RANGE),
-    "splits1": (1 << 20, 0),
-    "splits2": (2048, 0),
-    "splits4": (1024, 0),
-    "splits8": (512, 0),
-    "min256": (256, 256),
-    "min512": (256, 512),
+# name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
+# 16 at max_model_len 4096 by default)
+VARIANTS: dict[str, int] = {
+    "base": decode_attention.MIN_SPLIT_TOKENS,
+    "splits1": 1 << 20,
+    "splits2": 2048,
+    "splits4": 1024,
+    "splits8": 512,
 }
 
 
@@ -49,7 +47,7 @@ def main() -> None:
     model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape, device="cuda"))
     results = {}
     for name in args.variants.split(","):
-        decode_attention.MIN_SPLIT_TOKENS, decode_attention.MIN_SPLIT_RANGE = VARIANTS[name]
+        decode_attention.MIN_SPLIT_TOKENS = VARIANTS[name]
         llm = LLM(model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
         r = run_batch1(llm, args.input_len, args.output_len)
         results[name] = r

@@ -23,12 +23,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import DEV, DT, PEAK_BW, bench_graph, kv_bytes, paged_cache, quantized_cache  # noqa: E402
-import triton  # noqa: E402  (after bench_kernels, which selects the interpreter on a CPU machine)
 from minfer.benchmark.workload import workload_a  # noqa: E402
 from minfer.kernels import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
-from minfer.kernels._utils import num_sms  # noqa: E402
 from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
-from minfer.kernels.decode_stream import decode_block_n, make_plan, paged_decode_attention_stream  # noqa: E402
 
 PAGE = 16
 
@@ -56,16 +53,13 @@ def main() -> None:
     ap.add_argument("--mixes", default="as-is", help="comma list of as-is (the batch's order), longest-first "
                     "(sorted by length, descending), equal (every context at the mean length)")
     ap.add_argument("--configs", default="default", help="comma list of default or BLOCK_N/WARPS/STAGES")
-    ap.add_argument("--stream", default="", help="comma list of programs per SM for the stream kernel")
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16) or an 8-bit format: int8, fp8_e4m3, fp8_e5m2")
     ap.add_argument("--equal", default="", help="B x ctx, e.g. 64x4096: equal contexts instead of workload A's")
     args = ap.parse_args()
-    stream = [int(k) for k in args.stream.split(",") if k]
     configs = [None if c == "default" else DecodeConfig(*map(int, c.split("/"))) for c in args.configs.split(",")]
     hq, hkv, d = (int(v) for v in args.heads.split("/"))
     width = 4096 // PAGE  # the engine's block table width at max_model_len 4096 (what the heuristic sees)
     heads = [f"{c}, {s} split{'s' * (s > 1)}" for c in args.configs.split(",") for s in map(int, args.splits.split(","))]
-    heads += [f"stream, {k}/SM" for k in stream]
     print("| live seqs | step | context min / mean / max | heuristic | " + " | ".join(heads) + " |")
     print("|---" * (4 + len(heads)) + "|")
     cases = snapshots([int(b) for b in args.batches.split(",")])
@@ -78,7 +72,6 @@ def main() -> None:
                     "equal": [sum(live) // len(live)] * len(live)}[mix]
             cells = [time_splits(lens, hq, hkv, d, width, s, cfg, args.kv_dtype) for cfg in configs
                      for s in map(int, args.splits.split(","))]
-            cells += [time_splits(lens, hq, hkv, d, width, -k, None, args.kv_dtype) for k in stream]
             pick = choose_num_splits(len(lens), hkv, width * PAGE, torch.device(DEV))
             print(f"| {len(lens)} | {step} | {mix}: {min(lens)} / {sum(lens) // len(lens)} / {max(lens)} | {pick} | "
                   + " | ".join(cells) + " |", flush=True)
@@ -86,8 +79,7 @@ def main() -> None:
 
 def time_splits(lens: list[int], hq: int, hkv: int, d: int, width: int, splits: int,
                 config: DecodeConfig | None, kv_dtype: str = "auto") -> str:
-    """One layer's decode attention over contexts ``lens`` with ``splits`` splits (the split kernel), or with
-    ``-splits`` programs per SM (the stream kernel, its plan built before timing): time and share of bandwidth."""
+    """One layer's decode attention over contexts ``lens`` with ``splits`` splits: time and share of bandwidth."""
     kc, vc, table, ctx = paged_cache(lens, hkv, d, PAGE)
     table = torch.nn.functional.pad(table, (0, max(0, width - table.shape[1])))
     q = torch.randn(len(lens), hq, d, device=DEV, dtype=DT)
@@ -97,14 +89,8 @@ def time_splits(lens: list[int], hq: int, hkv: int, d: int, width: int, splits: 
     if kv_dtype != "auto":
         kc, vc, ks, vs = quantized_cache(kc, vc, kv_dtype)
         scales = {"k_scale": ks, "v_scale": vs}
-    if splits > 0:
-        fn = lambda: paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, out, num_splits=splits,
-                                            config=config, **scales)
-    else:
-        block_n = decode_block_n(q.device, d, q.dtype, kc.dtype if kv_dtype != "auto" else None)
-        plan, programs = make_plan(ctx, table, block_n, PAGE), triton.cdiv(-splits * num_sms(q.device), hkv)
-        fn = lambda: paged_decode_attention_stream(q, kc, vc, table, ctx, d ** -0.5, out, plan=plan,
-                                                   programs=programs, **scales)
+    fn = lambda: paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, out, num_splits=splits, config=config,
+                                        **scales)
     fn()
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     ms = bench_graph(fn, rep=100)

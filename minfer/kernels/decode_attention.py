@@ -61,11 +61,11 @@ class DecodeConfig:
 
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
 # values of 1 and multiples of 16): the block-table width and the split count.
-@triton.jit(do_not_specialize=["stride_btb", "num_splits", "min_split"])
+@triton.jit(do_not_specialize=["stride_btb", "num_splits"])
 def _decode_split_kernel(
     Q, K, V, KS, VS, BT, CL, O, MID_O, MID_LSE, scale_log2e,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
-    num_splits, min_split,
+    num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16_DOT: tl.constexpr, F16_KIND: tl.constexpr, BIASED: tl.constexpr,
@@ -77,7 +77,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     ctx = tl.load(CL + b)
     # Equal ranges of this sequence's own context, rounded up to whole tiles.
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N, min_split)
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -194,7 +194,6 @@ def _decode_merge_kernel(
 ENOUGH_PER_SM = 2
 SPLIT_TARGET_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
-MIN_SPLIT_RANGE = 0  # tokens: the kernel's floor on each split's range (experiment)
 MAX_SPLITS = 256
 
 
@@ -274,7 +273,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
         context_lens, out, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), num_splits, MIN_SPLIT_RANGE,
+        block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16_DOT=f16_dot,
         F16_KIND=f16_kind, BIASED=f16_kind == F16_INT8_BIASED, PDL=pdl,
