@@ -68,3 +68,18 @@ def test_bench_rejects_empty_workloads(checkpoints, kwargs, field):
 def test_workload_a_needs_a_vocabulary_above_its_token_ids(checkpoints):
     with pytest.raises(ValueError, match="--input-len"):  # the tiny test models have a few hundred tokens
         bench(str(checkpoints["llama3"]), None, TINY, progress=False)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--batch1"], 512), (["--input-len", "8"], 128), (["--batch1", "--output-len", "32"], 32),
+])
+def test_cli_output_len_defaults(checkpoints, monkeypatch, argv, expected):
+    """A batch-1 run measures 512 tokens unless told otherwise: 128 tokens last ~0.1 s on an H200, too short
+    for a stable figure; fixed-length workloads keep 128."""
+    import minfer.benchmark.offline as offline
+
+    seen = {}
+    monkeypatch.setattr(offline, "bench", lambda model, shape, kwargs, **kw: seen.update(kw) or {})
+    monkeypatch.setattr(offline, "write_outputs", lambda *a: None)
+    assert cli_main(["bench", "--quiet", "--model", str(checkpoints["llama3"])] + argv) == 0
+    assert seen["output_len"] == expected
