@@ -27,7 +27,15 @@ class SchedulerOutput:
     scheduled_at: float = 0.0  # time.time()
 
 
+def _context_len(seq: Sequence) -> int:
+    return len(seq.token_ids)
+
+
 class Scheduler:
+    # Decodes go longest context first: the decode kernel's programs start in row order, so the long ones
+    # start first and the short ones fill the gaps at the end (the longest-processing-time rule).
+    longest_decodes_first = True
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -89,6 +97,8 @@ class Scheduler:
             scheduled.append(seq)
             budget -= num_new
         decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
+        if self.longest_decodes_first:
+            decodes.sort(key=_context_len, reverse=True)
         chunks = [s for s in scheduled if s.num_scheduled_tokens > 1]
         return SchedulerOutput(decodes + chunks, len(decodes), self.max_num_batched_tokens - budget, time.time())
 
