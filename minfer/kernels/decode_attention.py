@@ -14,6 +14,12 @@ used for a handful of FLOPs. Two choices follow from that:
   sequence in a batch with a long one is not left with empty splits, and the host never needs
   ``context_lens.max()`` (no device sync; safe under CUDA graph capture).
 
+* Program order: the grid is (KV head, sequence, split) with the KV head fastest, so the hardware
+  starts a sequence's programs together and the sequences in row order. The scheduler puts decodes
+  longest context first, so the long programs start first and short ones fill the gaps at the end
+  (H200, one layer over workload A's context mixes at 96-192 live sequences: 78-88% of bandwidth in
+  arrival order, 88-93% longest first; ``benchmarks/bench_decode_splits.py --mixes``).
+
 Softmax is online, in float32, in the log2 domain (``exp2`` with ``scale * log2(e)`` folded in).
 
 8-bit caches (``quant.py``): K/V tiles are loaded as 8-bit codes and converted in registers (exact:
