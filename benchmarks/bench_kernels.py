@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -46,7 +46,6 @@ from minfer.kernels import (  # noqa: E402
 from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
 from minfer.kernels.gemv import GemvConfig, gemv, gemv_ref, gemv_rms_norm, gemv_silu_mul  # noqa: E402
 from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
-from minfer.kernels.decode_attention import default_config as default_decode_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
 from minfer.kernels.quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
@@ -164,16 +163,19 @@ def contiguous_kv(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor, ctx: 
 
 # --------------------------------------------------------------------------------------------- decode
 DECODE_SWEEP = [DecodeConfig(bn, w, s) for bn, w, s in [(64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 3)]]
-# 8-bit tiles are half the bytes: larger or deeper-pipelined ones may pay
-DECODE_SWEEP += [DecodeConfig(bn, w, s) for bn, w, s in [(128, 8, 3), (64, 4, 5), (128, 4, 4), (128, 8, 4), (256, 8, 3)]]
+# 8-bit tiles are half the bytes: larger ones, with or without column sums (DecodeConfig.column_sums)
+QUANT_DECODE_SWEEP = [DecodeConfig(bn, w, s, cs) for bn, w, s, cs in [
+    (128, 4, 2, True), (128, 4, 3, True), (128, 4, 2, False), (64, 4, 2, False), (64, 4, 3, False),
+    (128, 8, 2, True), (256, 8, 2, True)]]
 
 
 def sweep_decode(run: Callable[[DecodeConfig, int], object], out: torch.Tensor, ref: torch.Tensor, shape: str,
-                 impl: str, nbytes: float, flops: float, splits_opts: set[int]) -> list[Row]:
-    """Time ``run(config, num_splits)`` for every DECODE_SWEEP config and split count; print each,
-    return the fastest accurate one as a row."""
+                 impl: str, nbytes: float, flops: float, splits_opts: set[int],
+                 configs: list[DecodeConfig] = DECODE_SWEEP) -> list[Row]:
+    """Time ``run(config, num_splits)`` for every config and split count; print each, return the
+    fastest accurate one as a row."""
     best = (float("inf"), None, None)
-    for cfg in DECODE_SWEEP:
+    for cfg in configs:
         for ns in sorted(splits_opts):
             try:
                 fn = lambda: run(cfg, ns)
@@ -204,7 +206,7 @@ def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, swe
     shape = f"{label} B={batch} ctx={ctx} Hq/Hkv={hq}/{hkv} D={d}"
     out = torch.empty_like(q)
     ref = paged_decode_attention_ref(q, kc, vc, table, lens, scale)
-    default_splits = choose_num_splits(batch, hkv, table.shape[1] * page, q.device, 2 if kv_dtype == "int8" else 1)
+    default_splits = choose_num_splits(batch, hkv, table.shape[1] * page, q.device)
     if kv_dtype != "auto":
         return decode_quant_rows(q, kc, vc, table, lens, scale, out, ref, kv_dtype, shape, nbytes, flops,
                                  default_splits, sweep)
@@ -245,17 +247,16 @@ def decode_quant_rows(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table
         rows += sweep_decode(lambda cfg, ns: paged_decode_attention(q, kq, vq, table, lens, scale, out, num_splits=ns,
                                                                     config=cfg, **sc),
                              out, ref, shape, f"triton {kv_dtype}", nbytes, flops,
-                             {1, 2, 4, default_splits} if q.shape[0] * kq.shape[2] >= 256 else
-                             {32, 64, 128, default_splits})
+                             {1, 2, default_splits} if q.shape[0] * kq.shape[2] >= 256 else
+                             {16, 32, 64, default_splits}, QUANT_DECODE_SWEEP)
     fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, **sc)
     fn()
     note = check(f"decode {kv_dtype} {shape}", out, ref) + f", quant {rel_err(out, bf16_ref):.1e}"
     rows.append(Row("decode attn", shape, f"triton {kv_dtype}", bench_graph(fn), nbytes, flops,
                     note + f", splits={default_splits}"))
-    # The other product dtype (DecodeConfig.f16_dot flipped from its per-format default), to settle that default.
-    f16_default = KV_QUANT_FORMATS[kv_dtype].dtype.is_floating_point
-    alt = replace(default_decode_config(q.device, q.shape[-1], q.dtype, kq.dtype), f16_dot=not f16_default)
-    impl = f"triton {kv_dtype} " + ("bf16-products" if f16_default else "f16-products")
+    # The 64-token tile without column sums (the default before 128-token tiles), to keep that choice measured.
+    alt = DecodeConfig(64, 4, 2)
+    impl = f"triton {kv_dtype} 64-tiles"
     fn = lambda: paged_decode_attention(q, kq, vq, table, lens, scale, out, config=alt, **sc)
     fn()
     rows.append(Row("decode attn", shape, impl, bench_graph(fn), nbytes, flops, check(f"decode {impl}", out, ref)))

@@ -22,16 +22,21 @@ used for a handful of FLOPs. Two choices follow from that:
 
 Softmax is online, in float32, in the log2 domain (``exp2`` with ``scale * log2(e)`` folded in).
 
-8-bit caches (``quant.py``): K/V tiles are loaded as 8-bit codes and converted in registers (exact:
-int8 and both fp8 formats fit float16 and bfloat16), and the per-token scales are applied where
-they cost ``BLOCK_N`` multiplies instead of ``BLOCK_N * D``: K's scale multiplies the score column,
-V's scale the probability column before ``P @ V``. The cache is never dequantized into memory, so
-the kernel moves half the bytes of a bf16 cache (plus 2 bytes of scale per token-head). Half the
-bytes per element means the per-element conversion must cost less than the load saved, so codes
-never pass through float32: with a 16-bit q, fp8 products run in float16 whatever the model dtype
-(``DecodeConfig.f16_dot``; codes reach float16 by a native cvt or a shift, ``codes_to_f16``), and
-int8 codes become bf16/fp16 by Triton's own byte-permute conversion (or, with ``f16_dot``, the
-biased-float16 trick). The choice per format is a GPU measurement (``bench_kernels.py --kv-dtypes``).
+8-bit caches (``quant.py``): K/V tiles are loaded as 8-bit codes and never dequantized into memory,
+so the kernel moves half the bytes of a bf16 cache (plus 2 bytes of scale per token-head). The
+per-token scales are applied where they cost ``BLOCK_N`` multiplies instead of ``BLOCK_N * D``: K's
+scale multiplies the score column, V's scale the probability column before ``P @ V``. Half the bytes
+per element means the per-element work must cost less than the load saved. With a 16-bit q:
+
+* int8 Q·Kᵀ runs on the integer MMA: q is split into two int8 parts per row (``split_q_int8``, ~15
+  bits of q), so K codes go to the tensor cores unconverted.
+* fp8 Q·Kᵀ and every P·V run in float16, with codes converted exactly by inline PTX (``codes_to_f16``,
+  which also explains why V's conversion must be opaque to Triton).
+* Scales load one tile ahead; tiles are 128 tokens (``default_config``).
+
+H200, B=64 x 4k, llama-3.1-8b heads: int8 200 us / fp8_e4m3 202 us against bf16's 251 us (1.25x),
+from 270 / 277 us before this design (``benchmarks/kv8_variants.py``, RESULTS.md). A float32 q keeps
+float32 products (codes converted by casts), exact under the interpreter.
 """
 
 from __future__ import annotations
@@ -44,10 +49,7 @@ import triton.language as tl
 
 from ._utils import dot_mode, interpreting, next_pow2, num_sms
 from .pdl import launch_options, use_pdl, wait_for_previous
-from .quant import (
-    F16_INT8_BIASED, INT8_F16_BIAS, check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref,
-    gather_scales,
-)
+from .quant import check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, split_q_int8
 
 LOG2E = 1.4426950408889634
 
@@ -59,10 +61,9 @@ class DecodeConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # 8-bit caches with a bf16/fp16 q: float16 products (module docstring). None: per format, on for fp8
-    # (e4m3 → float16 is one native cvt per pair, → bfloat16 adds an F2F per element on sm_90), off for
-    # int8 (Triton already converts int8 → bf16 with byte permutes; the float16 trick needs row sums).
-    f16_dot: bool | None = None
+    # Softmax denominators kept per (row, column) and summed once at the end, instead of a row sum per
+    # tile: one cross-warp reduction (shared memory and barriers) fewer per tile, more registers.
+    column_sums: bool = False
 
 
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
@@ -74,8 +75,8 @@ def _decode_split_kernel(
     num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT: tl.constexpr, F16_DOT: tl.constexpr, F16_KIND: tl.constexpr, BIASED: tl.constexpr,
-    PDL: tl.constexpr = False,
+    QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, Q8: tl.constexpr, ASM: tl.constexpr,
+    COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     kvh = tl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
@@ -95,17 +96,29 @@ def _decode_split_kernel(
                 mask=row_mask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    if F16_DOT:
+    if Q8:  # int8 K codes meet an int8 split of q on the integer MMA
+        q_hi, q_lo, q_scale = split_q_int8(q.to(tl.float32))
+        row_scale = q_scale * (scale_log2e / 256.0)
+    elif F16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    if BIASED:  # int8 codes arrive as float16 1152 + code
-        q_bias = INT8_F16_BIAS * tl.sum(q.to(tl.float32), axis=1)  # the bias's share of every score
-        v_bias = tl.zeros([GROUP_PAD], tl.float32)  # sum of the P·V weights, rescaled like acc
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if COLUMN_SUMS:
+        l_cols = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_btb
     kv_base = kvh.to(tl.int64) * stride_kh
+    # Scales [num_blocks, Hkv, PAGE]: a page's scales of this head are one contiguous run. They are
+    # loaded one tile ahead (Triton pipelines only the loads that feed the MMAs; waiting on these in
+    # the tile that uses them cost 12% at B=64 x 4k).
+    s_page = tl.num_programs(0) * PAGE
+    if QUANT:
+        offs = start + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        first = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        k_scale_next = tl.load(KS + first * s_page + kvh * PAGE + offs % PAGE, mask=valid, other=0.0)
+        v_scale_next = tl.load(VS + first * s_page + kvh * PAGE + offs % PAGE, mask=valid, other=0.0)
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
@@ -114,20 +127,24 @@ def _decode_split_kernel(
         k = tl.load(K + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(V + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT:
-            # Scales [num_blocks, Hkv, PAGE]: a page's scales of this head are one contiguous run.
-            s_off = page * (tl.num_programs(0) * PAGE) + kvh * PAGE + offs % PAGE
-            k_scale = tl.load(KS + s_off, mask=valid, other=0.0).to(tl.float32)
-            v_scale = tl.load(VS + s_off, mask=valid, other=0.0).to(tl.float32)
-            if F16_DOT:
-                k = codes_to_f16(k, F16_KIND)
-                v = codes_to_f16(v, F16_KIND)
+            k_scale = k_scale_next.to(tl.float32)
+            v_scale = v_scale_next.to(tl.float32)
+            offs_next = offs + BLOCK_N
+            valid_next = offs_next < end
+            page_next = tl.load(bt_row + offs_next // PAGE, mask=valid_next, other=0).to(tl.int64)
+            s_next = page_next * s_page + kvh * PAGE + offs_next % PAGE
+            k_scale_next = tl.load(KS + s_next, mask=valid_next, other=0.0)
+            v_scale_next = tl.load(VS + s_next, mask=valid_next, other=0.0)
+            if Q8:
+                kt = tl.trans(k)
+                s = (tl.dot(q_hi, kt, out_dtype=tl.int32) * 256 + tl.dot(q_lo, kt, out_dtype=tl.int32)).to(tl.float32)
+                s = s * row_scale[:, None] * k_scale[None, :]
             else:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-            if BIASED:
-                s = s - q_bias[:, None]
-            s = s * (k_scale * scale_log2e)[None, :]
+                if F16:
+                    k = codes_to_f16(k, F16_KIND, ASM, True)
+                else:
+                    k = k.to(q.dtype)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * (k_scale * scale_log2e)[None, :]
         else:
             if UPCAST:
                 k = k.to(tl.float32)
@@ -137,17 +154,21 @@ def _decode_split_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if QUANT:
-            pv = (p * v_scale[None, :]).to(v.dtype)
-            acc = tl.dot(pv, v, acc * alpha[:, None], input_precision=DOT_PREC)
-            if BIASED:
-                v_bias = v_bias * alpha + tl.sum(pv.to(tl.float32), axis=1)
+        if COLUMN_SUMS:
+            l_cols = l_cols * alpha[:, None] + p
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+        if QUANT:  # V's scale multiplies the probability column: BLOCK_N products instead of BLOCK_N * D
+            if F16:
+                v = codes_to_f16(v, F16_KIND, ASM, False)
+            else:
+                v = v.to(q.dtype)
+            acc = tl.dot((p * v_scale[None, :]).to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
-    if BIASED:
-        acc -= INT8_F16_BIAS * v_bias[:, None]
+    if COLUMN_SUMS:
+        l_i = tl.sum(l_cols, axis=1)
 
     if DIRECT:
         out = acc / l_i[:, None]
@@ -203,8 +224,7 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
-                      programs_per_sm: int = 1) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per sequence for ``batch * num_kv_heads`` (sequence, KV head) programs.
 
     With two or more programs per SM every SM streams K/V already and a split only adds the
@@ -213,11 +233,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     streams ~1k tokens so its fixed costs (q load, partial write, merge) stay small.
     No split gets under ``MIN_SPLIT_TOKENS`` of the widest context (``max_context``, from the
     block table width so the host never reads the lengths), where the merge would cost more.
-    ``programs_per_sm`` scales both targets: the int8 kernel wants twice the programs (see
-    ``default_config``).
+    8-bit caches measured best with the same rule (1 split at B=64 x 4k; 32 at B=1 x 32k).
     """
     programs = batch * num_kv_heads
-    sms = num_sms(device) * programs_per_sm
+    sms = num_sms(device)
     if programs >= ENOUGH_PER_SM * sms:
         return 1
     by_occupancy = triton.cdiv(SPLIT_TARGET_PER_SM * sms, programs)
@@ -259,8 +278,7 @@ def paged_decode_attention(
         return out
     cfg = config or default_config(q.device, head_dim, q.dtype, k_cache.dtype if quant else None)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device,
-                                       2 if quant and k_cache.dtype == torch.int8 else 1)
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     direct = num_splits == 1
@@ -270,10 +288,14 @@ def paged_decode_attention(
         mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     upcast, prec = dot_mode(q.dtype)
-    f16_dot = quant and q.dtype != torch.float32 and (cfg.f16_dot if cfg.f16_dot is not None else not fmt.is_int)
-    if f16_dot:
+    # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
+    # A float32 q keeps float32 products (exact under the interpreter, tf32x3 on the GPU).
+    f16 = quant and q.dtype != torch.float32
+    if f16:
         upcast, prec = dot_mode(torch.float16)
-    f16_kind = fmt.f16_kind if f16_dot else -1
+    asm = f16 and q.device.type == "cuda" and not interpreting()
+    if asm and not fmt.is_int:  # the PTX conversions take fp8 codes as raw bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     pdl = use_pdl(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
@@ -281,8 +303,8 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16_DOT=f16_dot,
-        F16_KIND=f16_kind, BIASED=f16_kind == F16_INT8_BIASED, PDL=pdl,
+        BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
+        F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if not direct:
@@ -295,24 +317,21 @@ def paged_decode_attention(
 
 def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,
                    cache_dtype: torch.dtype | None = None) -> DecodeConfig:
-    """Tile and pipeline depth per device (GPU values from the H200 sweeps in bench_kernels.py).
+    """Tile and pipeline depth per device (GPU values from the H200 sweeps in bench_kernels.py and
+    benchmarks/kv8_variants.py).
 
     Head dim 256 and float32 halve the tile so K/V stages stay in shared memory without spills.
-    8-bit caches (``cache_dtype``, head dim <= 128) measured best elsewhere than bf16: int8 at
-    (64, 4 warps, 2 stages) with twice the split programs (B=64 x 4k: 262 us against 397 us with the
-    bf16 config; B=1 x 32k: 50.9 us with 64 splits against 70.5 us), fp8 at (128, 4, 3) (274 us
-    against 431 us; 51.9 us). Both are still latency-bound per tile, not at bandwidth.
-    The interpreter keeps 8-bit caches off the float16 products, like bf16 (``dot_mode``): exact
-    float32 there; tests ask for ``f16_dot`` explicitly.
+    8-bit caches with a 16-bit q (``cache_dtype``, head dim <= 128) take 128-token tiles with column
+    sums: half the bytes per token, so twice the tokens per tile keep as many bytes in flight, and the
+    per-tile barriers are paid half as often (B=64 x 4k int8: 200 us against 211 with (64, 4, 2);
+    B=1 x 32k: 40.4 against 44.7 us).
     """
     if device.type != "cuda" or interpreting():
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=1, f16_dot=False)
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
     if head_dim > 128:
         return DecodeConfig(block_n=32, num_warps=8 if dtype == torch.float32 else 4, num_stages=2)
-    if cache_dtype == torch.int8 and dtype != torch.float32:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=2)
     if cache_dtype is not None and dtype != torch.float32:
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2, column_sums=True)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3 if dtype != torch.float32 else 2)
 
 

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous
 from minfer.model.kv_quant import (  # noqa: F401  (re-exported for the kernels and tests)
-    F16_CVT, F16_INT8_BIASED, F16_SHIFT, KV_QUANT_FORMATS, KV_SCALE_DTYPE, KVQuantFormat, dequantize_ref,
+    F16_CVT, F16_INT8, F16_SHIFT, KV_QUANT_FORMATS, KV_SCALE_DTYPE, KVQuantFormat, dequantize_ref,
     format_of, gather_scales, min_scale, quantize_ref, scale_grid,
 )
 
@@ -124,22 +124,60 @@ def store_constexprs(fmt: KVQuantFormat | None, scale_dtype: torch.dtype | None,
 
 
 # ---------------------------------------------------------------------------- dequantizing in registers
-# How codes become float16 dot operands, per format (``KVQuantFormat.f16_kind``). fp16 bits 0x6400 | u
-# read as 1024 + u for a byte u, so an int8 code c, its byte XOR 0x80 (= c + 128), becomes the float16
-# 1152 + c with two integer ops: a conversion instruction (I2F) runs at a quarter of the ALU rate and
-# would hold an int8 decode kernel under HBM bandwidth. e5m2 is the top byte of a float16, so a shift
-# converts it (also exactly for subnormals, which Triton's interpreter converts wrongly); e4m3 has a
-# hardware conversion to float16 on sm_89+ (to bfloat16 only from sm_100).
-INT8_F16_BIAS = tl.constexpr(1152.0)
+# How codes become float16 dot operands, per format (``KVQuantFormat.f16_kind``); every conversion is
+# exact (int8 and both fp8 formats fit float16). A conversion instruction (I2F/F2F) runs at a quarter of
+# the ALU rate and would hold an 8-bit decode kernel under HBM bandwidth, so on the GPU the kernels use
+# inline PTX (``ASM``):
+#   int8: fp16 bits 0x6400 | u read as 1024 + u for a byte u, so a code c, its byte XOR 0x80 (= c + 128),
+#         becomes 1152 + c by two byte permutes per 4 codes; one fp16 subtraction per pair removes the
+#         1152. (Subtracting it after the MMA instead, through a row sum of P, loses ~2.5e-2 on Hopper:
+#         the tensor cores' float32 accumulation drops the low bits of 1152 * sum(P), against which the
+#         result is a small difference.)
+#   e5m2: the top byte of a float16, placed by a byte permute.
+#   e4m3: the native sm_89+ ``cvt.rn.f16x2.e4m3x2``.
+# Inline PTX is also opaque to Triton's layout passes, which matters for V: V is the B operand of P·V,
+# reduced along tokens, and 8-bit data cannot go through the transposing ``ldmatrix``, so a conversion
+# Triton is free to move lands after the shared-memory load and gathers V byte by byte (64 ``LDS.U8``
+# per 64-token tile). An impure (``PURE=False``) conversion stays on the loaded tile, and V reaches the
+# MMA as float16 through the transposing ``ldmatrix``. K (reduced along its contiguous dim) is fine
+# either way, and a pure conversion lets Triton convert it after the shared-memory load.
+# The interpreter cannot run PTX: there the same values come from plain Triton casts and shifts.
 
 
 @triton.jit
-def codes_to_f16(x, KIND: tl.constexpr):
-    """8-bit codes → float16 ``tl.dot`` operand. int8 (``F16_INT8_BIASED``) comes out as
-    ``INT8_F16_BIAS + code``: the caller corrects with row sums, ``dot(a, c + B) = dot(a, c) + B * sum(a)``."""
-    if KIND == 0:
-        return (x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480).to(tl.float16, bitcast=True)
-    elif KIND == 2:
+def codes_to_f16(x, KIND: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
+    """8-bit codes (int8, or fp8/uint8 bytes) → the float16 values they encode (exactly)."""
+    if ASM:
+        if KIND == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 u, a, b, c; mov.b32 c, 0x64806480; xor.b32 u, $2, 0x80808080; "
+                "prmt.b32 a, u, 0x64646464, 0x4140; prmt.b32 b, u, 0x64646464, 0x4342; "
+                "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
+        elif KIND == 1:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ prmt.b32 $0, 0, $2, 0x5040; prmt.b32 $1, 0, $2, 0x7060; }",
+                "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
+    elif KIND == 2:  # a shift: the interpreter converts e5m2 subnormals wrongly
         return (x.to(tl.uint8, bitcast=True).to(tl.uint16) << 8).to(tl.float16, bitcast=True)
     else:
         return x.to(tl.float16)
+
+
+@triton.jit
+def split_q_int8(q):
+    """float32 rows ``q [R, D]`` → (hi, lo, scale): int8 tensors with ``q ≈ scale * (hi + lo / 256)``.
+
+    Two int8 MMAs against int8 K codes then give Q·Kᵀ with ~15 bits of q (one alone, 7 bits, moves
+    decode attention by ~6e-3; bf16 q keeps 8): the products need no K conversion at all."""
+    amax = tl.max(tl.abs(q), axis=1)
+    scale = tl.where(amax > 0, amax / 127.0, 1.0)
+    x = q / scale[:, None]
+    hi = (x + tl.where(x >= 0, 0.5, -0.5)).to(tl.int8)
+    r = tl.minimum(tl.maximum((x - hi.to(tl.float32)) * 256.0, -127.0), 127.0)
+    lo = (r + tl.where(r >= 0, 0.5, -0.5)).to(tl.int8)
+    return hi, lo, scale

@@ -37,8 +37,8 @@ import torch
 KV_SCALE_DTYPE = torch.float16
 
 # How the attention kernels turn codes into float16 dot operands (see ``codes_to_f16`` in
-# minfer/kernels/quant.py): int8 through an exact bias trick, e5m2 by a bit shift, e4m3 by conversion.
-F16_INT8_BIASED, F16_CVT, F16_SHIFT = 0, 1, 2
+# minfer/kernels/quant.py): int8 by byte permutes, e4m3 by conversion, e5m2 by a bit shift.
+F16_INT8, F16_CVT, F16_SHIFT = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class KVQuantFormat:
     @property
     def f16_kind(self) -> int:
         """How the kernels turn these codes into float16 (see ``codes_to_f16``)."""
-        return F16_INT8_BIASED if self.is_int else F16_SHIFT if self.mantissa_bits == 2 else F16_CVT
+        return F16_INT8 if self.is_int else F16_SHIFT if self.mantissa_bits == 2 else F16_CVT
 
 
 # A float format's relative precision is the same at every magnitude, so where a row's amax lands

@@ -201,11 +201,11 @@ def _outlier_kv(shape: tuple[int, ...], device: str) -> torch.Tensor:
 
 def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
                        kv_dtype: str, dtype: torch.dtype, device: str, num_splits: int | None = None,
-                       max_quant_err: float | None = None, f16_dot: bool | None = None) -> None:
+                       max_quant_err: float | None = None, config=None) -> None:
     """The kernel on an 8-bit cache vs the float64 reference on the same codes and scales (K/V with
     outliers). With ``max_quant_err``, K/V are plain N(0, 1) instead, and the quantization's own
-    effect (vs attention over the unquantized cache) must stay under it. ``f16_dot`` overrides the
-    device default of ``DecodeConfig.f16_dot`` (float16 products for 8-bit caches)."""
+    effect (vs attention over the unquantized cache) must stay under it. ``config``: a
+    ``DecodeConfig`` instead of the device default."""
     kf, vf, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, torch.float32, device)
     if max_quant_err is None:
         kf, vf = _outlier_kv(kf.shape, device), _outlier_kv(vf.shape, device)
@@ -214,16 +214,10 @@ def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, h
     q = torch.randn(len(ctx_lens), num_heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    cfg = None
-    if f16_dot is not None:
-        from dataclasses import replace
-
-        from minfer.kernels.decode_attention import default_config
-        cfg = replace(default_config(q.device, head_dim, dtype), f16_dot=f16_dot)
     paged_decode_attention(q, kc, vc, table, lens, scale, out=out, k_scale=ks, v_scale=vs, num_splits=num_splits,
-                           config=cfg)
+                           config=config)
     ref = paged_decode_attention_ref(q.double(), kc, vc, table, lens, scale, k_scale=ks, v_scale=vs)
-    assert_close(out, ref, dtype, f"decode {kv_dtype} splits={num_splits} f16_dot={f16_dot}")
+    assert_close(out, ref, dtype, f"decode {kv_dtype} splits={num_splits} config={config}")
     if max_quant_err is not None:
         exact = paged_decode_attention_ref(q.double(), kf.double(), vf.double(), table, lens, scale)
         err = rel_err(ref, exact)

@@ -10,6 +10,7 @@ from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
     seed_per_case,
 )
 from minfer.kernels import paged_decode_attention_ref, paged_prefill_attention_ref
+from minfer.kernels.decode_attention import DecodeConfig
 from minfer.kernels.quant import KV_QUANT_FORMATS, dequantize_ref, quantize_ref
 from minfer.model.attention import AttentionMetadata, torch_decode_attention, torch_prefill_attention
 
@@ -55,15 +56,17 @@ def test_store_kv_quant(kv_dtype: str, dtype: torch.dtype, scale_dtype: torch.dt
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
-@pytest.mark.parametrize("num_heads,num_kv_heads,splits,dtype,f16_dot", [
-    (8, 2, 1, torch.float32, None), (8, 2, 3, torch.bfloat16, True), (2, 2, 2, torch.float16, True),
+@pytest.mark.parametrize("num_heads,num_kv_heads,splits,dtype,column_sums", [
+    (8, 2, 1, torch.float32, False), (8, 2, 3, torch.bfloat16, True), (2, 2, 2, torch.float16, False),
     (8, 1, 2, torch.bfloat16, False)],
-    ids=["gqa4", "gqa4-split-bf16-f16dot", "mha-split-fp16-f16dot", "gqa8-split-bf16"])
+    ids=["gqa4", "gqa4-split-bf16-colsums", "mha-split-fp16", "gqa8-split-bf16"])
 def test_decode_quant(kv_dtype: str, num_heads: int, num_kv_heads: int, splits: int, dtype: torch.dtype,
-                      f16_dot: bool | None) -> None:
-    # f16_dot: float16 products for a 16-bit q (int8 through the biased-float16 trick); None: the default.
+                      column_sums: bool) -> None:
+    # A 16-bit q takes the float16 / integer-MMA path (int8: q split into two int8 parts), float32 q
+    # the float32 one; column_sums: the softmax denominators summed once at the end.
+    cfg = DecodeConfig(block_n=32, num_warps=4, num_stages=1, column_sums=column_sums)
     check_decode_quant([1, PAGE - 1, PAGE + 1, 5 * PAGE], num_heads, num_kv_heads, 64, PAGE, kv_dtype, dtype, "cpu",
-                       num_splits=splits, f16_dot=f16_dot)
+                       num_splits=splits, config=cfg)
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
@@ -129,10 +132,11 @@ GPU_SHAPES = [(32, 8, 128), (32, 8, 64)]  # llama-3.1-8b, llama-3.2-1b heads
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=["llama-3.1-8b", "llama-3.2-1b"])
 @pytest.mark.parametrize("splits", [None, 1], ids=["auto", "s1"])
-@pytest.mark.parametrize("f16_dot", [True, False], ids=["f16dot", "model-dtype-dot"])
-def test_decode_quant_gpu(kv_dtype: str, shape: tuple[int, int, int], splits: int | None, f16_dot: bool) -> None:
+@pytest.mark.parametrize("config", [None, DecodeConfig(64, 4, 2)], ids=["default", "64-tiles"])
+def test_decode_quant_gpu(kv_dtype: str, shape: tuple[int, int, int], splits: int | None,
+                          config: DecodeConfig | None) -> None:
     check_decode_quant([1, 15, 16, 17, 1000, 4096], *shape, PAGE, kv_dtype, torch.bfloat16, "cuda", num_splits=splits,
-                       f16_dot=f16_dot)
+                       config=config)
 
 
 @pytest.mark.gpu
