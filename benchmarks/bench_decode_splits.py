@@ -45,6 +45,12 @@ def snapshots(batches: list[int], max_model_len: int = 4096) -> list[tuple[int, 
     return out
 
 
+def parse_config(text: str) -> DecodeConfig:
+    """``BLOCK_N/WARPS/STAGES[/COLUMN_SUMS]`` → DecodeConfig (column sums: 0 or 1)."""
+    parts = [int(v) for v in text.split("/")]
+    return DecodeConfig(*parts[:3], column_sums=bool(parts[3]) if len(parts) > 3 else False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--heads", default="16/8/128", help="Hq/Hkv/D")
@@ -52,11 +58,12 @@ def main() -> None:
     ap.add_argument("--splits", default="1,2,3,4,6,8")
     ap.add_argument("--mixes", default="as-is", help="comma list of as-is (the batch's order), longest-first "
                     "(sorted by length, descending), equal (every context at the mean length)")
-    ap.add_argument("--configs", default="default", help="comma list of default or BLOCK_N/WARPS/STAGES")
+    ap.add_argument("--configs", default="default",
+                    help="comma list of default or BLOCK_N/WARPS/STAGES[/COLUMN_SUMS 0|1]")
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16) or an 8-bit format: int8, fp8_e4m3, fp8_e5m2")
     ap.add_argument("--equal", default="", help="B x ctx, e.g. 64x4096: equal contexts instead of workload A's")
     args = ap.parse_args()
-    configs = [None if c == "default" else DecodeConfig(*map(int, c.split("/"))) for c in args.configs.split(",")]
+    configs = [None if c == "default" else parse_config(c) for c in args.configs.split(",")]
     hq, hkv, d = (int(v) for v in args.heads.split("/"))
     width = 4096 // PAGE  # the engine's block table width at max_model_len 4096 (what the heuristic sees)
     heads = [f"{c}, {s} split{'s' * (s > 1)}" for c in args.configs.split(",") for s in map(int, args.splits.split(","))]

@@ -34,8 +34,8 @@ per element means the per-element work must cost less than the load saved. With 
   which also explains why V's conversion must be opaque to Triton).
 * Scales load one tile ahead; tiles are 128 tokens (``default_config``).
 
-H200, B=64 x 4k, llama-3.1-8b heads: int8 200 us / fp8_e4m3 202 us against bf16's 251 us (1.25x),
-from 270 / 277 us before this design (``benchmarks/kv8_variants.py``, RESULTS.md). A float32 q keeps
+H200, B=64 x 4k, llama-3.1-8b heads: int8 193 us / fp8_e4m3 198 us against bf16's 258 us (1.34x / 1.30x),
+from 270 / 277 us before this design (RESULTS.md, "GPU, session 6", with the variants that lost). A float32 q keeps
 float32 products (codes converted by casts), exact under the interpreter.
 """
 
@@ -318,13 +318,13 @@ def paged_decode_attention(
 def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,
                    cache_dtype: torch.dtype | None = None) -> DecodeConfig:
     """Tile and pipeline depth per device (GPU values from the H200 sweeps in bench_kernels.py and
-    benchmarks/kv8_variants.py).
+    bench_decode_splits.py).
 
     Head dim 256 and float32 halve the tile so K/V stages stay in shared memory without spills.
     8-bit caches with a 16-bit q (``cache_dtype``, head dim <= 128) take 128-token tiles with column
     sums: half the bytes per token, so twice the tokens per tile keep as many bytes in flight, and the
-    per-tile barriers are paid half as often (B=64 x 4k int8: 200 us against 211 with (64, 4, 2);
-    B=1 x 32k: 40.4 against 44.7 us).
+    per-tile barriers are paid half as often (B=64 x 4k int8: 193 us against 205 with (64, 4, 2);
+    B=1 x 32k, 33 splits: int8 47 against 56 us, fp8_e4m3 41 against 58).
     """
     if device.type != "cuda" or interpreting():
         return DecodeConfig(block_n=32, num_warps=4, num_stages=1)
