@@ -13,7 +13,8 @@ for heads that share a KV head are launched next to each other so their K/V tile
 the query blocks run from the last (longest) to the first so the long programs start first.
 
 8-bit caches are read as codes and scaled in registers, as in decode (``decode_attention.py``):
-K's per-token scale multiplies the score column, V's the probability column.
+K's per-token scale multiplies the score column, V's the probability column. With a 16-bit q the
+products run in float16 on codes converted exactly by ``codes_to_f16`` (inline PTX on the GPU).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._utils import dot_mode, interpreting
-from .quant import check_cache_scales, check_paged_attention, dequantize_ref, gather_scales
+from .quant import check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales
 
 LOG2E = 1.4426950408889634
 
@@ -45,7 +46,7 @@ def _attend_tile(
     q, acc, m_i, l_i, K, V, KS, VS, bt_row, kv_base, s_base, s_stride, n0, q_pos, ctx, scale_log2e,
     stride_kb, stride_kt, dims,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, ASM: tl.constexpr,
 ):
     offs = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -68,8 +69,12 @@ def _attend_tile(
         else:
             k_scale = tl.load(KS + s_off).to(tl.float32)
             v_scale = tl.load(VS + s_off).to(tl.float32)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        if F16:  # exact float16 codes; V's conversion stays before the MMA's layout change (quant.py)
+            k = codes_to_f16(k, F16_KIND, ASM, True)
+            v = codes_to_f16(v, F16_KIND, ASM, False)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         # Per-key scales differ by column, so they cannot ride in the exponent's FMA: one pass here.
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * (k_scale * scale_log2e)[None, :]
         if MASKED:
@@ -102,7 +107,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    QUANT: tl.constexpr,
+    QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, ASM: tl.constexpr,
 ):
     h = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -123,6 +128,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr, mask=row_mask[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if F16:
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -137,13 +144,13 @@ def _prefill_kernel(
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, KS, VS, bt_row, kv_base, s_base, s_stride, n0, q_pos,
                                      ctx, scale_log2e, stride_kb, stride_kt, dims, PAGE, BLOCK_N, False, DOT_PREC,
-                                     UPCAST, QUANT)
+                                     UPCAST, QUANT, F16, F16_KIND, ASM)
     # The diagonal: tile 0 of this phase always contains key 0 or a finite running max, so no row is all -inf.
     diag_end = tl.minimum(ctx, first_pos + BLOCK_M)
     for n0 in range(full_end, diag_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(q, acc, m_i, l_i, K, V, KS, VS, bt_row, kv_base, s_base, s_stride, n0, q_pos,
                                      ctx, scale_log2e, stride_kb, stride_kt, dims, PAGE, BLOCK_N, True, DOT_PREC,
-                                     UPCAST, QUANT)
+                                     UPCAST, QUANT, F16, F16_KIND, ASM)
 
     out = acc / l_i[:, None]
     o_ptr = O + (q_start + rows).to(tl.int64)[:, None] * stride_ot + h * stride_oh + dims[None, :]
@@ -186,8 +193,9 @@ def paged_prefill_attention(
     tokens including the chunk. ``max_query_len`` (host int) sizes the grid. Returns ``out`` ``[T, Hq, D]``.
     8-bit caches (int8 / fp8) need their ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``.
     """
-    quant = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
-                                  context_lens=context_lens, query_start_loc=query_start_loc) is not None
+    fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
+                                context_lens=context_lens, query_start_loc=query_start_loc)
+    quant = fmt is not None
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -197,6 +205,13 @@ def paged_prefill_attention(
         return out
     cfg = config or default_config(q.device, head_dim, q.dtype)
     upcast, prec = dot_mode(q.dtype)
+    # 8-bit caches with a 16-bit q: float16 products on exactly converted codes (as in decode).
+    f16 = quant and q.dtype != torch.float32
+    if f16:
+        upcast, prec = dot_mode(torch.float16)
+    asm = f16 and q.device.type == "cuda" and not interpreting()
+    if asm and not fmt.is_int:  # the PTX conversions take fp8 codes as raw bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
@@ -204,8 +219,8 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, NUM_KV_HEADS=num_kv_heads,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PREC=prec, UPCAST=upcast, QUANT=quant,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
+        F16_KIND=fmt.f16_kind if f16 else -1, ASM=asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -80,8 +80,9 @@ def test_decode_quantization_error(kv_dtype: str) -> None:
 
 
 @pytest.mark.parametrize("kv_dtype,dtype", [("int8", torch.float32), ("fp8_e4m3", torch.float32),
-                                             ("fp8_e5m2", torch.float32), ("fp8_e4m3", torch.bfloat16)],
-                         ids=["int8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3-bf16"])
+                                             ("fp8_e5m2", torch.float32), ("int8", torch.bfloat16),
+                                             ("fp8_e4m3", torch.bfloat16), ("fp8_e5m2", torch.float16)],
+                         ids=["int8", "fp8_e4m3", "fp8_e5m2", "int8-bf16", "fp8_e4m3-bf16", "fp8_e5m2-fp16"])
 def test_prefill_quant(kv_dtype: str, dtype: torch.dtype) -> None:
     # A whole prompt, a chunk after cached context (two query tiles), a single row.
     check_prefill_quant([PAGE + 1, 40, 1], [PAGE + 1, 3 * PAGE, 23], 8, 2, 64, PAGE, kv_dtype, dtype, "cpu")
