@@ -4,6 +4,8 @@ float64 reference on the same codes and scales (CPU interpreter in CI; `-m gpu` 
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
     assert_close, check_decode_quant, check_prefill_quant, check_store_kv_quant, make_paged_kv, quantize_paged_kv,
@@ -11,7 +13,7 @@ from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
 )
 from minfer.kernels import paged_decode_attention_ref, paged_prefill_attention_ref
 from minfer.kernels.decode_attention import DecodeConfig
-from minfer.kernels.quant import KV_QUANT_FORMATS, dequantize_ref, quantize_ref
+from minfer.kernels.quant import KV_QUANT_FORMATS, dequantize_ref, quantize_ref, split_q_int8
 from minfer.model.attention import AttentionMetadata, torch_decode_attention, torch_prefill_attention
 
 FORMATS = list(KV_QUANT_FORMATS)
@@ -146,3 +148,28 @@ def test_decode_quant_gpu(kv_dtype: str, shape: tuple[int, int, int], splits: in
 def test_prefill_and_store_quant_gpu(kv_dtype: str) -> None:
     check_prefill_quant([1000, 300, 1, 77], [1000, 2000, 513, 77], 32, 8, 128, PAGE, kv_dtype, torch.bfloat16, "cuda")
     check_store_kv_quant(4099, 8, 128, PAGE, kv_dtype, torch.bfloat16, torch.float16, "cuda")
+
+
+@triton.jit
+def _split_q_kernel(Q, HI, LO, S, ROWS: tl.constexpr, DIM: tl.constexpr):
+    offs = tl.arange(0, ROWS)[:, None] * DIM + tl.arange(0, DIM)[None, :]
+    hi, lo, scale = split_q_int8(tl.load(Q + offs))
+    tl.store(HI + offs, hi)
+    tl.store(LO + offs, lo)
+    tl.store(S + tl.arange(0, ROWS), scale)
+
+
+def test_split_q_int8_keeps_15_bits() -> None:
+    """decode's int8 Q·Kᵀ splits q per row into q ≈ scale·(hi + lo/256): every element within 1/256 of a
+    step (2^-15 of the row's largest magnitude), both parts inside int8, an all-zero row exact."""
+    q = torch.randn(16, 64) * torch.logspace(-3, 3, 16)[:, None]
+    q[3] = 0
+    q[5, 7] = -q[5].abs().max() * 2  # a negative extreme
+    hi, lo = torch.empty(16, 64, dtype=torch.int8), torch.empty(16, 64, dtype=torch.int8)
+    scale = torch.empty(16)
+    _split_q_kernel[(1,)](q, hi, lo, scale, ROWS=16, DIM=64)
+    back = scale.double()[:, None] * (hi.double() + lo.double() / 256)
+    err = (back - q.double()).abs()
+    assert (err <= scale.double()[:, None] / 256 * (1 + 1e-3)).all(), f"worst {(err / scale[:, None]).max():.3e} steps"
+    assert hi.abs().max() <= 127 and lo.abs().max() <= 127
+    assert (back[3] == 0).all() and (hi[5, 7] == -127)
