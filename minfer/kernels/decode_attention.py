@@ -47,9 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import dot_mode, interpreting, next_pow2, num_sms
+from ._utils import interpreting, next_pow2, num_sms
 from .pdl import launch_options, use_pdl, wait_for_previous
-from .quant import check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, split_q_int8
+from .quant import (
+    check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, split_q_int8,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -287,15 +289,8 @@ def paged_decode_attention(
     else:
         mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    upcast, prec = dot_mode(q.dtype)
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
-    # A float32 q keeps float32 products (exact under the interpreter, tf32x3 on the GPU).
-    f16 = quant and q.dtype != torch.float32
-    if f16:
-        upcast, prec = dot_mode(torch.float16)
-    asm = f16 and q.device.type == "cuda" and not interpreting()
-    if asm and not fmt.is_int:  # the PTX conversions take fp8 codes as raw bytes
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
     pdl = use_pdl(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import dot_mode, interpreting
-from .quant import check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales
+from ._utils import interpreting
+from .quant import check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode
 
 LOG2E = 1.4426950408889634
 
@@ -204,14 +204,7 @@ def paged_prefill_attention(
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
     cfg = config or default_config(q.device, head_dim, q.dtype)
-    upcast, prec = dot_mode(q.dtype)
-    # 8-bit caches with a 16-bit q: float16 products on exactly converted codes (as in decode).
-    f16 = quant and q.dtype != torch.float32
-    if f16:
-        upcast, prec = dot_mode(torch.float16)
-    asm = f16 and q.device.type == "cuda" and not interpreting()
-    if asm and not fmt.is_int:  # the PTX conversions take fp8 codes as raw bytes
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
     grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), num_seqs)
     _prefill_kernel[grid](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_last_dim_contiguous
+from ._utils import check_dtype, check_last_dim_contiguous, dot_mode, interpreting
 from minfer.model.kv_quant import (  # noqa: F401  (re-exported for the kernels and tests)
     F16_CVT, F16_INT8, F16_SHIFT, KV_QUANT_FORMATS, KV_SCALE_DTYPE, KVQuantFormat, dequantize_ref,
     format_of, gather_scales, min_scale, quantize_ref, scale_grid,
@@ -110,6 +110,24 @@ def check_cache_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: to
     if k_scale.dtype != v_scale.dtype:
         raise TypeError("k_scale and v_scale must share a dtype")
     return fmt
+
+
+def product_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fmt: KVQuantFormat | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, bool, str, bool, bool]:
+    """How the attention kernels multiply: ``(k_cache, v_cache, upcast, input_precision, f16, asm)``.
+
+    8-bit caches with a 16-bit q take float16 products on exactly converted codes (``f16``); a
+    float32 q keeps float32 products. On the GPU the codes are converted by inline PTX (``asm``),
+    which takes fp8 codes as raw bytes, so those caches are passed as uint8 views.
+    """
+    upcast, prec = dot_mode(q.dtype)
+    f16 = fmt is not None and q.dtype != torch.float32
+    if f16:
+        upcast, prec = dot_mode(torch.float16)
+    asm = f16 and q.device.type == "cuda" and not interpreting()
+    if asm and not fmt.is_int:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    return k_cache, v_cache, upcast, prec, f16, asm
 
 
 def store_constexprs(fmt: KVQuantFormat | None, scale_dtype: torch.dtype | None, exact: bool) -> dict:
