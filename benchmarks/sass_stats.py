@@ -8,6 +8,7 @@ schedule differently, so the GPU timing stays the judge.
 
     python benchmarks/sass_stats.py                     # bf16 and int8 caches, the shipped kernel
     python benchmarks/sass_stats.py --kv int8 --dump    # also print the main loop's SASS
+    python benchmarks/sass_stats.py --kv int8,fp8_e4m3,fp8_e5m2 --check   # the 8-bit loop's structure (a test)
 """
 
 from __future__ import annotations
@@ -102,14 +103,26 @@ def main_loop(sass: str) -> list[tuple[int, str, str]]:
     return insns[best[0]:best[1]]
 
 
-def report(name: str, kernel, dump: bool) -> None:
+def report(name: str, kernel, dump: bool) -> collections.Counter:
+    """Print the kernel's registers and main-loop opcode mix; return the mix (opcode → count, plus
+    ``"byte LDS"`` for byte-wise shared-memory loads)."""
     loop = main_loop(sass_of(kernel))
     ops = collections.Counter(op.split(".")[0] for _, op, _ in loop)
-    byte_lds = sum(1 for _, op, _ in loop if op.startswith("LDS.U8") or op.startswith("LDS.S8"))
-    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(14))
-    print(f"{name}: {registers(kernel)}\n  loop {len(loop)} insns, byte LDS {byte_lds}: {top}")
+    ops["byte LDS"] = sum(1 for _, op, _ in loop if op.startswith(("LDS.U8", "LDS.S8")))
+    top = ", ".join(f"{op} {n}" for op, n in ops.most_common(14) if op != "byte LDS")
+    print(f"{name}: {registers(kernel)}\n  loop {len(loop)} insns, byte LDS {ops['byte LDS']}: {top}")
     if dump:
         print("\n".join(line for _, _, line in loop))
+    return ops
+
+
+def check_8bit_loop(kv: str, ops: collections.Counter) -> list[str]:
+    """What the 8-bit decode loop must not do (``--check``): gather V byte by byte from shared memory,
+    or convert codes with the quarter-rate I2F/F2F instructions; int8 must use the integer MMA."""
+    problems = [f"{kv}: {ops[op]} {op}" for op in ("byte LDS", "I2F", "F2F") if ops[op]]
+    if kv == "int8" and not ops["IMMA"]:
+        problems.append("int8: Q·Kᵀ is not on the integer MMA (no IMMA)")
+    return problems
 
 
 def decode_variants(kv: str):
@@ -142,10 +155,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv", default="bf16,int8", help="comma list: bf16, int8, fp8_e4m3, fp8_e5m2")
     ap.add_argument("--dump", action="store_true", help="print the main loop's SASS")
+    ap.add_argument("--check", action="store_true", help="exit 1 if an 8-bit loop has byte-wise shared loads, "
+                    "I2F/F2F conversions, or (int8) no integer MMA")
     args = ap.parse_args()
+    problems = []
     for kv in args.kv.split(","):
         for name, fn, sig, const, warps, stages in decode_variants(kv):
-            report(name, compile_sm90(fn, sig, const, warps, stages, ("stride_btb", "num_splits")), args.dump)
+            ops = report(name, compile_sm90(fn, sig, const, warps, stages, ("stride_btb", "num_splits")), args.dump)
+            if kv != "bf16":
+                problems += check_8bit_loop(kv, ops)
+    if args.check and problems:
+        sys.exit("SASS check failed: " + "; ".join(problems))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,12 @@
 """8-bit KV caches (int8, fp8 e4m3/e5m2): quantization error bounds, the store kernel against its
 reference bit for bit, and the decode/prefill kernels and the engine's torch path against the
-float64 reference on the same codes and scales (CPU interpreter in CI; `-m gpu` on a GPU)."""
+float64 reference on the same codes and scales (CPU interpreter in CI; `-m gpu` on a GPU), and the
+sm_90 SASS of the 8-bit decode loop (compiled on the CPU)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,3 +179,16 @@ def test_split_q_int8_keeps_15_bits() -> None:
     assert (err <= scale.double()[:, None] / 256 * (1 + 1e-3)).all(), f"worst {(err / scale[:, None]).max():.3e} steps"
     assert hi.abs().max() <= 127 and lo.abs().max() <= 127
     assert (back[3] == 0).all() and (hi[5, 7] == -127)
+
+
+def test_8bit_decode_loop_sass() -> None:
+    """The 8-bit decode loop, compiled for sm_90 here (Triton ships ptxas and nvdisasm; no GPU needed),
+    keeps the shape its speed rests on: V converted before the MMA's layout change (no byte-wise
+    shared-memory loads), no I2F/F2F conversions, and int8 Q·Kᵀ on the integer MMA. A Triton upgrade
+    or a kernel change that undoes one of these fails here instead of silently costing ~30%."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="0")  # a real compile, in a fresh process
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_stats.py"), "--kv",
+                          "int8,fp8_e4m3,fp8_e5m2", "--check"], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("byte LDS 0") == 3, res.stdout
