@@ -117,14 +117,15 @@ def product_mode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """How the attention kernels multiply: ``(k_cache, v_cache, upcast, input_precision, f16, asm)``.
 
     8-bit caches with a 16-bit q take float16 products on exactly converted codes (``f16``); a
-    float32 q keeps float32 products. On the GPU the codes are converted by inline PTX (``asm``),
-    which takes fp8 codes as raw bytes, so those caches are passed as uint8 views.
+    float32 q keeps float32 products. On an NVIDIA GPU the codes are converted by inline PTX (``asm``;
+    elsewhere by Triton's casts), which takes fp8 codes as raw bytes, so those caches are passed as
+    uint8 views.
     """
     upcast, prec = dot_mode(q.dtype)
     f16 = fmt is not None and q.dtype != torch.float32
     if f16:
         upcast, prec = dot_mode(torch.float16)
-    asm = f16 and q.device.type == "cuda" and not interpreting()
+    asm = f16 and q.device.type == "cuda" and torch.version.hip is None and not interpreting()
     if asm and not fmt.is_int:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     return k_cache, v_cache, upcast, prec, f16, asm
