@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
-from .quant import check_cache_scales, row_scales, scaled_codes, store_constexprs
+from .quant import KVQuantFormat, check_cache_scales, row_scales, scaled_codes, store_constexprs
 
 
 @triton.jit
@@ -76,6 +76,21 @@ def _store_kv_kernel(
                      MAX_SCALE, IS_INT, MANT, EMIN, S_MANT, S_EMIN, EXACT)
 
 
+def check_store_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                     v_scale: torch.Tensor | None, **rows: torch.Tensor) -> KVQuantFormat | None:
+    """Check the token rows (``rows``: name → ``[T, H, D]``, a float dtype, contiguous last dim) and the
+    caches (contiguous, scales as their format needs) of a store launch; return the caches' 8-bit format."""
+    for name, t in rows.items():
+        check_dtype(name, t)
+        check_last_dim_contiguous(name, t)
+    fmt = check_cache_scales(k_cache, v_cache, k_scale, v_scale)
+    if fmt is None:
+        check_dtype("k_cache", k_cache)
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    return fmt
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -93,15 +108,7 @@ def store_kv(
     dimension must be contiguous. One launch writes both caches (and, for 8-bit caches, quantizes
     each (token, head) row and writes its scale into ``k_scale``/``v_scale``).
     """
-    for name, t in (("k", k), ("v", v)):
-        check_dtype(name, t)
-    fmt = check_cache_scales(k_cache, v_cache, k_scale, v_scale)
-    if fmt is None:
-        check_dtype("k_cache", k_cache)
-    check_last_dim_contiguous("k", k)
-    check_last_dim_contiguous("v", v)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    fmt = check_store_args(k_cache, v_cache, k_scale, v_scale, k=k, v=v)
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return

@@ -28,7 +28,8 @@ except ImportError:  # a Triton without grid dependency control: PDL stays off (
 
 @functools.lru_cache(maxsize=None)
 def _supported(index: int) -> bool:
-    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
+    # NVIDIA only: ROCm builds also report device type "cuda" (and MI300 a major capability of 9).
+    return gdc_wait is not None and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def use_pdl(device: torch.device) -> bool:

@@ -20,10 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
-from .kv_store import store_token_rows
+from ._utils import interpreting, next_pow2
+from .kv_store import check_store_args, store_token_rows
 from .pdl import launch_options, use_pdl, wait_for_previous
-from .quant import check_cache_scales, store_constexprs
+from .quant import store_constexprs
 
 
 @triton.jit
@@ -108,14 +108,7 @@ def rope_store_kv(
     except that ``k`` itself is left as it was (only its cache rows are written). q, k, v may be
     strided views of the fused qkv output; only their last dimension must be contiguous.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_dtype(name, t)
-        check_last_dim_contiguous(name, t)
-    fmt = check_cache_scales(k_cache, v_cache, k_scale, v_scale)
-    if fmt is None:
-        check_dtype("k_cache", k_cache)
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    fmt = check_store_args(k_cache, v_cache, k_scale, v_scale, q=q, k=k, v=v)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if head_dim < 2 or head_dim & (head_dim - 1):
