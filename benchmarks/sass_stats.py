@@ -51,33 +51,30 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def sass_of(kernel) -> str:
+def _run_on_cubin(kernel, tool: str, *flags: str) -> str:
+    """stdout of one of Triton's bundled CUDA tools run on the kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
         path = f.name
     try:
-        return subprocess.run([os.path.join(BIN, "nvdisasm"), "-c", path], check=True, capture_output=True,
+        return subprocess.run([os.path.join(BIN, tool), *flags, path], check=True, capture_output=True,
                               text=True).stdout
     finally:
         os.unlink(path)
 
 
+def sass_of(kernel) -> str:
+    return _run_on_cubin(kernel, "nvdisasm", "-c")
+
+
 def registers(kernel) -> str:
     """Registers, local memory (spills) and shared memory per thread block, from cuobjdump."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-        path = f.name
-    try:
-        out = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", path], check=True, capture_output=True,
-                             text=True).stdout
-    finally:
-        os.unlink(path)
+    out = _run_on_cubin(kernel, "cuobjdump", "-res-usage")
     m = re.search(r"REG:(\d+).*?SHARED:(\d+) LOCAL:(\d+)", out)
     return f"{m.group(1)} regs, local {m.group(3)} B, static shared {m.group(2)} B" if m else out.strip()
 
 
 _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
-_TARGET = re.compile(r"BRA\s+(?:`\(([^)]+)\)|(0x[0-9a-f]+))")
 
 
 def main_loop(sass: str) -> list[tuple[int, str, str]]:
