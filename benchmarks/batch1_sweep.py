@@ -6,6 +6,9 @@ module constants, builds a fresh engine (its CUDA graphs are captured with them)
 --batch1``'s measurement on the same checkpoint. Run one variant per process (``gpu_tuning.sh`` does).
 
     python benchmarks/batch1_sweep.py --shape llama-3.2-1b --variants splits4 [--input-len 2048]
+    python benchmarks/batch1_sweep.py --variants base,gemv,base,gemv --gemv-json /tmp/gemv_best.json
+
+The ``gemv`` variant runs the matrix-vector configs ``gemv_chain.py --json`` picked (the split count of ``base``).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from minfer import LLM  # noqa: E402
 from minfer.benchmark.offline import run_batch1  # noqa: E402
 from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
+from minfer.kernels import gemv as gm  # noqa: E402
 
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
@@ -32,7 +36,14 @@ VARIANTS: dict[str, int] = {
     "splits2": 2048,
     "splits4": 1024,
     "splits8": 512,
+    "gemv": decode_attention.MIN_SPLIT_TOKENS,
 }
+
+
+def tuned_gemv_configs(path: str, default):
+    """A ``default_config`` that returns the configs of ``gemv_chain.py --json`` for the shapes it tuned."""
+    table = {tuple(v["shape"]): gm.GemvConfig(**v["config"]) for v in json.loads(Path(path).read_text()).values()}
+    return lambda n, k, prologue=gm._PLAIN: table.get((n, k, prologue)) or default(n, k, prologue)
 
 
 def main() -> None:
@@ -43,14 +54,17 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--gemv-json", default=None, help="gemv_chain.py's output, for the gemv variant")
     args = ap.parse_args()
     model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape, device="cuda"))
-    results = {}
+    results: dict[str, list] = {}
+    default_gemv = gm.default_config
     for name in args.variants.split(","):
         decode_attention.MIN_SPLIT_TOKENS = VARIANTS[name]
+        gm.default_config = tuned_gemv_configs(args.gemv_json, default_gemv) if name == "gemv" else default_gemv
         llm = LLM(model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
         r = run_batch1(llm, args.input_len, args.output_len)
-        results[name] = r
+        results.setdefault(name, []).append(r)
         print(f"| {name} | {r['decode_tok_s']:,.1f} tok/s | {100 * r['share_of_bound']:.1f}% of "
               f"{r['bound_tok_s']:,.0f} |", flush=True)
         del llm

@@ -415,7 +415,7 @@ def gemv_case(n: int, k: int, label: str, sweep: bool) -> list[Row]:
     shape = f"{label} {n}x{k}, x [1, {k}]"
     note = check(f"gemv {shape}", gemv(x, w), gemv_ref(x, w))
     rows = [Row("gemv", shape, "triton", bench_graph(lambda: gemv(x, w)), nbytes, flops,
-                f"{note}, {default_gemv_config(k)}"),
+                f"{note}, {default_gemv_config(n, k)}"),
             Row("gemv", shape, "torch linear", bench_graph(lambda: torch.nn.functional.linear(x, w)), nbytes, flops)]
     if sweep:
         best = min(((bench_graph(lambda: gemv(x, w, config=c), rep=50), c) for c in GEMV_SWEEP), key=lambda t: t[0])
@@ -456,7 +456,7 @@ def gemv_fused_case(n: int, k: int, label: str, prologue: str, sweep: bool) -> l
     shape = f"{label} {n}x{k}, x [1, {k}]"
     fused_ms, unfused_ms = bench_graph(fused), bench_graph(unfused)
     rows = [Row(kernel, shape, "triton fused", fused_ms, nbytes, 2 * n * k,
-                f"{note}, {unfused_ms / fused_ms:.2f}x unfused, {default_gemv_config(k, prologue == 'silu')}"),
+                f"{note}, {unfused_ms / fused_ms:.2f}x unfused, {default_gemv_config(n, k, 1 if prologue == 'silu' else 2)}"),
             Row(kernel, shape, unfused_impl, unfused_ms, nbytes, 2 * n * k, "two launches")]
     if sweep:
         best = min(((bench_graph(lambda c=c: fused(c), rep=50), c) for c in GEMV_SWEEP), key=lambda t: t[0])
