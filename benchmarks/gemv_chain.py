@@ -104,7 +104,7 @@ def main() -> None:
     print(f"{args.shape}: {chain.layers} layers, {chain.bytes / 1e9:.2f} GB, ideal {ideal:.0f} us at "
           f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s; defaults {base_us:.1f} us ({ideal / base_us:.1%})", flush=True)
     best = dict(base)
-    for op in args.ops.split(","):
+    for op in filter(None, args.ops.split(",")):
         n, k, _ = chain.shapes[op]
         results = []
         for cfg in candidates(k):
@@ -114,7 +114,7 @@ def main() -> None:
         us, cfg = min(results, key=lambda r: r[0])
         best[op] = cfg
         print(f"BEST {op}: {cfg} chain {us:.1f} us ({us - base_us:+.1f})", flush=True)
-    best_us = chain.time_us(best)
+    best_us = chain.time_us(best)  # the defaults again after the sweep: the machine drifts
     again = chain.time_us(base)
     print(f"all best: {best_us:.1f} us ({ideal / best_us:.1%} of bandwidth) vs defaults {again:.1f} us "
           f"({ideal / again:.1%})", flush=True)
