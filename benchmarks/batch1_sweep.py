@@ -8,7 +8,9 @@ module constants, builds a fresh engine (its CUDA graphs are captured with them)
     python benchmarks/batch1_sweep.py --shape llama-3.2-1b --variants splits4 [--input-len 2048]
     python benchmarks/batch1_sweep.py --variants base,gemv,base,gemv --gemv-json /tmp/gemv_best.json
 
-The ``gemv`` variant runs the matrix-vector configs ``gemv_chain.py --json`` picked (the split count of ``base``).
+``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked, ``pps0`` the configs before session 7
+(one program per row block), ``big`` row-walking programs on the large projections only. Each run also times
+replays of the batch-1 decode graph (the step's GPU time, without the host).
 """
 from __future__ import annotations
 
@@ -28,29 +30,47 @@ from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
 
+from gemv_chain import pps0_config  # this folder
+
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
-VARIANTS: dict[str, int] = {
-    "base": decode_attention.MIN_SPLIT_TOKENS,
-    "splits1": 1 << 20,
-    "splits2": 2048,
-    "splits4": 1024,
-    "splits8": 512,
-    "gemv": decode_attention.MIN_SPLIT_TOKENS,
-}
+SPLIT_VARIANTS: dict[str, int] = {"splits1": 1 << 20, "splits2": 2048, "splits4": 1024, "splits8": 512}
 
 
-def tuned_gemv_configs(path: str, default):
-    """A ``default_config`` that returns the configs of ``gemv_chain.py --json`` for the shapes it tuned."""
-    table = {tuple(v["shape"]): gm.GemvConfig(**v["config"]) for v in json.loads(Path(path).read_text()).values()}
-    return lambda n, k, prologue=gm._PLAIN: table.get((n, k, prologue)) or default(n, k, prologue)
+def gemv_rule(name: str, default, json_path: str | None):
+    """A ``gemv.default_config`` stand-in per variant name (None: leave the module's own)."""
+    if name == "gemv":  # the configs gemv_chain.py --json picked, for the shapes it tuned
+        table = {tuple(v["shape"]): gm.GemvConfig(**v["config"])
+                 for v in json.loads(Path(json_path).read_text()).values()}
+        return lambda n, k, prologue=0: table.get((n, k, prologue)) or default(n, k, prologue)
+    if name == "pps0":
+        return pps0_config
+    if name == "big":  # row-walking programs on the large projections only
+        return lambda n, k, prologue=0: default(n, k, prologue) if n * k >= 1 << 24 else pps0_config(n, k, prologue)
+    return None
+
+
+def graph_step_us(llm: LLM, reps: int = 300) -> float:
+    """Median GPU time of one replay of the batch-1 decode graph, as the last step left its inputs: the step's
+    device time without the host, steadier than tokens per second over a 512-token run."""
+    graph = llm.llm_engine.runner.graphs.graphs[1]
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[reps // 2]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--checkpoint-dir", default="/tmp/minfer-checkpoints")
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="base," + ",".join(SPLIT_VARIANTS),
+                    help="comma list of base, splitsN, pps0, big, gemv (repeat a name to alternate)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default=None)
@@ -58,15 +78,17 @@ def main() -> None:
     args = ap.parse_args()
     model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape, device="cuda"))
     results: dict[str, list] = {}
-    default_gemv = gm.default_config
+    default_gemv, default_splits = gm.default_config, decode_attention.MIN_SPLIT_TOKENS
     for name in args.variants.split(","):
-        decode_attention.MIN_SPLIT_TOKENS = VARIANTS[name]
-        gm.default_config = tuned_gemv_configs(args.gemv_json, default_gemv) if name == "gemv" else default_gemv
+        decode_attention.MIN_SPLIT_TOKENS = SPLIT_VARIANTS.get(name, default_splits)
+        gm.default_config = gemv_rule(name, default_gemv, args.gemv_json) or default_gemv
         llm = LLM(model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
         r = run_batch1(llm, args.input_len, args.output_len)
+        r["graph_step_us"] = round(graph_step_us(llm), 2)
         results.setdefault(name, []).append(r)
         print(f"| {name} | {r['decode_tok_s']:,.1f} tok/s | {100 * r['share_of_bound']:.1f}% of "
-              f"{r['bound_tok_s']:,.0f} |", flush=True)
+              f"{r['bound_tok_s']:,.0f} | graph replay {r['graph_step_us']:.1f} us/step "
+              f"({1e6 / r['graph_step_us'] / r['bound_tok_s']:.1%} of the bound) |", flush=True)
         del llm
         gc.collect()
         torch.cuda.empty_cache()
