@@ -8,9 +8,8 @@ module constants, builds a fresh engine (its CUDA graphs are captured with them)
     python benchmarks/batch1_sweep.py --shape llama-3.2-1b --variants splits4 [--input-len 2048]
     python benchmarks/batch1_sweep.py --variants base,gemv,base,gemv --gemv-json /tmp/gemv_best.json
 
-``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked, ``pps0`` the configs before session 7
-(one program per row block), ``big`` row-walking programs on the large projections only. Each run also times
-replays of the batch-1 decode graph (the step's GPU time, without the host).
+``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked. Each run also times replays of the
+batch-1 decode graph (the step's GPU time, without the host).
 """
 from __future__ import annotations
 
@@ -30,8 +29,6 @@ from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
 
-from gemv_chain import pps0_config  # this folder
-
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
 SPLIT_VARIANTS: dict[str, int] = {"splits1": 1 << 20, "splits2": 2048, "splits4": 1024, "splits8": 512}
@@ -43,10 +40,6 @@ def gemv_rule(name: str, default, json_path: str | None):
         table = {tuple(v["shape"]): gm.GemvConfig(**v["config"])
                  for v in json.loads(Path(json_path).read_text()).values()}
         return lambda n, k, prologue=0: table.get((n, k, prologue)) or default(n, k, prologue)
-    if name == "pps0":
-        return pps0_config
-    if name == "big":  # row-walking programs on the large projections only
-        return lambda n, k, prologue=0: default(n, k, prologue) if n * k >= 1 << 24 else pps0_config(n, k, prologue)
     return None
 
 
@@ -70,7 +63,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--checkpoint-dir", default="/tmp/minfer-checkpoints")
     ap.add_argument("--variants", default="base," + ",".join(SPLIT_VARIANTS),
-                    help="comma list of base, splitsN, pps0, big, gemv (repeat a name to alternate)")
+                    help="comma list of base, splitsN, gemv (repeat a name to alternate)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default=None)

@@ -84,15 +84,10 @@ class Chain:
         return sorted(times)[len(times) // 2]
 
 
-def pps0_config(n: int, k: int, prologue: int = 0) -> gm.GemvConfig:
-    """The matrix-vector configs before session 7: one program per 4-row block, up to 1024 columns."""
-    return gm.GemvConfig(4, min(1024, gm.next_pow2(k)), 8 if prologue == gm._SILU_MUL else 4, 0)
-
-
 def candidates(k: int) -> list[gm.GemvConfig]:
-    widths = sorted({min(w, gm.next_pow2(k)) for w in (1024, 2048)})
-    return [gm.GemvConfig(bn, bk, warps, pps) for bn, bk, warps, pps in
-            itertools.product((4, 8), widths, (4, 8), (0, 1, 2, 4, 8))]
+    widths = sorted({min(w, gm.next_pow2(k)) for w in (512, 1024, 2048)})
+    return [gm.GemvConfig(bn, bk, warps, stages) for bn, bk, warps, stages in
+            itertools.product((2, 4, 8), widths, (2, 4, 8), (2, 3))]
 
 
 def main() -> None:
@@ -108,9 +103,6 @@ def main() -> None:
     base_us = chain.time_us(base)
     print(f"{args.shape}: {chain.layers} layers, {chain.bytes / 1e9:.2f} GB, ideal {ideal:.0f} us at "
           f"{HBM_BYTES_PER_S / 1e12:.2f} TB/s; defaults {base_us:.1f} us ({ideal / base_us:.1%})", flush=True)
-    pps0 = chain.time_us({op: pps0_config(n, k, p) for op, (n, k, p) in chain.shapes.items()})
-    print(f"one program per 4-row block (the configs before session 7): {pps0:.1f} us ({ideal / pps0:.1%})",
-          flush=True)
     best = dict(base)
     for op in filter(None, args.ops.split(",")):
         n, k, _ = chain.shapes[op]

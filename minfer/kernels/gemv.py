@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, next_pow2, num_sms
+from ._utils import check_dtype, next_pow2
 from .pdl import launch_options, use_pdl, wait_for_previous
 from .activation import silu_and_mul_ref
 from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
@@ -31,14 +31,14 @@ from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Rows per tile, columns per tile, warps, and how many programs share the rows: ``programs_per_sm``
-    programs per multiprocessor, each walking a contiguous run of row blocks, or 0 for one program per row
-    block. See ``default_config`` for the measured choice."""
+    """Rows per program, columns per step, warps. Four rows won on every layer shape of the 0.6B and 1B
+    models on an H200 (sweep of 4/8/16 rows x 512/1024/2048 columns x 4/8 warps; the column width
+    moved results by under 5%)."""
 
     block_n: int = 4
     block_k: int = 1024
     num_warps: int = 4
-    programs_per_sm: int = 0
+    num_stages: int = 3  # software-pipelining depth of the K loop (Triton's default)
 
 
 # What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, or rms_norm(x + residual).
@@ -130,68 +130,52 @@ def _input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, PROLOGUE: tl
 
 
 @triton.jit
-def _weight_tile(w_ptrs, k0, rows, cols, N, K, valid, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at column k0 (zero past N and K); nothing is read unless ``valid``, which
-    is folded into the row bound (Triton's interpreter rejects a scalar mask broadcast to a tile)."""
-    row_ok = (rows < tl.where(valid, N, 0))[:, None]
-    if EVEN_K:
-        return tl.load(w_ptrs + k0, mask=row_ok, other=0.0)
-    return tl.load(w_ptrs + k0, mask=row_ok & (k0 + cols < K)[None, :], other=0.0)
+def _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    if EVEN_K and EVEN_N:
+        return tl.load(w_ptrs + k0)
+    return tl.load(w_ptrs + k0, mask=(rows < N)[:, None] & (k0 + cols < K)[None, :], other=0.0)
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, BLOCKS_PER_PROGRAM, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PROLOGUE: tl.constexpr = 0, HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1,
-                 EVEN_R: tl.constexpr = True, ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False):
-    """Each program streams ``BLOCKS_PER_PROGRAM`` consecutive blocks of ``BLOCK_N`` rows as one flat loop of
-    (row block, K chunk) tiles, loading tile t+1 into registers before it multiplies tile t, so a load is always
-    in flight; the prologue's row statistics are computed once per program, not once per row block."""
+def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr = 0,
+                 HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True,
+                 ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False):
     pid = tl.program_id(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    first_row = pid * BLOCKS_PER_PROGRAM * BLOCK_N
-    n_tiles = tl.minimum(BLOCKS_PER_PROGRAM, tl.cdiv(N - first_row, BLOCK_N)) * k_tiles
-    rows0 = first_row + tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
-    w_ptrs = W + rows0.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    # the first tile streams in while the previous kernel drains under PDL (weights never change)
-    w = _weight_tile(w_ptrs, 0, rows0, cols, N, K, n_tiles > 0, EVEN_K)
-    wait_for_previous(PDL)
+    w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+    if PDL:  # the first weight tile streams in while the previous kernel drains (weights never change)
+        w_first = _weight_tile(w_ptrs, 0, rows, cols, N, K, EVEN_N, EVEN_K)
+        wait_for_previous(PDL)
     inv_rms = 1.0
     if PROLOGUE == 2:  # every program needs the whole row's mean square before its first chunk
         ss = _sum_squares(X, R, K, HAS_RESIDUAL, RMS_BLOCK, EVEN_R, ONE_BLOCK)
         inv_rms = tl.rsqrt(ss / K + eps)
+    write_residual = pid == 0
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for t in range(n_tiles):
-        next_block = (t + 1) // k_tiles  # the last iteration's prefetch is masked off entirely
-        w_next = _weight_tile(w_ptrs + (next_block * BLOCK_N).to(tl.int64) * stride_wn,
-                              (t + 1 - next_block * k_tiles) * BLOCK_K, rows0 + next_block * BLOCK_N, cols, N, K,
-                              t + 1 < n_tiles, EVEN_K)
-        block = t // k_tiles
-        k0 = (t - block * k_tiles) * BLOCK_K
-        # program 0 writes x + residual while it walks its first row block
-        x = _input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, (pid == 0) & (block == 0), PROLOGUE,
-                         HAS_RESIDUAL, not EVEN_K)
+    first = 0
+    if PDL:  # the first chunk with the prefetched tile
+        x = _input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL, not EVEN_K)
+        acc += w_first.to(tl.float32) * x.to(tl.float32)[None, :]
+        first = BLOCK_K
+    for k0 in range(first, K, BLOCK_K):
+        x = _input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL,
+                         not EVEN_K)
+        w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        if k0 + BLOCK_K >= K:  # the block's last chunk: reduce and store its rows
-            rows = rows0 + block * BLOCK_N
-            y = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                y += tl.load(B + rows, mask=rows < N, other=0.0).to(tl.float32)
-            tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        w = w_next
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
 def default_config(n: int, k: int, prologue: int = _PLAIN) -> GemvConfig:
-    """Two programs per SM, each walking its share of the rows; four rows by up to 2048 columns on four warps,
-    but eight rows by 1024 columns on eight warps under the SwiGLU prologue, whose exp and division per element
-    want more warps in flight. Chosen on an H200 in the decode chain (``benchmarks/gemv_chain.py``: 16 layers of
-    llama-3.2-1b projections in one CUDA graph under PDL), where this rule's chain time is within 1% of the best
-    config per projection; one program per 4-row block (the earlier design) was 20% slower there."""
-    if prologue == _SILU_MUL:
-        return GemvConfig(block_n=8, block_k=min(1024, next_pow2(k)), num_warps=8, programs_per_sm=2)
-    return GemvConfig(block_n=4, block_k=min(2048, next_pow2(k)), num_warps=4, programs_per_sm=2)
+    """Four rows by up to 1024 columns, four warps; eight warps under the SwiGLU prologue, whose exp and division
+    per element want more warps in flight to hide (H200, llama-3.2-1b down 2048x8192: 17.8 us against 21.5 with
+    four warps; qwen3-0.6b down 1024x3072: 8.8 against 10.5). The RMS prologue keeps the plain default, which
+    was the fastest of 4/8 rows x 512/1024/2048 columns x 4/8 warps there."""
+    return GemvConfig(block_k=min(1024, next_pow2(k)), num_warps=8 if prologue == _SILU_MUL else 4)
 
 
 def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -209,15 +193,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
     pdl = use_pdl(x.device)
-    blocks = triton.cdiv(n, cfg.block_n)
-    per_program = triton.cdiv(blocks, num_sms(x.device) * cfg.programs_per_sm) if cfg.programs_per_sm else 1
-    _gemv_kernel[(triton.cdiv(blocks, per_program),)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,
-        new_residual if new_residual is not None else y, n, k, weight.stride(0), eps, per_program,
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        new_residual if new_residual is not None else y, n, k, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         RMS_BLOCK=rms_block, EVEN_R=k % rms_block == 0, ONE_BLOCK=rms_block >= k, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **launch_options(pdl),
     )
     return y
