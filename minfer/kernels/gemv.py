@@ -6,9 +6,11 @@ FLOPs. cuBLAS's GEMM kernels for M=1 reach 30-50% of HBM bandwidth on the 8-12 M
 plus a split-K reduce), because a few hundred KB per SM is too little to amortise their tiling.
 Here each program streams ``BLOCK_N`` whole weight rows with wide loads and keeps a float32
 partial sum per column lane, reducing it once at the end: no split-K pass, no shared memory, and
-many small programs in flight on every SM. Measured in the engine (llama-3.2-1b shape, batch 1,
-``benchmarks/profile_steps.py --batch1``): 580 us of linear layers per step against cuBLAS's 697 us,
-~70% of bandwidth, the rest being each kernel's ramp-up (``bench_kernels.py --only gemv --sweep``).
+many small programs in flight on every SM. On an H200 the 64 projections of a llama-3.2-1b decode step
+take 552 us in one CUDA graph under PDL, 83% of HBM bandwidth (``benchmarks/gemv_chain.py``; cuBLAS's
+kernels took 697 us per step in the engine). Measured and dropped (session 7): persistent-style programs,
+two per SM, each walking a run of row blocks with the next tile prefetched in registers and the RMS row sum
+computed once per program; 628 us in the same chain, 860 against 827 us per batch-1 engine step.
 
 Two optional prologues fold the elementwise op before a projection into it, saving that op's launch
 (~2 us each at batch 1, three per layer): :func:`gemv_silu_mul` (SwiGLU before down_proj) and
@@ -171,11 +173,15 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
 
 
 def default_config(n: int, k: int, prologue: int = _PLAIN) -> GemvConfig:
-    """Four rows by up to 1024 columns, four warps; eight warps under the SwiGLU prologue, whose exp and division
-    per element want more warps in flight to hide (H200, llama-3.2-1b down 2048x8192: 17.8 us against 21.5 with
-    four warps; qwen3-0.6b down 1024x3072: 8.8 against 10.5). The RMS prologue keeps the plain default, which
-    was the fastest of 4/8 rows x 512/1024/2048 columns x 4/8 warps there."""
-    return GemvConfig(block_k=min(1024, next_pow2(k)), num_warps=8 if prologue == _SILU_MUL else 4)
+    """Four rows per program on four warps, with the widest column chunk each prologue affords: 2048 columns for
+    the plain product; 1024 under the RMS prologue (its chunk also loads x, residual and norm weight); eight rows
+    by 2048 columns on eight warps under the SwiGLU prologue, whose exp and division per element want more warps
+    in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
+    projections in one CUDA graph under PDL, H200): 552 us against 577 for the earlier 4 x 1024 everywhere (8 warps
+    under SwiGLU), almost all of it down_proj's; the batch-1 decode graph 810 against 822 us per step."""
+    if prologue == _SILU_MUL:
+        return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
+    return GemvConfig(block_k=min(1024 if prologue == _RMS_NORM else 2048, next_pow2(k)))
 
 
 def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
