@@ -60,8 +60,7 @@ def main() -> None:
                     "(sorted by length, descending), equal (every context at the mean length)")
     ap.add_argument("--configs", default="default",
                     help="comma list of default or BLOCK_N/WARPS/STAGES[/COLUMN_SUMS 0|1]")
-    ap.add_argument("--kv-dtype", default="auto", help="auto (bf16) or an 8-bit format: int8, fp8_e4m3, fp8_e5m2; "
-                    "a trailing 't' (int8t) stores V pages transposed (quant.v_pages_transposed)")
+    ap.add_argument("--kv-dtype", default="auto", help="auto (bf16) or an 8-bit format: int8, fp8_e4m3, fp8_e5m2")
     ap.add_argument("--equal", default="", help="B x ctx, e.g. 64x4096: equal contexts instead of workload A's")
     args = ap.parse_args()
     configs = [None if c == "default" else parse_config(c) for c in args.configs.split(",")]
@@ -95,16 +94,14 @@ def time_splits(lens: list[int], hq: int, hkv: int, d: int, width: int, splits: 
     ref = paged_decode_attention_ref(q, kc, vc, table, ctx, d ** -0.5)
     scales = {}
     if kv_dtype != "auto":
-        kc, vc, ks, vs = quantized_cache(kc, vc, kv_dtype.removesuffix("t"))
+        kc, vc, ks, vs = quantized_cache(kc, vc, kv_dtype)
         scales = {"k_scale": ks, "v_scale": vs}
-        if kv_dtype.endswith("t"):
-            vc = vc.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     fn = lambda: paged_decode_attention(q, kc, vc, table, ctx, d ** -0.5, out, num_splits=splits, config=config,
                                         **scales)
     fn()
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     ms = bench_graph(fn, rep=100)
-    share = kv_bytes(sum(lens), hkv, d, kv_dtype.removesuffix("t")) / (ms * 1e-3) / PEAK_BW
+    share = kv_bytes(sum(lens), hkv, d, kv_dtype) / (ms * 1e-3) / PEAK_BW
     return f"{ms * 1e3:.1f} us, {100 * share:.0f}%" + (" FAIL" if err > (1e-2 if kv_dtype == "auto" else 6e-2) else "")
 
 if __name__ == "__main__":

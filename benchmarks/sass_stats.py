@@ -134,26 +134,18 @@ def decode_variants(kv: str):
     code = "bf16" if fmt is None else "i8" if fmt.is_int else "u8"
     sig = {"Q": "*bf16", "K": f"*{code}", "V": f"*{code}", "KS": "*fp16", "VS": "*fp16", "BT": "*i32",
            "CL": "*i32", "O": "*bf16", "MID_O": "*fp32", "MID_LSE": "*fp32", "scale_log2e": "fp32"}
-    for a in ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh",
-              "stride_vd", "stride_btb", "stride_ob", "stride_oh", "num_splits"):
+    for a in ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_btb", "stride_ob",
+              "stride_oh", "num_splits"):
         sig[a] = "i32"
     cuda = torch.device("cuda")  # a device object only: nothing is allocated
     cfg = da.default_config(cuda, 128, torch.bfloat16, None if fmt is None else fmt.dtype)
     quant = fmt is not None
     const = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=cfg.block_n, DIRECT=True,
                  DOT_PREC="tf32", UPCAST=False, QUANT=quant, F16=quant, F16_KIND=fmt.f16_kind if quant else -1,
-                 Q8=quant and fmt.is_int, ASM=quant, COLUMN_SUMS=cfg.column_sums, V_T=False, V_RUN=1, PV8=0,
-                 PDL=True)
-    # Triton specialises an integer argument equal to 1 like a constexpr: V's dimension stride, or with V pages
-    # stored transposed (int8: P·V on the integer MMA), its token stride.
-    layouts = [("", {"stride_vd": 1})]
-    if quant and fmt.is_int:
-        for mode in (1, 2):
-            layouts.append((f", V pages transposed, PV8={mode}", {"stride_vt": 1, "V_T": True, "V_RUN": 16, "PV8": mode}))
-    for label, extra in layouts:
-        c = {**const, **extra}
-        yield (f"shipped {kv}{label} {cfg}", da._decode_split_kernel, {**sig, **{k: "constexpr" for k in c}}, c,
-               cfg.num_warps, cfg.num_stages)
+                 Q8=quant and fmt.is_int, ASM=quant, COLUMN_SUMS=cfg.column_sums, PDL=True)
+    for k in const:
+        sig[k] = "constexpr"
+    yield f"shipped {kv} {cfg}", da._decode_split_kernel, sig, const, cfg.num_warps, cfg.num_stages
 
 
 def main() -> None:

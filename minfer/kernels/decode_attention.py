@@ -51,11 +51,9 @@ from ._utils import interpreting, next_pow2, num_sms
 from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant import (
     check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, split_q_int8,
-    split_unit_int8, v_pages_transposed,
 )
 
 LOG2E = 1.4426950408889634
-PV8_MODE = 2  # int8 P·V over page-transposed V: 1 = one scale per row of p * v_scale, 2 = one per tile
 
 
 @dataclass(frozen=True)
@@ -75,12 +73,12 @@ class DecodeConfig:
 @triton.jit(do_not_specialize=["stride_btb", "num_splits"])
 def _decode_split_kernel(
     Q, K, V, KS, VS, BT, CL, O, MID_O, MID_LSE, scale_log2e,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_btb, stride_ob, stride_oh, num_splits,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
+    num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, Q8: tl.constexpr, ASM: tl.constexpr,
-    COLUMN_SUMS: tl.constexpr, V_T: tl.constexpr = False, V_RUN: tl.constexpr = 1, PV8: tl.constexpr = 0, PDL: tl.constexpr = False,
+    COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     kvh = tl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
@@ -113,7 +111,6 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     bt_row = BT + b.to(tl.int64) * stride_btb
     kv_base = kvh.to(tl.int64) * stride_kh
-    v_base = kvh.to(tl.int64) * stride_vh
     # Scales [num_blocks, Hkv, PAGE]: a page's scales of this head are one contiguous run. They are
     # loaded one tile ahead (Triton pipelines only the loads that feed the MMAs; waiting on these in
     # the tile that uses them cost 12% at B=64 x 4k).
@@ -130,15 +127,7 @@ def _decode_split_kernel(
         page = tl.load(bt_row + offs // PAGE, mask=valid, other=0).to(tl.int64)
         tok = kv_base + page * stride_kb + (offs % PAGE) * stride_kt
         k = tl.load(K + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v_tok = v_base + page * stride_vb + (offs % PAGE) * stride_vt
-        if V_T:  # token-contiguous V pages: runs of a page's tokens are contiguous, which Triton cannot see
-            # through the block-table load; said here, the loads are 16 bytes wide
-            v_tok = tl.max_contiguous(tl.multiple_of(v_tok, V_RUN), V_RUN)
-        if PV8 > 0:  # no token mask, which would split the 16-byte loads: past the context, p is 0 and the codes are
-            # integers (no NaN), and their pages are block-table entries or block 0 (the masked table load)
-            v = tl.load(V + v_tok[:, None] + dims[None, :] * stride_vd)
-        else:
-            v = tl.load(V + v_tok[:, None] + dims[None, :] * stride_vd, mask=valid[:, None], other=0.0)
+        v = tl.load(V + tok[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         if QUANT:
             k_scale = k_scale_next.to(tl.float32)
             v_scale = v_scale_next.to(tl.float32)
@@ -171,16 +160,7 @@ def _decode_split_kernel(
             l_cols = l_cols * alpha[:, None] + p
         else:
             l_i = l_i * alpha + tl.sum(p, axis=1)
-        if PV8 == 1:  # int8 P·V: p * v_scale split into two int8 parts like q, V codes straight to the integer MMA
-            p_hi, p_lo, p_scale = split_q_int8(p * v_scale[None, :])
-            pv = tl.dot(p_hi, v, out_dtype=tl.int32) * 256 + tl.dot(p_lo, v, out_dtype=tl.int32)
-            acc = acc * alpha[:, None] + pv.to(tl.float32) * (p_scale / 256.0)[:, None]
-        elif PV8 == 2:  # the same with one scale per tile (p <= 1, so p * v_scale <= the tile's largest v_scale)
-            vs_max = tl.maximum(tl.max(v_scale, axis=0), 1e-30)
-            p_hi, p_lo = split_unit_int8(p * (v_scale * (127.0 / vs_max))[None, :])
-            pv = tl.dot(p_hi, v, out_dtype=tl.int32) * 254 + tl.dot(p_lo, v, out_dtype=tl.int32)
-            acc = acc * alpha[:, None] + pv.to(tl.float32) * (vs_max / (127.0 * 254.0))
-        elif QUANT:  # V's scale multiplies the probability column: BLOCK_N products instead of BLOCK_N * D
+        if QUANT:  # V's scale multiplies the probability column: BLOCK_N products instead of BLOCK_N * D
             if F16:
                 v = codes_to_f16(v, F16_KIND, ASM, False)
             else:
@@ -288,8 +268,8 @@ def paged_decode_attention(
     the batch, the KV heads, the widest possible context (``block_tables.shape[1] * block_size``,
     known on the host) and the multiprocessor count. Returns ``out`` (allocated if None) in q's dtype.
     """
-    fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, v_transposed_ok=True,
-                                block_tables=block_tables, context_lens=context_lens)
+    fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
+                                context_lens=context_lens)
     quant = fmt is not None
     batch, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -310,18 +290,16 @@ def paged_decode_attention(
         mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
-    v_t = v_pages_transposed(v_cache)
     k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
     pdl = use_pdl(q.device)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
         context_lens, out, mid_o, mid_lse, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *v_cache.stride(),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
-        F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums,
-        V_T=v_t, V_RUN=min(page, cfg.block_n, 16), PV8=PV8_MODE if v_t and f16 and fmt.is_int else 0, PDL=pdl,
+        F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if not direct:
@@ -380,7 +358,7 @@ def paged_decode_attention_ref(
     slots = blocks * page + pos % page  # [B, W]
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, W, Hkv, D]
-    v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # reshape: V may be page-transposed
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
     if check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None:
         k = dequantize_ref(k, gather_scales(k_scale, slots), compute)
         v = dequantize_ref(v, gather_scales(v_scale, slots), compute)

@@ -63,26 +63,18 @@ def scaled_codes(x, scale, QMAX: tl.constexpr, IS_INT: tl.constexpr, MANT: tl.co
 
 
 # ------------------------------------------------------------------------------------- launch helpers
-def v_pages_transposed(v_cache: torch.Tensor) -> bool:
-    """Whether ``v_cache`` ``[num_blocks, block_size, Hkv, D]`` is a view of ``[num_blocks, Hkv, D, block_size]``
-    storage: each page's V codes token-contiguous per dimension, the layout int8 P·V reads (decode_attention.py)."""
-    return v_cache.dim() == 4 and v_cache.permute(0, 2, 3, 1).is_contiguous() and v_cache.shape[1] > 1
-
-
 def check_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
-                          v_scale: torch.Tensor | None, v_transposed_ok: bool = False,
-                          **int32_args: torch.Tensor) -> KVQuantFormat | None:
+                          v_scale: torch.Tensor | None, **int32_args: torch.Tensor) -> KVQuantFormat | None:
     """Check the arguments of the paged attention kernels (q ``[T, Hq, D]``, caches ``[num_blocks,
-    block_size, Hkv, D]``, the named int32 index tensors); return the cache's 8-bit format or None.
-    ``v_transposed_ok``: the kernel also reads a page-transposed V (``v_pages_transposed``)."""
+    block_size, Hkv, D]``, the named int32 index tensors); return the cache's 8-bit format or None."""
     check_dtype("q", q)
     fmt = check_cache_scales(k_cache, v_cache, k_scale, v_scale)
     if fmt is None:
         check_dtype("k_cache", k_cache)
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError("expected q [T, Hq, D] and k_cache/v_cache [num_blocks, block_size, Hkv, D]")
-    if not (k_cache.is_contiguous() and (v_cache.is_contiguous() or v_transposed_ok and v_pages_transposed(v_cache))):
-        raise ValueError("k_cache and v_cache must be contiguous" + (" (or V page-transposed)" if v_transposed_ok else ""))
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
     check_last_dim_contiguous("q", q)
     head_dim, page, num_kv_heads = q.shape[-1], k_cache.shape[1], k_cache.shape[2]
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256 or k_cache.shape[3] != head_dim:
@@ -208,16 +200,3 @@ def split_q_int8(q):
     r = tl.minimum(tl.maximum((x - hi.to(tl.float32)) * 256.0, -127.0), 127.0)
     lo = (r + tl.where(r >= 0, 0.5, -0.5)).to(tl.int8)
     return hi, lo, scale
-
-
-@triton.jit
-def split_unit_int8(x):
-    """float32 ``x`` in [-127, 127] → int8 (hi, lo) with ``x ≈ hi + lo / 254`` (error under 1/508).
-
-    Rounded by the float adder: adding 1.5 * 2^23 leaves round(x) in the low mantissa bits, whose low
-    byte is the two's-complement int8 code, so no float-int conversion instruction is needed."""
-    t = x + 12582912.0
-    hi = t.to(tl.int32, bitcast=True).to(tl.int8)
-    u = (x - (t - 12582912.0)) * 254.0 + 12582912.0  # the remainder, within ±0.5, scaled to ±127
-    lo = u.to(tl.int32, bitcast=True).to(tl.int8)
-    return hi, lo
