@@ -29,6 +29,8 @@ from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
 
+from gemv_chain import median_replay_us  # this folder
+
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
 SPLIT_VARIANTS: dict[str, int] = {"splits1": 1 << 20, "splits2": 2048, "splits4": 1024, "splits8": 512}
@@ -46,16 +48,7 @@ def gemv_rule(name: str, default, json_path: str | None):
 def graph_step_us(llm: LLM, reps: int = 300) -> float:
     """Median GPU time of one replay of the batch-1 decode graph, as the last step left its inputs: the step's
     device time without the host, steadier than tokens per second over a 512-token run."""
-    graph = llm.llm_engine.runner.graphs.graphs[1]
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[reps // 2]
+    return median_replay_us(llm.llm_engine.runner.graphs.graphs[1], reps)
 
 
 def main() -> None:

@@ -72,16 +72,22 @@ class Chain:
             self.run(cfgs)
         for _ in range(5):
             graph.replay()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
+        us = median_replay_us(graph, reps)
         del graph
-        return sorted(times)[len(times) // 2]
+        return us
+
+
+def median_replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median µs of ``reps`` replays of ``graph``, each timed alone by CUDA events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[reps // 2]
 
 
 def candidates(k: int) -> list[gm.GemvConfig]:

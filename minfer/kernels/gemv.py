@@ -178,7 +178,8 @@ def default_config(n: int, k: int, prologue: int = _PLAIN) -> GemvConfig:
     by 2048 columns on eight warps under the SwiGLU prologue, whose exp and division per element want more warps
     in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
     projections in one CUDA graph under PDL, H200): 552 us against 577 for the earlier 4 x 1024 everywhere (8 warps
-    under SwiGLU), almost all of it down_proj's; the batch-1 decode graph 810 against 822 us per step."""
+    under SwiGLU), almost all of it down_proj's; the batch-1 decode graph 807 against 825-836 us per step.
+    ``n`` is unused here; it keeps the signature of a per-shape table (``benchmarks/batch1_sweep.py`` swaps one in)."""
     if prologue == _SILU_MUL:
         return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
     return GemvConfig(block_k=min(1024 if prologue == _RMS_NORM else 2048, next_pow2(k)))
