@@ -42,6 +42,7 @@ def test_samples_follow_softmax_of_scaled_logits():
     (dict(top_p=0.6), {0, 1}),          # probs ~ [.51, .19, .11, .02, .07] ... cumulative before 2nd < .6
     (dict(min_p=0.3), {0, 1}),          # keeps tokens with p >= 0.3 * p_max
     (dict(top_k=3, top_p=0.99), {0, 1, 2}),
+    (dict(top_k=10**27, top_p=0.6), {0, 1}),  # k past the vocabulary (past int64 too) keeps it all; found by fuzzing
 ])
 def test_filters_restrict_support(kw, support):
     logits = torch.tensor([2.0, 1.0, 0.4, -1.0, 0.0])

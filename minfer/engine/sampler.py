@@ -215,7 +215,8 @@ class Sampler:
         """Keep the k most likely tokens and the smallest set whose probability reaches top_p."""
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         vocab = logits.shape[-1]
-        top_k = self._tensor([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64)
+        # any k past the vocabulary keeps it all (and an arbitrarily large Python int must not reach int64)
+        top_k = self._tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], torch.int64)
         rank = torch.arange(vocab, device=logits.device)[None, :]
         drop = rank >= top_k[:, None]
         top_p = self._tensor([p.top_p for p in params], torch.float32)

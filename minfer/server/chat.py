@@ -11,7 +11,7 @@ from minfer.outputs import RequestOutput
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
 from minfer.server.serving import ServerContext, collect, request_id, stream_response
-from minfer.server.stream import DeltaTracker, TokenText, chat_logprobs, holdback_for, sse
+from minfer.server.stream import DeltaTracker, TokenText, chat_logprobs, holdback_for, sse, usage
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -44,6 +44,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
 
     tracker = DeltaTracker(holdback_for(req.stop))
     want_usage = req.stream_options is not None and req.stream_options.include_usage
+    header = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
 
     def render(_: int, out: RequestOutput) -> list[bytes]:
         choices = []
@@ -57,16 +58,12 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                             "stop_reason": d.stop_reason})
         if not choices:
             return []
-        return [sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": choices, "usage": None})]
+        return [sse({**header, "choices": choices, "usage": None})]
 
     def tail() -> list[bytes]:
         if not want_usage:
             return []
-        completion = sum(tracker.sent_tokens.values())
-        usage = {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
-        return [sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [], "usage": usage})]
+        return [sse({**header, "choices": [], "usage": usage(len(ids), sum(tracker.sent_tokens.values()))})]
 
     return await stream_response(ctx, raw, streams, render, tail)
 
@@ -80,7 +77,5 @@ def _response(cid: str, created: int, model: str, out: RequestOutput, tok: Token
             if top_k is not None and c.logprobs is not None else None
         choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    prompt_tokens = len(out.prompt_token_ids)
     return {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}, "system_fingerprint": None}
+            "usage": usage(len(out.prompt_token_ids), completion_tokens), "system_fingerprint": None}

@@ -11,7 +11,7 @@ from minfer.outputs import RequestOutput
 from minfer.server.errors import APIError
 from minfer.server.protocol import CompletionRequest
 from minfer.server.serving import ServerContext, collect, request_id, stream_response
-from minfer.server.stream import DeltaTracker, TokenText, completion_logprobs, holdback_for, sse
+from minfer.server.stream import DeltaTracker, TokenText, completion_logprobs, holdback_for, sse, usage
 
 
 def _prompts(ctx: ServerContext, prompt: Any) -> list[tuple[str | None, list[int]]]:
@@ -48,6 +48,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 
     tracker = DeltaTracker(holdback_for(req.stop))
     want_usage = req.stream_options is not None and req.stream_options.include_usage
+    header = {"id": cid, "object": "text_completion", "created": created, "model": model}
     # Per choice, the characters of the token strings sent so far: ``text_offset`` counts those, as in
     # the non-streamed response (the text sent may lag behind while stop strings hold some back).
     token_chars: dict[int, int] = {}
@@ -67,17 +68,12 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                             "stop_reason": d.stop_reason})
         if not choices:
             return []
-        return [sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": choices, "usage": None})]
+        return [sse({**header, "choices": choices, "usage": None})]
 
     def tail() -> list[bytes]:
         if not want_usage:
             return []
-        completion = sum(tracker.sent_tokens.values())
-        usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
-                 "total_tokens": num_prompt_tokens + completion}
-        return [sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                     "choices": [], "usage": usage})]
+        return [sse({**header, "choices": [], "usage": usage(num_prompt_tokens, sum(tracker.sent_tokens.values()))})]
 
     return await stream_response(ctx, raw, streams, render, tail)
 
@@ -95,5 +91,4 @@ def _response(cid: str, created: int, model: str, finals: list[RequestOutput], n
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     choices.sort(key=lambda ch: ch["index"])
     return {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": num_prompt_tokens + completion_tokens}, "system_fingerprint": None}
+            "usage": usage(num_prompt_tokens, completion_tokens), "system_fingerprint": None}
