@@ -33,7 +33,7 @@ from gemv_chain import median_replay_us  # this folder
 
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
-SPLIT_VARIANTS: dict[str, int] = {"splits1": 1 << 20, "splits2": 2048, "splits4": 1024, "splits8": 512}
+SPLIT_VARIANTS: dict[str, int] = {"splits1": 1 << 20, "splits2": 2048, "splits4": 1024, "splits8": 512, "splits32": 128}
 
 
 def gemv_rule(name: str, default, json_path: str | None):
