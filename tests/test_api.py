@@ -43,6 +43,47 @@ def test_engine_streams_partial_outputs_and_abort_frees_blocks(checkpoints):
     assert engine.get_stats()["num_waiting"] == 0
 
 
+def _run_to_end(engine: LLMEngine, request_id: str) -> list[int]:
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id and out.finished:
+                return out.outputs[0].token_ids
+    raise AssertionError(f"{request_id} did not finish")
+
+
+def test_abort_all_after_a_failed_step_leaves_a_working_engine(checkpoints):
+    """A step that raises mid-way (here the sampler, after the forward was queued) leaves some sequences
+    advanced and others not; ``abort_all`` gets back to an engine whose next requests decode exactly as on a
+    fresh one, prefix cache included (the prompt's blocks cached before the failure are reused)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(3, 60))}
+    fresh = _engine(checkpoints["llama3"])
+    fresh.add_request("ref", prompt, greedy)
+    expected = _run_to_end(fresh, "ref")
+
+    engine = _engine(checkpoints["llama3"], max_num_batched_tokens=32, max_num_seqs=4)  # the prompt: two chunks
+    engine.add_request("a", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.add_request("b", "def f(x):", greedy)
+    for _ in range(4):
+        engine.step()
+    real_sampler = engine.runner.sampler
+
+    def failing_sampler(*args, **kwargs):
+        raise OverflowError("simulated: a value too large for int64")
+
+    engine.runner.sampler = failing_sampler
+    with pytest.raises(OverflowError):
+        engine.step()
+    engine.runner.sampler = real_sampler
+    assert sorted(engine.abort_all()) == ["a", "b"]
+    stats = engine.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"] and stats["num_running"] == stats["num_waiting"] == 0
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    engine.add_request("c", prompt, greedy)
+    assert _run_to_end(engine, "c") == expected
+    assert engine.get_stats()["prefix_cache_hit_tokens"] > 0
+
+
 def test_stop_string_across_tokens_is_cut_from_text(checkpoints):
     llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=32)
     tok = llm.get_tokenizer()

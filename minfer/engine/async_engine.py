@@ -13,7 +13,9 @@ starved between steps; the thread's stayed within 1,300-1,900 tok/s.
 
 When no request is unfinished the thread blocks on the command queue (no busy spin) and the
 next command wakes it. Aborts travel the same queue, so they take effect before the next step.
-If the loop raises, every in-flight stream receives the error, later requests are refused
+If a step raises a host-side error from the values it was given (``RECOVERABLE_STEP_ERRORS``), the
+requests in flight fail with ``StepFailedError`` and the loop goes on with an empty engine. If the
+loop raises anything else, every in-flight stream receives the error, later requests are refused
 with ``EngineDeadError`` and ``healthy`` turns False; nothing waits forever.
 """
 from __future__ import annotations
@@ -33,9 +35,19 @@ from minfer.sampling_params import SamplingParams
 
 logger = logging.getLogger("minfer.async_engine")
 
+# Failures a step can raise on the host from values it was given (say, a sampling parameter no check
+# caught): the loop aborts the requests in flight and goes on. Anything else (a RuntimeError from the
+# device, say), or this many failed steps in a row, ends the loop.
+RECOVERABLE_STEP_ERRORS = (ArithmeticError, LookupError, ValueError, TypeError)
+MAX_FAILED_STEPS = 3
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (crashed or shut down); no request can be served."""
+
+
+class StepFailedError(RuntimeError):
+    """The step serving this request raised on the host; the requests in flight were aborted, the engine goes on."""
 
 
 class QueueFullError(RuntimeError):
@@ -232,6 +244,7 @@ class AsyncLLMEngine:
     # ---- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        failures = 0  # steps failed in a row
         try:
             while True:
                 # Block only when there is nothing to compute: that is the idle sleep.
@@ -239,7 +252,15 @@ class AsyncLLMEngine:
                     return
                 if not engine.has_unfinished_requests():
                     continue
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except RECOVERABLE_STEP_ERRORS as exc:
+                    failures += 1
+                    if failures >= MAX_FAILED_STEPS:
+                        raise
+                    self._recover(exc)
+                    continue
+                failures = 0
                 now = time.time()
                 new_tokens = self._count_new_tokens(outputs)
                 self._publish_stats(sum(new_tokens), now)
@@ -251,6 +272,24 @@ class AsyncLLMEngine:
             logger.exception("the engine loop died; failing all in-flight requests")
             self._error = exc
             self._call_on_loop(self._fail_all, EngineDeadError(f"the engine loop died: {exc!r}"))
+
+    def _recover(self, exc: BaseException) -> None:
+        """After a step raised on the host: abort everything in the engine, fail those requests, go on."""
+        logger.exception("a step failed; aborting the %d requests in flight, the engine goes on",
+                         len(self.engine.requests))
+        ids = self.engine.abort_all()  # raises (and the loop dies) if that leaves blocks held
+        for request_id in ids:
+            self._num_tokens.pop(request_id, None)
+            if self.observer is not None:
+                self.observer.on_abort(request_id)
+        self._stats = self.engine.get_stats()
+        error = StepFailedError(f"the engine step serving this request failed: {exc!r}; the requests in flight "
+                                "were aborted")
+        self._call_on_loop(self._fail_each, ids, error)
+
+    def _fail_each(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            self._fail(request_id, error)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False once told to stop."""

@@ -189,6 +189,24 @@ class LLMEngine:
             elif not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
 
+    def abort_all(self) -> list[str]:
+        """Abort every request and drop the step in flight; returns the aborted ids.
+
+        Why: after ``step`` raised, which request's state it left half-updated is unknown, but an engine
+        with nothing running is consistent again: the blocks are free (prefix-cached ones keep contents
+        written by steps that completed), and the next requests run as on a fresh engine. Raises if a
+        sequence or block is still held afterwards: then recovery is not safe."""
+        self._inflight = None
+        self.block_manager.pending_copies = []
+        ids = list(self.requests)
+        for request_id in ids:
+            self.abort_request(request_id)
+        sched, bm = self.scheduler, self.block_manager
+        if sched.running or sched.waiting or bm.num_free_blocks != bm.num_blocks:
+            raise RuntimeError(f"aborting every request left {len(sched.running)} running, {len(sched.waiting)} "
+                               f"waiting and {bm.num_blocks - bm.num_free_blocks} KV blocks held")
+        return ids
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

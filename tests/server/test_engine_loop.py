@@ -1,4 +1,5 @@
-"""The background engine loop: it sleeps when idle, its death is loud, and its queue is bounded."""
+"""The background engine loop: it sleeps when idle, survives a step that fails on bad values, its death is loud,
+and its queue is bounded."""
 from __future__ import annotations
 
 import logging
@@ -88,6 +89,69 @@ def test_engine_death_fails_requests_and_health(own_server: Any, caplog: pytest.
         assert late_stream.status_code == 500
         assert "minfer_engine_healthy 0.0" in c.get("/metrics").text
     assert any("engine loop died" in r.getMessage() for r in caplog.records)
+
+
+def test_step_failure_on_bad_values_fails_only_the_requests_in_flight(own_server: Any,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A step that raises on the host from a value no check caught (like the int64 overflow the fuzz test once
+    found in top_k) fails the requests it was serving with a 500; the engine stays up, holds no KV block, and
+    later requests get the tokens a fresh engine gives."""
+    live = own_server()
+    short = dict(BODY, max_tokens=8, temperature=0)
+    url = live.base_url
+    with httpx.Client(base_url=url, timeout=30) as c:
+        before = c.post("/v1/completions", json=short)
+        assert before.status_code == 200
+        fail_once = threading.Event()
+        real = live.engine.step
+
+        def step() -> Any:
+            if fail_once.is_set():
+                fail_once.clear()
+                raise OverflowError("simulated: a value too large for int64")
+            return real()
+
+        live.engine.step = step
+        with caplog.at_level(logging.ERROR, logger="minfer.async_engine"), \
+                c.stream("POST", "/v1/completions", json=dict(BODY, stream=True)) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            for line in lines:
+                if line.startswith("data:"):
+                    break
+            fail_once.set()
+            rest = [line for line in lines if line.startswith("data:")]
+        assert any('"error"' in line and "too large for int64" in line for line in rest), rest[-3:]
+        assert rest[-1] == "data: [DONE]"
+        assert any("a step failed" in r.getMessage() for r in caplog.records)
+        assert c.get("/health").status_code == 200
+        idle = live.wait_idle()
+        assert idle["kv_blocks_used"] == 0 and idle["num_running"] == 0
+        after = c.post("/v1/completions", json=short)
+        assert after.status_code == 200
+        assert after.json()["choices"][0]["text"] == before.json()["choices"][0]["text"]
+        assert "minfer_engine_healthy 1.0" in c.get("/metrics").text
+
+
+def test_steps_failing_in_a_row_end_the_loop(own_server: Any) -> None:
+    """A failure that repeats (MAX_FAILED_STEPS steps in a row, here one per request) is not recovered from."""
+    from minfer.engine.async_engine import MAX_FAILED_STEPS
+
+    live = own_server()
+
+    def step() -> Any:
+        raise ValueError("simulated: always")
+
+    live.engine.step = step
+    with httpx.Client(base_url=live.base_url, timeout=30) as c:
+        for _ in range(MAX_FAILED_STEPS - 1):
+            resp = c.post("/v1/completions", json=BODY)
+            assert resp.status_code == 500 and "simulated: always" in resp.json()["error"]["message"]
+            assert c.get("/health").status_code == 200
+        last = c.post("/v1/completions", json=BODY)
+        assert last.status_code == 500 and "simulated: always" in last.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
+        assert c.post("/v1/completions", json=BODY).json()["error"]["code"] == "engine_dead"
 
 
 def test_queue_limit_returns_503_with_retry_after(own_server: Any) -> None:
