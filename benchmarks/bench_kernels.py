@@ -45,6 +45,7 @@ from minfer.kernels import (  # noqa: E402
 )
 from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
 from minfer.kernels.gemv import GemvConfig, gemv, gemv_ref, gemv_rms_norm, gemv_silu_mul  # noqa: E402
+from minfer.kernels.gemv import _RMS_NORM, _SILU_MUL  # noqa: E402
 from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
@@ -455,8 +456,9 @@ def gemv_fused_case(n: int, k: int, label: str, prologue: str, sweep: bool) -> l
         note += "" if torch.equal(new_res, res_check) else " residual MISMATCH"
     shape = f"{label} {n}x{k}, x [1, {k}]"
     fused_ms, unfused_ms = bench_graph(fused), bench_graph(unfused)
+    cfg = default_gemv_config(n, k, _SILU_MUL if prologue == "silu" else _RMS_NORM)
     rows = [Row(kernel, shape, "triton fused", fused_ms, nbytes, 2 * n * k,
-                f"{note}, {unfused_ms / fused_ms:.2f}x unfused, {default_gemv_config(n, k, 1 if prologue == 'silu' else 2)}"),
+                f"{note}, {unfused_ms / fused_ms:.2f}x unfused, {cfg}"),
             Row(kernel, shape, unfused_impl, unfused_ms, nbytes, 2 * n * k, "two launches")]
     if sweep:
         best = min(((bench_graph(lambda c=c: fused(c), rep=50), c) for c in GEMV_SWEEP), key=lambda t: t[0])
