@@ -50,7 +50,8 @@ import triton.language as tl
 from ._utils import interpreting, next_pow2, num_sms
 from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant import (
-    check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, split_q_int8,
+    check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, q_to_f16,
+    split_q_int8,
 )
 
 LOG2E = 1.4426950408889634
@@ -102,7 +103,7 @@ def _decode_split_kernel(
         q_hi, q_lo, q_scale = split_q_int8(q.to(tl.float32))
         row_scale = q_scale * (scale_log2e / 256.0)
     elif F16:
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = q_to_f16(q)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)

@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 from ._utils import interpreting
-from .quant import check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode
+from .quant import (
+    check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, q_to_f16,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -129,7 +131,7 @@ def _prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     if F16:
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        q = q_to_f16(q)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

@@ -188,6 +188,13 @@ def codes_to_f16(x, KIND: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
 
 
 @triton.jit
+def q_to_f16(q):
+    """A 16-bit q as the float16 operand of the products with converted codes: bfloat16's range is wider, so
+    values past float16's largest finite one saturate there instead of becoming inf."""
+    return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def split_q_int8(q):
     """float32 rows ``q [R, D]`` → (hi, lo, scale): int8 tensors with ``q ≈ scale * (hi + lo / 256)``.
 
