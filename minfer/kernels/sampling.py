@@ -36,7 +36,9 @@ def _argmax_chunk_kernel(LOGITS, ROW_HASH, INV_TEMP, VALS, IDXS, stride, vocab, 
         row_hash = tl.load(ROW_HASH + row).to(tl.uint32)
         inv_temp = tl.load(INV_TEMP + row)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_idx = tl.full([BLOCK], vocab, tl.int32)
+    # A chunk with no score above -inf (all -inf or NaN: a broken model, a fully masked row) reports its first
+    # column, so the token is always a real id: one past the vocabulary would fault the embedding next step.
+    best_idx = tl.full([BLOCK], 0, tl.int32) + c * chunk
     end = tl.minimum(c * chunk + chunk, vocab)
     for start in range(c * chunk, end, BLOCK):
         cols = start + tl.arange(0, BLOCK)

@@ -39,6 +39,25 @@ def test_greedy_argmax_matches_torch(rows, vocab, block):
     assert int(got[0]) == 3
 
 
+def test_argmax_kernels_return_a_real_token_for_rows_without_a_finite_score():
+    """A row of NaN (a broken model) or of -inf (everything masked) still yields an id inside the vocabulary:
+    one past it (the kernels' old "no winner" value) would fault the embedding lookup of the next step and take
+    the engine down. A NaN among finite scores is passed over."""
+    vocab = 1000
+    logits = torch.randn(4, vocab)
+    logits[0] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, ::3] = float("nan")
+    for got in (greedy_argmax(logits, block=128),
+                gumbel_argmax(logits, row_hash(torch.arange(4), torch.zeros(4, dtype=torch.int64)),
+                              torch.ones(4), block=128)):
+        assert torch.all((got >= 0) & (got < vocab)), got
+    greedy = greedy_argmax(logits, block=128)
+    assert greedy[0] == 0 and greedy[1] == 0
+    finite = logits[2].nan_to_num(float("-inf"))
+    assert greedy[2] == finite.argmax() and greedy[3] == logits[3].argmax()
+
+
 @pytest.mark.gpu
 def test_greedy_argmax_on_gpu_matches_torch():
     for rows in (1, 7, 256):
