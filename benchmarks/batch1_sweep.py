@@ -8,7 +8,8 @@ module constants, builds a fresh engine (its CUDA graphs are captured with them)
     python benchmarks/batch1_sweep.py --shape llama-3.2-1b --variants splits4 [--input-len 2048]
     python benchmarks/batch1_sweep.py --variants base,gemv,base,gemv --gemv-json /tmp/gemv_best.json
 
-``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked. Each run also times replays of the
+``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked; ``skip_rope``, ``skip_merge``,
+``skip_attn``, ``skip_lmhead`` leave one kernel out of the graph, to price it inside the chain. Each run also times replays of the
 batch-1 decode graph (the step's GPU time, without the host).
 """
 from __future__ import annotations
@@ -28,12 +29,52 @@ from minfer.benchmark.offline import run_batch1  # noqa: E402
 from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
+from minfer.kernels import pdl  # noqa: E402
 
 from gemv_chain import median_replay_us  # this folder
 
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
 SPLIT_VARIANTS: dict[str, int] = {"splits1": 1 << 20, "splits2": 2048, "splits4": 1024, "splits8": 512, "splits32": 128}
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+# Knock-outs (timing only: the tokens they produce are wrong): name -> (module, attribute, stand-in). The graph
+# time without a kernel, against ``base``, is what that kernel costs inside the chain (PDL overlap included).
+KNOCKOUTS = {
+    "skip_rope": ("minfer.kernels.rope_store", "rope_store_kv", lambda *a, **k: None),
+    "skip_merge": ("minfer.kernels.decode_attention", "_decode_merge_kernel", _NoLaunch()),
+    "skip_attn": ("minfer.kernels", "paged_decode_attention", lambda q, *a, out=None, **k: out),
+    "skip_lmhead": ("minfer.model.llama", "LlamaForCausalLM.compute_logits", lambda self, h, float32=True, out=None:
+                    out if out is not None else h.new_zeros(h.shape[0], self.lm_head.weight.shape[0])),
+}
+
+
+# PDL trigger placement: name -> kernels (pdl.py launcher names) that let the next kernel launch before their wait.
+EARLY_VARIANTS = {
+    "early_attn": {"rope_store", "decode_split", "decode_merge"},
+    "early_gemv": {"gemv"},
+    "early_all": {"rope_store", "decode_split", "decode_merge", "gemv", "rms_norm", "activation"},
+}
+
+
+def knock_out(name: str):
+    """Apply the knock-out ``name``; returns a function that undoes it."""
+    import importlib
+    module, attr, stand_in = KNOCKOUTS[name]
+    owner = importlib.import_module(module)
+    *path, attr = attr.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    old = getattr(owner, attr)
+    setattr(owner, attr, stand_in)
+    return lambda: setattr(owner, attr, old)
 
 
 def gemv_rule(name: str, default, json_path: str | None):
@@ -56,7 +97,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--checkpoint-dir", default="/tmp/minfer-checkpoints")
     ap.add_argument("--variants", default="base," + ",".join(SPLIT_VARIANTS),
-                    help="comma list of base, splitsN, gemv (repeat a name to alternate)")
+                    help="comma list of base, splitsN, gemv, skip_*, early_* (repeat a name to alternate)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default=None)
@@ -65,12 +106,16 @@ def main() -> None:
     model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape, device="cuda"))
     results: dict[str, list] = {}
     default_gemv, default_splits = gm.default_config, decode_attention.MIN_SPLIT_TOKENS
+    default_early = set(pdl.EARLY_TRIGGER)
     for name in args.variants.split(","):
         decode_attention.MIN_SPLIT_TOKENS = SPLIT_VARIANTS.get(name, default_splits)
         gm.default_config = gemv_rule(name, default_gemv, args.gemv_json) or default_gemv
+        undo = knock_out(name) if name in KNOCKOUTS else (lambda: None)
+        pdl.EARLY_TRIGGER = EARLY_VARIANTS.get(name, default_early)
         llm = LLM(model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
         r = run_batch1(llm, args.input_len, args.output_len)
         r["graph_step_us"] = round(graph_step_us(llm), 2)
+        undo()
         results.setdefault(name, []).append(r)
         print(f"| {name} | {r['decode_tok_s']:,.1f} tok/s | {100 * r['share_of_bound']:.1f}% of "
               f"{r['bound_tok_s']:,.0f} | graph replay {r['graph_step_us']:.1f} us/step "

@@ -3,7 +3,8 @@
 A decode step of a small model is dozens of short kernels per layer; launched one by one from
 Python, the GPU idles between them (the first profile of workload A showed it busy 20% of the
 time). Here the model's forward over ``b`` single-token sequences is captured once per batch
-bucket ``b`` and replayed with new inputs copied into static buffers. A real batch of ``n``
+bucket ``b`` and replayed with new inputs staged into static buffers (one packed upload, one
+scatter kernel: ``kernels/stage_inputs.py``). A real batch of ``n``
 sequences runs in the smallest bucket ``b >= n``; the ``b - n`` padding rows write their K/V to
 slot -1 (which the store kernel skips) and attend over one token, so they never touch a live
 sequence's cache. All buckets share one memory pool. Only the Triton path is captured: the torch
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
+from minfer.kernels.stage_inputs import pack_decode_inputs, packed_words, stage_decode_inputs
 from minfer.model.attention import AttentionMetadata
 
 logger = logging.getLogger("minfer")
@@ -75,21 +78,22 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[1]
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor,
-            tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the smallest bucket that holds this decode batch (inputs already on the device);
-        returns hidden states [n, H] and model-dtype logits [n, vocab], views of the graph's buffers
-        valid until the next replay (work queued before it, like the draws, reads them in time)."""
-        n = len(ids)
+    def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, src_rows: np.ndarray,
+            ctx_lens: np.ndarray, tables: np.ndarray, prev_tokens: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the smallest bucket that holds this decode batch of ``n`` sequences (host arrays; a row
+        with ``src_rows[i] >= 0`` takes its input id from ``prev_tokens[src_rows[i]]``, on the device).
+        The inputs go up packed in one copy and one kernel scatters them into the graph's buffers
+        (``kernels/stage_inputs.py``). Returns hidden states [n, H] and model-dtype logits [n, vocab],
+        views of the graph's buffers valid until the next replay (work queued before it, like the draws,
+        reads them in time)."""
+        n, width = tables.shape
         b = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slots)
-        self.context_lens[:n].copy_(ctx_lens)
-        self.block_tables[:n, :tables.shape[1]].copy_(tables)
-        if b > n:  # padding rows: skip the KV store, attend over one (harmless) slot
-            self.slot_mapping[n:b].fill_(-1)
-            self.context_lens[n:b].fill_(1)
+        host = torch.empty(packed_words(n, width), dtype=torch.int64, pin_memory=self.input_ids.is_cuda)
+        pack_decode_inputs(host.numpy(), ids, positions, slots, src_rows, ctx_lens, tables)
+        packed = host.to(self.input_ids.device, non_blocking=True)
+        stage_decode_inputs(packed, n, width, prev_tokens, self.input_ids[:b], self.positions[:b],
+                            self.slot_mapping[:b], self.context_lens[:b], self.block_tables[:b])
         if b in self.graphs:
             self.graphs[b].replay()
             hidden = self.outputs[b]

@@ -1,10 +1,11 @@
 """ModelRunner: owns the model, the paged KV cache and the sampler; launches one flattened step.
 
 Step inputs are built with numpy over per-sequence arrays (no per-token Python loops) and go to
-the device in two transfers through pinned memory; nothing in ``launch`` waits for the device, so
-with async scheduling the host prepares step N+1 while the GPU runs step N. A token sampled by
-step N that step N+1 consumes never visits the host on the way: it is copied on the device from
-step N's sampled ids into step N+1's input ids.
+the device through pinned memory (a CUDA-graph decode step's in one packed transfer, see
+``cuda_graphs.py``); nothing in ``launch`` waits for the device, so with async scheduling the host
+prepares step N+1 while the GPU runs step N. A token sampled by step N that step N+1 consumes never
+visits the host on the way: it is copied on the device from step N's sampled ids into step N+1's
+input ids.
 """
 from __future__ import annotations
 
@@ -292,19 +293,22 @@ class ModelRunner:
         the sequences that reach their end; ``prev_tokens`` are the previous step's sampled ids, the
         source of this step's pending input tokens. Waits for the device only for prompt logprobs."""
         a = self.prepare(batch)
-        ids, positions, slots, rows, fill_dst, fill_src = self._upload(
-            torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
-        if len(a.fill_dst):
-            if prev_tokens is None:
-                raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
-            ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
+        if len(a.fill_dst) and prev_tokens is None:
+            raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
+        rows = None
         if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
                                                                                               a.tables.shape[1]):
-            tables, ctx_lens = self._upload(torch.int32, a.tables, a.ctx_lens)
-            hidden, logits = self.graphs.run(ids, positions, slots, ctx_lens, tables)
+            src_rows = np.full(len(a.ids), -1, dtype=np.int64)
+            src_rows[a.fill_dst] = a.fill_src  # a decode's one token is its row
+            hidden, logits = self.graphs.run(a.ids, a.positions, a.slots, src_rows, a.ctx_lens, a.tables, prev_tokens)
             if len(a.logit_rows) != len(logits):
+                rows, = self._upload(torch.int64, a.logit_rows)
                 logits = logits[rows]
         else:
+            ids, positions, slots, rows, fill_dst, fill_src = self._upload(
+                torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
+            if len(a.fill_dst):
+                ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
             hidden = self.model(ids, positions, self._metadata(a, slots))
             logits = None
         seqs = batch.seqs

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ._utils import interpreting, next_pow2, num_sms
-from .pdl import launch_options, use_pdl, wait_for_previous
+from .pdl import launch_options, pdl_mode, wait_for_previous
 from .quant import (
     check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, q_to_f16,
     split_q_int8,
@@ -292,7 +292,7 @@ def paged_decode_attention(
         mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
     k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
-    pdl = use_pdl(q.device)
+    pdl, merge_pdl = pdl_mode(q.device, "decode_split"), pdl_mode(q.device, "decode_merge")
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
         context_lens, out, mid_o, mid_lse, scale * LOG2E,
@@ -306,7 +306,7 @@ def paged_decode_attention(
     if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, CHUNK=16, PDL=pdl, num_warps=4, **launch_options(pdl),
+            HEAD_DIM=head_dim, CHUNK=16, PDL=merge_pdl, num_warps=4, **launch_options(merge_pdl),
         )
     return out
 

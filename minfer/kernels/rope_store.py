@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ._utils import interpreting, next_pow2
 from .kv_store import check_store_args, store_token_rows
-from .pdl import launch_options, use_pdl, wait_for_previous
+from .pdl import launch_options, pdl_mode, wait_for_previous
 from .quant import store_constexprs
 
 
@@ -122,7 +122,7 @@ def rope_store_kv(
     norm = q_norm_weight is not None
     quant = store_constexprs(fmt, None if k_scale is None else k_scale.dtype, interpreting())
     block_hq = next_pow2(num_q_heads)
-    pdl = use_pdl(q.device)
+    pdl = pdl_mode(q.device, "rope_store")
     _rope_store_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_sin_cache, q_norm_weight if norm else q, k_norm_weight if norm else k,
         k_cache, v_cache, k_cache if k_scale is None else k_scale, v_cache if v_scale is None else v_scale,
