@@ -2,8 +2,8 @@
 # A/B on one GPU machine: this working tree against commit $1, alternating in separate processes (same machine,
 # same minutes, so host and clock noise hit both), logs and a summary under $OUT.
 #   batch 1 (llama-3.2-1b, batch1_sweep.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
-#   workload A on $SHAPES (minfer bench), once each unless SKIP_A=1
-# Usage: OUT=/tmp/ab ROUNDS=2 SHAPES=qwen3-0.6b benchmarks/ab_compare.sh 0724a14
+#   workload A on $SHAPES (minfer bench), $A_ROUNDS rounds (default 1; 0 skips it)
+# Usage: OUT=/tmp/ab ROUNDS=2 A_ROUNDS=2 SHAPES=qwen3-0.6b benchmarks/ab_compare.sh 0724a14
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT="${OUT:-/tmp/minfer-ab}"; mkdir -p "$OUT"; NEW="$PWD"; OLD=/tmp/minfer-old
@@ -17,12 +17,14 @@ for r in $(seq "${ROUNDS:-2}"); do
       | grep -E "^\||Error" | sed "s/^| base |/| batch 1, $side |/" | tee -a "$OUT/summary.md"
   done
 done
-[ "${SKIP_A:-0}" = 1 ] && exit 0
-for shape in ${SHAPES:-qwen3-0.6b}; do
+for r in $(seq "${A_ROUNDS:-1}"); do
+ for shape in ${SHAPES:-qwen3-0.6b}; do
   for side in new old; do
     dir=$NEW; [ $side = old ] && dir=$OLD
     (cd "$dir" && PYTHONPATH="$dir" timeout 200 python3 -m minfer.cli bench --quiet --shape "$shape" \
-      --output-json "$OUT/A_${shape}_$side.json") > "$OUT/A_${shape}_$side.log" 2>&1 || echo "exit $?"
-    echo "| workload A $shape, $side | $(grep -oE '"(output_tok_s|preemptions)": [0-9.]+' "$OUT/A_${shape}_$side.json" | head -2 | tr '\n' ' ') |" | tee -a "$OUT/summary.md"
+      --output-json "$OUT/A_${shape}_${side}_$r.json") > "$OUT/A_${shape}_${side}_$r.log" 2>&1 || echo "exit $?"
+    echo "| workload A $shape, $side | $(grep -oE '"output_tok_s": [0-9.]+' "$OUT/A_${shape}_${side}_$r.json") |" \
+      | tee -a "$OUT/summary.md"
   done
+ done
 done

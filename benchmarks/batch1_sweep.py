@@ -106,7 +106,7 @@ def main() -> None:
     model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape, device="cuda"))
     results: dict[str, list] = {}
     default_gemv, default_splits = gm.default_config, decode_attention.MIN_SPLIT_TOKENS
-    default_early = set(pdl.EARLY_TRIGGER)
+    default_early = set(getattr(pdl, "EARLY_TRIGGER", ()))
     for name in args.variants.split(","):
         decode_attention.MIN_SPLIT_TOKENS = SPLIT_VARIANTS.get(name, default_splits)
         gm.default_config = gemv_rule(name, default_gemv, args.gemv_json) or default_gemv

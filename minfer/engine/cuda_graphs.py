@@ -57,6 +57,10 @@ class DecodeGraphs:
     @torch.no_grad()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first so the pool is sized by the first."""
+        # The staging kernel compiles now, not in the first decode step.
+        stage_decode_inputs(torch.zeros(packed_words(1, 1), dtype=torch.int64, device=self.input_ids.device), 1, 1,
+                            None, self.input_ids, self.positions, self.slot_mapping, self.context_lens,
+                            self.block_tables)
         pool = None
         for b in reversed(self.sizes):
             meta = self._meta(b)

@@ -99,7 +99,8 @@ def _chunked_argmax(logits: torch.Tensor, row_hash: torch.Tensor | None, inv_tem
     if chunks == 1:
         return idxs[:, 0]
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    _pick_chunk_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=next_pow2(chunks), num_warps=1)
+    # One block size per vocabulary (chunks varies with the batch): a variant per batch size compiled mid-run.
+    _pick_chunk_kernel[(rows,)](vals, idxs, out, chunks, BLOCK_C=next_pow2(triton.cdiv(vocab, block)), num_warps=1)
     return out
 
 
