@@ -9,8 +9,10 @@ module constants, builds a fresh engine (its CUDA graphs are captured with them)
     python benchmarks/batch1_sweep.py --variants base,gemv,base,gemv --gemv-json /tmp/gemv_best.json
 
 ``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked; ``skip_rope``, ``skip_merge``,
-``skip_attn``, ``skip_lmhead`` leave one kernel out of the graph, to price it inside the chain. Each run also times replays of the
-batch-1 decode graph (the step's GPU time, without the host).
+``skip_attn``, ``skip_lmhead`` leave one kernel out of the graph, to price it inside the chain; ``dBN_W_S`` runs the
+decode split kernel with BLOCK_N tokens per tile, W warps, S stages (``d32_4_1``); ``noprefetch`` and
+``norope_early`` turn off the work the decode and rope/store kernels do before their PDL wait. Each run also
+times replays of the batch-1 decode graph (the step's GPU time, without the host).
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ from minfer.benchmark.offline import run_batch1  # noqa: E402
 from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
-from minfer.kernels import pdl  # noqa: E402
 
 from gemv_chain import median_replay_us  # this folder
 
@@ -56,18 +57,28 @@ KNOCKOUTS = {
 }
 
 
-# PDL trigger placement: name -> kernels (pdl.py launcher names) that let the next kernel launch before their wait.
-EARLY_VARIANTS = {
-    "early_attn": {"rope_store", "decode_split", "decode_merge"},
-    "early_gemv": {"gemv"},
-    "early_all": {"rope_store", "decode_split", "decode_merge", "gemv", "rms_norm", "activation"},
+# Module flags: name -> (module, flag, value) for the run (pre-wait work under PDL, on by default).
+FLAG_VARIANTS = {
+    "noprefetch": ("minfer.kernels.decode_attention", "PREFETCH_FIRST_TILE", False),
+    "norope_early": ("minfer.kernels.rope_store", "LOAD_BEFORE_WAIT", False),
 }
 
 
+def decode_rule(name: str, default):
+    """A ``decode_attention.default_config`` stand-in for a variant ``dBN_W_S`` (16-bit caches get that split-kernel
+    config: tile, warps, stages), or None."""
+    if not (name.startswith("d") and name[1:2].isdigit()):
+        return None
+    block_n, warps, stages = (int(v) for v in name[1:].split("_"))
+    cfg = decode_attention.DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages)
+    return lambda device, head_dim, dtype, cache_dtype=None: cfg if cache_dtype is None else default(
+        device, head_dim, dtype, cache_dtype)
+
+
 def knock_out(name: str):
-    """Apply the knock-out ``name``; returns a function that undoes it."""
+    """Apply the knock-out or flag variant ``name``; returns a function that undoes it."""
     import importlib
-    module, attr, stand_in = KNOCKOUTS[name]
+    module, attr, stand_in = KNOCKOUTS.get(name) or FLAG_VARIANTS[name]
     owner = importlib.import_module(module)
     *path, attr = attr.split(".")
     for part in path:
@@ -97,7 +108,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--checkpoint-dir", default="/tmp/minfer-checkpoints")
     ap.add_argument("--variants", default="base," + ",".join(SPLIT_VARIANTS),
-                    help="comma list of base, splitsN, gemv, skip_*, early_* (repeat a name to alternate)")
+                    help="comma list of base, splitsN, gemv, skip_*, dBN_W_S, noprefetch, norope_early (repeat to alternate)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default=None)
@@ -106,12 +117,12 @@ def main() -> None:
     model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape, device="cuda"))
     results: dict[str, list] = {}
     default_gemv, default_splits = gm.default_config, decode_attention.MIN_SPLIT_TOKENS
-    default_early = set(getattr(pdl, "EARLY_TRIGGER", ()))
+    default_decode = decode_attention.default_config
     for name in args.variants.split(","):
         decode_attention.MIN_SPLIT_TOKENS = SPLIT_VARIANTS.get(name, default_splits)
         gm.default_config = gemv_rule(name, default_gemv, args.gemv_json) or default_gemv
-        undo = knock_out(name) if name in KNOCKOUTS else (lambda: None)
-        pdl.EARLY_TRIGGER = EARLY_VARIANTS.get(name, default_early)
+        decode_attention.default_config = decode_rule(name, default_decode) or default_decode
+        undo = knock_out(name) if name in KNOCKOUTS or name in FLAG_VARIANTS else (lambda: None)
         llm = LLM(model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
         r = run_batch1(llm, args.input_len, args.output_len)
         r["graph_step_us"] = round(graph_step_us(llm), 2)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous
-from .pdl import launch_options, pdl_mode, wait_for_previous
+from .pdl import launch_options, use_pdl, wait_for_previous
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def silu_and_mul(x: torch.Tensor, *, block: int = 1024, num_warps: int = 4) -> t
     if num_rows == 0:
         return out
     grid = (num_rows, triton.cdiv(inter, block))
-    pdl = pdl_mode(x.device, "activation")
+    pdl = use_pdl(x.device)
     _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block, PDL=pdl, num_warps=num_warps,
                                **launch_options(pdl))
     return out

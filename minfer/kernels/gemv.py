@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, next_pow2
-from .pdl import launch_options, pdl_mode, wait_for_previous
+from .pdl import launch_options, use_pdl, wait_for_previous
 from .activation import silu_and_mul_ref
 from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
@@ -199,7 +199,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     cfg = config or default_config(n, k, prologue)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
-    pdl = pdl_mode(x.device, "gemv")
+    pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y,
         residual if residual is not None else x, norm_weight if norm_weight is not None else x,

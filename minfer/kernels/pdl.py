@@ -39,32 +39,25 @@ def use_pdl(device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Kernels (by launcher name) whose programs let the next kernel launch before their own wait instead of after it:
-# then the next kernel's programs become resident (and the matrix-vector kernel loads its first weight tile) one
-# kernel earlier. Correctness is the same either way: every kernel still waits for the previous one's writes.
-EARLY_TRIGGER: set[str] = set(filter(None, os.environ.get("MINFER_PDL_EARLY", "").split(",")))
-
-
-def pdl_mode(device: torch.device, kernel: str) -> int:
-    """The ``PDL`` constexpr for ``kernel`` on ``device``: 0 off, 1 wait then trigger, 2 trigger then wait."""
-    if not use_pdl(device):
-        return 0
-    return 2 if kernel in EARLY_TRIGGER else 1
-
-
 def launch_options(pdl: bool) -> dict:
     """Extra launch keywords: ``launch_pdl`` only when on (the interpreter knows no such option)."""
     return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines holding ``ptrs`` (a tensor of pointers) without waiting: no data comes back, so
+    nothing stalls, and L2 is coherent, so a line that the previous kernel writes later is still read fresh.
+    Compiled kernels only (inline PTX; the interpreter has none)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """Under PDL: wait until the previous kernel's writes are visible, then let the next kernel's
-    programs launch (they in turn wait for this whole kernel); ``PDL == 2`` lets them launch first.
-    A no-op otherwise."""
-    if PDL == 2:
-        gdc_launch_dependents()
-        gdc_wait()
-    elif PDL:
+    programs launch (they in turn wait for this whole kernel). A no-op otherwise.
+    (Letting them launch before the wait was slower at batch 1: RESULTS.md, session 8.)"""
+    if PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, next_pow2
-from .pdl import launch_options, pdl_mode, wait_for_previous
+from .pdl import launch_options, use_pdl, wait_for_previous
 
 
 @triton.jit
@@ -62,7 +62,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     # One row per program: a 4K-8K row fits in registers, so x is read once and never re-read.
     if num_warps is None:
         num_warps = min(16, max(1, block // 512))
-    pdl = pdl_mode(x.device, "rms_norm")
+    pdl = use_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](
         x, res, weight, out, x.stride(0), stride_xh, res.stride(0), heads, hidden, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, num_warps=num_warps, **launch_options(pdl),
