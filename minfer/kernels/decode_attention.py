@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ._utils import interpreting, next_pow2, num_sms
-from .pdl import launch_options, prefetch_l2, use_pdl, wait_for_previous
+from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant import (
     check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, q_to_f16,
     split_q_int8,
@@ -79,31 +79,17 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, Q8: tl.constexpr, ASM: tl.constexpr,
-    COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1,
+    COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    wait_for_previous(PDL)
     kvh = tl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
     b = tl.program_id(1)
     split = tl.program_id(2)
-    if not PREFETCH:
-        wait_for_previous(PDL)
-    # The lengths and block tables are the step's inputs, written before the forward began; so is every cached
-    # token but the newest, which the kernel before this one stores. So under PDL the program reads the former
-    # and asks L2 for its first K/V tile while that kernel still runs, and waits only before reading q.
     ctx = tl.load(CL + b)
     # Equal ranges of this sequence's own context, rounded up to whole tiles.
     per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
-    bt_row = BT + b.to(tl.int64) * stride_btb
-    kv_base = kvh.to(tl.int64) * stride_kh
-    if PREFETCH:
-        offs = start + tl.arange(0, BLOCK_N)
-        page = tl.load(bt_row + offs // PAGE, mask=offs < end, other=0).to(tl.int64)
-        tok = kv_base + page * stride_kb + (offs % PAGE) * stride_kt
-        lines = tl.arange(0, LINES) * (HEAD_DIM // LINES)
-        prefetch_l2(K + tok[:, None] + lines[None, :])
-        prefetch_l2(V + tok[:, None] + lines[None, :])
-        wait_for_previous(PDL)
 
     rows = tl.arange(0, GROUP_PAD)
     heads = kvh * GROUP + rows
@@ -124,6 +110,8 @@ def _decode_split_kernel(
     if COLUMN_SUMS:
         l_cols = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    kv_base = kvh.to(tl.int64) * stride_kh
     # Scales [num_blocks, Hkv, PAGE]: a page's scales of this head are one contiguous run. They are
     # loaded one tile ahead (Triton pipelines only the loads that feed the MMAs; waiting on these in
     # the tile that uses them cost 12% at B=64 x 4k).
@@ -237,8 +225,6 @@ ENOUGH_PER_SM = 2
 SPLIT_TARGET_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
-# Under PDL, prefetch each program's first K/V tile into L2 before waiting for the previous kernel (see the kernel).
-PREFETCH_FIRST_TILE = True
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -307,7 +293,6 @@ def paged_decode_attention(
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
     k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
     pdl = use_pdl(q.device)
-    line_elems = 128 // k_cache.element_size()  # elements per 128-byte cache line of a K/V row
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
         context_lens, out, mid_o, mid_lse, scale * LOG2E,
@@ -316,7 +301,6 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
         F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums, PDL=pdl,
-        PREFETCH=bool(pdl) and PREFETCH_FIRST_TILE, LINES=max(1, head_dim // line_elems),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if not direct:

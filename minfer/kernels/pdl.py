@@ -45,15 +45,6 @@ def launch_options(pdl: bool) -> dict:
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines holding ``ptrs`` (a tensor of pointers) without waiting: no data comes back, so
-    nothing stalls, and L2 is coherent, so a line that the previous kernel writes later is still read fresh.
-    Compiled kernels only (inline PTX; the interpreter has none)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def wait_for_previous(PDL: tl.constexpr):
     """Under PDL: wait until the previous kernel's writes are visible, then let the next kernel's
     programs launch (they in turn wait for this whole kernel). A no-op otherwise.

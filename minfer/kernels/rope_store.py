@@ -53,10 +53,6 @@ def _norm_rope(X, stride_h, W, cos, sin, eps, NUM_HEADS: tl.constexpr, BLOCK_H: 
     return out.to(dtype), mask
 
 
-# Under PDL, load positions and the rotary table before waiting for the previous kernel (see the kernel).
-LOAD_BEFORE_WAIT = True
-
-
 @triton.jit
 def _rope_store_kernel(
     Q, K, V, POS, CACHE, QW, KW, KC, VC, KS, VS, SLOTS, eps,
@@ -65,20 +61,15 @@ def _rope_store_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, MAX_SCALE: tl.constexpr,
     IS_INT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, S_MANT: tl.constexpr, S_EMIN: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr = False, EARLY_INPUTS: tl.constexpr = False,
+    EXACT: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if not EARLY_INPUTS:
-        wait_for_previous(PDL)
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     dims = tl.arange(0, HEAD_DIM)
-    # Positions (step inputs) and the rotary table were written before the forward began: under PDL they load
-    # while the kernel before (the qkv projection) still runs; only q, k, v wait for it.
     pos = tl.load(POS + t)
     cos = tl.load(CACHE + pos * stride_c + dims % HALF)
     sin = tl.load(CACHE + pos * stride_c + HALF + dims % HALF)
-    if EARLY_INPUTS:
-        wait_for_previous(PDL)
     if tl.program_id(1) == 0:
         q, mask = _norm_rope(Q + t * stride_qt, stride_qh, QW, cos, sin, eps, NUM_Q_HEADS, BLOCK_HQ, HEAD_DIM, NORM)
         heads = tl.arange(0, BLOCK_HQ)
@@ -138,7 +129,7 @@ def rope_store_kv(
         slot_mapping, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], NORM=norm, **quant, PDL=pdl, EARLY_INPUTS=LOAD_BEFORE_WAIT,
+        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], NORM=norm, **quant, PDL=pdl,
         num_warps=min(8, max(1, block_hq * head_dim // 1024)), **launch_options(pdl),
     )
 
