@@ -10,8 +10,7 @@ module constants, builds a fresh engine (its CUDA graphs are captured with them)
 
 ``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked; ``skip_rope``, ``skip_merge``,
 ``skip_attn``, ``skip_lmhead`` leave one kernel out of the graph, to price it inside the chain; ``dBN_W_S`` runs the
-decode split kernel with BLOCK_N tokens per tile, W warps, S stages (``d32_4_1``); ``unfused_merge`` merges the
-splits in a second kernel again. Each run also times
+decode split kernel with BLOCK_N tokens per tile, W warps, S stages (``d32_4_1``). Each run also times
 replays of the batch-1 decode graph (the step's GPU time, without the host).
 """
 from __future__ import annotations
@@ -58,10 +57,6 @@ KNOCKOUTS = {
 }
 
 
-# Module flags: name -> (module, attribute, value) for that run.
-FLAG_VARIANTS = {"unfused_merge": ("minfer.kernels.decode_attention", "FUSE_MERGE", False)}
-
-
 def decode_rule(name: str, default):
     """A ``decode_attention.default_config`` stand-in for a variant ``dBN_W_S`` (16-bit caches get that split-kernel
     config: tile, warps, stages), or None."""
@@ -74,8 +69,8 @@ def decode_rule(name: str, default):
 
 
 def knock_out(name: str):
-    """Apply the knock-out or flag variant ``name``; returns a function that undoes it."""
-    module, attr, stand_in = KNOCKOUTS.get(name) or FLAG_VARIANTS[name]
+    """Apply the knock-out ``name``; returns a function that undoes it."""
+    module, attr, stand_in = KNOCKOUTS[name]
     owner = importlib.import_module(module)
     *path, attr = attr.split(".")
     for part in path:
@@ -105,7 +100,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--checkpoint-dir", default="/tmp/minfer-checkpoints")
     ap.add_argument("--variants", default="base," + ",".join(SPLIT_VARIANTS),
-                    help="comma list of base, splitsN, gemv, skip_*, dBN_W_S, unfused_merge (repeat to alternate)")
+                    help="comma list of base, splitsN, gemv, skip_*, dBN_W_S (repeat a name to alternate)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--json", default=None)
@@ -119,7 +114,7 @@ def main() -> None:
         decode_attention.MIN_SPLIT_TOKENS = SPLIT_VARIANTS.get(name, default_splits)
         gm.default_config = gemv_rule(name, default_gemv, args.gemv_json) or default_gemv
         decode_attention.default_config = decode_rule(name, default_decode) or default_decode
-        undo = knock_out(name) if name in KNOCKOUTS or name in FLAG_VARIANTS else (lambda: None)
+        undo = knock_out(name) if name in KNOCKOUTS else (lambda: None)
         llm = LLM(model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=8)
         r = run_batch1(llm, args.input_len, args.output_len)
         r["graph_step_us"] = round(graph_step_us(llm), 2)

@@ -133,7 +133,7 @@ def decode_variants(kv: str):
     fmt = KV_QUANT_FORMATS.get(kv)
     code = "bf16" if fmt is None else "i8" if fmt.is_int else "u8"
     sig = {"Q": "*bf16", "K": f"*{code}", "V": f"*{code}", "KS": "*fp16", "VS": "*fp16", "BT": "*i32",
-           "CL": "*i32", "O": "*bf16", "MID_O": "*fp32", "MID_LSE": "*fp32", "COUNTERS": "*i32", "scale_log2e": "fp32"}
+           "CL": "*i32", "O": "*bf16", "MID_O": "*fp32", "MID_LSE": "*fp32", "scale_log2e": "fp32"}
     for a in ("stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_btb", "stride_ob",
               "stride_oh", "num_splits"):
         sig[a] = "i32"
@@ -142,7 +142,7 @@ def decode_variants(kv: str):
     quant = fmt is not None
     const = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=cfg.block_n, DIRECT=True,
                  DOT_PREC="tf32", UPCAST=False, QUANT=quant, F16=quant, F16_KIND=fmt.f16_kind if quant else -1,
-                 Q8=quant and fmt.is_int, ASM=quant, COLUMN_SUMS=cfg.column_sums, FUSED_MERGE=False, PDL=True)
+                 Q8=quant and fmt.is_int, ASM=quant, COLUMN_SUMS=cfg.column_sums, PDL=True)
     for k in const:
         sig[k] = "constexpr"
     yield f"shipped {kv} {cfg}", da._decode_split_kernel, sig, const, cfg.num_warps, cfg.num_stages

@@ -73,13 +73,13 @@ class DecodeConfig:
 # values of 1 and multiples of 16): the block-table width and the split count.
 @triton.jit(do_not_specialize=["stride_btb", "num_splits"])
 def _decode_split_kernel(
-    Q, K, V, KS, VS, BT, CL, O, MID_O, MID_LSE, COUNTERS, scale_log2e,
+    Q, K, V, KS, VS, BT, CL, O, MID_O, MID_LSE, scale_log2e,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
     num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, Q8: tl.constexpr, ASM: tl.constexpr,
-    COLUMN_SUMS: tl.constexpr, FUSED_MERGE: tl.constexpr = False, PDL: tl.constexpr = False,
+    COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     kvh = tl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
@@ -186,44 +186,6 @@ def _decode_split_kernel(
         idx = (b * (GROUP * tl.num_programs(0)) + heads).to(tl.int64) * num_splits + split
         tl.store(MID_O + idx[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
         tl.store(MID_LSE + idx, lse, mask=row_mask)
-        if FUSED_MERGE:  # the last of the (sequence, KV head)'s split programs to finish merges its heads
-            tl.debug_barrier()  # every thread's partials are written before the ticket is taken
-            counter = COUNTERS + b * tl.num_programs(0) + kvh
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_splits - 1:
-                tl.store(counter, 0)  # ready for the next launch (it starts after this kernel completes)
-                for g in tl.static_range(GROUP):
-                    h = kvh * GROUP + g
-                    merged = _merge_splits(MID_O, MID_LSE, (b * (GROUP * tl.num_programs(0)) + h).to(tl.int64)
-                                           * num_splits, num_splits, HEAD_DIM, 16)
-                    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + dims, merged.to(O.dtype.element_ty))
-
-
-@triton.jit
-def _merge_splits(MID_O, MID_LSE, base, num_splits, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
-    """One head's output from its ``num_splits`` partials at ``base``: [HEAD_DIM] float32.
-
-    One online pass, CHUNK partials at a time: registers stay bounded for any split count, and
-    one compiled variant serves them all. Split 0 always holds a token, so m is finite after the
-    first chunk and later all-empty chunks add exp2(-inf) = 0. The partials are read from L2
-    (``.cg``): other programs wrote them."""
-    dims = tl.arange(0, HEAD_DIM)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.zeros((), tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, CHUNK):
-        idx = s0 + tl.arange(0, CHUNK)
-        valid = idx < num_splits
-        lse = tl.load(MID_LSE + base + idx, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, axis=0))
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        parts = tl.load(MID_O + (base + idx)[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0,
-                        cache_modifier=".cg")
-        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
-        total = total * alpha + tl.sum(w, axis=0)
-        m = m_new
-    return acc / total
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -234,8 +196,26 @@ def _decode_merge_kernel(
     wait_for_previous(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    merged = _merge_splits(MID_O, MID_LSE, (b * num_heads + h).to(tl.int64) * num_splits, num_splits, HEAD_DIM, CHUNK)
-    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + tl.arange(0, HEAD_DIM), merged.to(O.dtype.element_ty))
+    base = (b * num_heads + h).to(tl.int64) * num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    # One online pass, CHUNK partials at a time: registers stay bounded for any split count, and
+    # one compiled variant serves them all. Split 0 always holds a token, so m is finite after the
+    # first chunk and later all-empty chunks add exp2(-inf) = 0.
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.zeros((), tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        idx = s0 + tl.arange(0, CHUNK)
+        valid = idx < num_splits
+        lse = tl.load(MID_LSE + base + idx, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        parts = tl.load(MID_O + (base + idx)[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        total = total * alpha + tl.sum(w, axis=0)
+        m = m_new
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + dims, (acc / total).to(O.dtype.element_ty))
 
 
 # Split heuristic (tuned on an H200, see benchmarks/RESULTS.md): at least ENOUGH_PER_SM programs per
@@ -245,28 +225,6 @@ ENOUGH_PER_SM = 2
 SPLIT_TARGET_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
-
-
-# Split programs merge their own partials (the last to finish per sequence and KV head, by a ticket counter)
-# instead of a second kernel. The counters stay allocated for the process: captured CUDA graphs hold their address.
-FUSE_MERGE = True
-_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-_OLD_COUNTERS: list[torch.Tensor] = []
-
-
-def _merge_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 ticket counters, at least ``n``, for ``device`` (every launch leaves them zero again), or None
-    when they would have to grow during a CUDA-graph capture (that launch then merges in a second kernel)."""
-    key = (device.type, device.index if device.type != "cuda" or device.index is not None
-           else torch.cuda.current_device())
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _OLD_COUNTERS.append(buf)  # a captured graph may still point at it
-        buf = _COUNTERS[key] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -335,19 +293,17 @@ def paged_decode_attention(
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
     k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
     pdl = use_pdl(q.device)
-    counters = None if direct or not FUSE_MERGE else _merge_counters(q.device, batch * num_kv_heads)
     _decode_split_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
-        context_lens, out, mid_o, mid_lse, counters if counters is not None else context_lens, scale * LOG2E,
+        context_lens, out, mid_o, mid_lse, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
-        F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums,
-        FUSED_MERGE=counters is not None, PDL=pdl,
+        F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
-    if not direct and counters is None:
+    if not direct:
         _decode_merge_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
             HEAD_DIM=head_dim, CHUNK=16, PDL=pdl, num_warps=4, **launch_options(pdl),
