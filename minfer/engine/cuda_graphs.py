@@ -4,11 +4,10 @@ A decode step of a small model is dozens of short kernels per layer; launched on
 Python, the GPU idles between them (the first profile of workload A showed it busy 20% of the
 time). Here the model's forward over ``b`` single-token sequences is captured once per batch
 bucket ``b`` and replayed with new inputs staged into static buffers (one packed upload, one
-scatter kernel: ``kernels/stage_inputs.py``). A real batch of ``n``
-sequences runs in the smallest bucket ``b >= n``; the ``b - n`` padding rows write their K/V to
-slot -1 (which the store kernel skips) and attend over one token, so they never touch a live
-sequence's cache. All buckets share one memory pool. Only the Triton path is captured: the torch
-path sizes its work from host integers.
+scatter kernel: ``kernels/stage_inputs.py``). A real batch of ``n`` sequences runs in the smallest
+bucket ``b >= n``; the ``b - n`` padding rows write their K/V to slot -1 (which the store kernel
+skips) and attend over one token, so they never touch a live sequence's cache. All buckets share
+one memory pool. Only the Triton path is captured: the torch path sizes its work from host integers.
 """
 from __future__ import annotations
 
