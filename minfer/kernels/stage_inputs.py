@@ -3,10 +3,11 @@
 A graph replays kernels on fixed addresses, so every step's inputs (token ids, positions, cache slots,
 context lengths, block tables) must land in the graph's own buffers, and the padding rows of the bucket
 need their harmless values (slot -1, one token of context). Done with torch ops that was two uploads, five
-device copies, two fills and the gather/scatter of the tokens still on the device: about ten launches,
-~20 us of a 0.85 ms batch-1 step on an H200, outside the graph. Here the host packs everything into one
-pinned int64 buffer, which goes up in one copy, and one kernel puts each row where the graph reads it,
-taking a token sampled by the previous step straight from that step's output.
+device copies, two fills and the gather/scatter of the tokens still on the device: about ten launches
+outside the graph. Here the host packs everything into one pinned int64 buffer, which goes up in one copy,
+and one kernel puts each row where the graph reads it, taking a token sampled by the previous step straight
+from that step's output. With the one-launch argmax (``sampling.py``), a batch-1 token's time outside the
+graph fell from ~36 to ~17 us on an H200 (llama-3.2-1b: 1,207 against 1,161 tok/s; RESULTS.md, session 8).
 
 Packed layout for ``n`` rows and tables ``width`` entries wide (int64 words): ids [n] | positions [n] |
 slots [n] | source rows [n] (the row of the previous step's sampled ids that holds this row's input token,
@@ -72,8 +73,9 @@ def stage_decode_inputs(packed: torch.Tensor, n: int, width: int, prev_tokens: t
     if not n <= rows or width > tables.shape[1] or packed.numel() < packed_words(n, width):
         raise ValueError(f"{n} rows of {width} table entries do not fit buffers of {rows} rows, "
                          f"{tables.shape[1]} entries, {packed.numel()} packed words")
-    _stage_kernel[(rows,)](packed, packed.view(torch.int32), prev_tokens if prev_tokens is not None else packed, ids, positions, slots,
-                           ctx_lens, tables, n, width, tables.stride(0), BLOCK=128, num_warps=1)
+    prev = prev_tokens if prev_tokens is not None else packed
+    _stage_kernel[(rows,)](packed, packed.view(torch.int32), prev, ids, positions, slots, ctx_lens, tables, n, width,
+                           tables.stride(0), BLOCK=128, num_warps=1)
 
 
 def stage_decode_inputs_ref(packed: torch.Tensor, n: int, width: int, prev_tokens: torch.Tensor | None,

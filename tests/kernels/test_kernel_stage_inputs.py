@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from minfer.kernels.stage_inputs import (pack_decode_inputs, packed_words, stage_decode_inputs,
-                                         stage_decode_inputs_ref)
+from minfer.kernels.stage_inputs import pack_decode_inputs, packed_words, stage_decode_inputs, stage_decode_inputs_ref
 
 
 def _buffers(rows: int, max_width: int) -> list[torch.Tensor]:
