@@ -18,7 +18,7 @@ PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i
 def test_triton_engine_on_gpu_matches_hf(checkpoints, arch, kwargs):
     assert torch.cuda.is_available()
     llm = LLM(str(checkpoints[arch]), device="cuda", dtype="float32", **kwargs)
-    assert llm.llm_engine.runner.backend == "triton"
+    assert llm.llm_engine.runner.ops.name == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):

@@ -18,7 +18,7 @@ NEW = 6
 ])
 def test_triton_backend_matches_hf(checkpoints, arch, kwargs):
     llm = LLM(str(checkpoints[arch]), attention_backend="triton", **kwargs)
-    assert llm.llm_engine.runner.backend == "triton"
+    assert llm.llm_engine.runner.ops.name == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
@@ -31,7 +31,7 @@ def test_triton_backend_matches_hf(checkpoints, arch, kwargs):
 
 
 def test_auto_backend_is_torch_on_cpu_and_triton_checks_block_size(checkpoints):
-    assert LLM(str(checkpoints["llama3"]), num_kv_blocks=8).llm_engine.runner.backend == "torch"
+    assert LLM(str(checkpoints["llama3"]), num_kv_blocks=8).llm_engine.runner.ops.name == "torch"
     with pytest.raises(ValueError, match="block_size"):
         LLM(str(checkpoints["llama3"]), num_kv_blocks=8, block_size=8, attention_backend="triton")
 

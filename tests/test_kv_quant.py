@@ -95,7 +95,7 @@ def test_triton_kernels_match_torch_path(checkpoints) -> None:
     for fmt in ("int8", "fp8_e4m3"):
         kw = dict(num_kv_blocks=64, kv_cache_dtype=fmt, max_num_batched_tokens=24, max_num_seqs=2)
         triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", **kw)
-        assert triton.llm_engine.runner.backend == "triton"
+        assert triton.llm_engine.runner.ops.name == "triton"
         assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), **kw), prompts, params)
 
 

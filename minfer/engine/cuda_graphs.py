@@ -7,7 +7,8 @@ bucket ``b`` and replayed with new inputs staged into static buffers (one packed
 scatter kernel: ``kernels/stage_inputs.py``). A real batch of ``n`` sequences runs in the smallest
 bucket ``b >= n``; the ``b - n`` padding rows write their K/V to slot -1 (which the store kernel
 skips) and attend over one token, so they never touch a live sequence's cache. All buckets share
-one memory pool. Only the Triton path is captured: the torch path sizes its work from host integers.
+one memory pool. Only the Triton ops are captured (the torch ops size their work from host integers),
+through the runner's step forward: the batch-1 bucket takes their fused one-token forward.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from minfer.kernels.stage_inputs import pack_decode_inputs, packed_words, stage_decode_inputs
-from minfer.model.attention import AttentionMetadata
+from minfer.ops import AttentionMetadata, ModelForward
 
 logger = logging.getLogger("minfer")
 
@@ -30,8 +31,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, forward: ModelForward | None = None) -> None:
         self.model = model
+        self.forward = model if forward is None else forward  # the runner's: Ops.model_forward(model)
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.block_size = block_size
@@ -74,7 +76,7 @@ class DecodeGraphs:
         logger.info("captured %d decode CUDA graphs (batch %d..%d)", len(self.graphs), self.sizes[0], self.max_batch)
 
     def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:b], self.positions[:b], meta)
+        hidden = self.forward(self.input_ids[:b], self.positions[:b], meta)
         self.model.compute_logits(hidden, float32=False, out=self.logits[:b])
         return hidden
 

@@ -6,7 +6,7 @@ p % block_size`` of both.
 
 With an 8-bit ``kv_cache_dtype`` (int8, fp8_e4m3, fp8_e5m2) those tensors hold codes, and each
 layer also owns ``k_scale``/``v_scale`` ``[num_blocks, kv_heads, block_size]``: one scale per
-token per KV head (see ``minfer/model/kv_quant.py``). Scales belong to their block like the codes,
+token per KV head (see ``minfer/kernels/kv_quant.py``). Scales belong to their block like the codes,
 so the block manager, prefix caching and preemption handle quantized blocks unchanged.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from minfer.config import ModelConfig
-from minfer.model.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE
+from minfer.kernels.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE
 
 
 @dataclass(slots=True, frozen=True)

@@ -34,9 +34,8 @@ per element means the per-element work must cost less than the load saved. With 
   which also explains why V's conversion must be opaque to Triton).
 * Scales load one tile ahead; tiles are 128 tokens (``default_config``).
 
-H200, B=64 x 4k, llama-3.1-8b heads: int8 193 us / fp8_e4m3 198 us against bf16's 258 us (1.34x / 1.30x),
-from 270 / 277 us before this design (RESULTS.md, "GPU, session 6", with the variants that lost). A float32 q keeps
-float32 products (codes converted by casts), exact under the interpreter.
+H200, B=64 x 4k, llama-3.1-8b heads: int8 193 us / fp8_e4m3 198 us against bf16's 258 us (1.34x / 1.30x).
+A float32 q keeps float32 products (codes converted by casts), exact under the interpreter.
 """
 
 from __future__ import annotations
@@ -48,11 +47,9 @@ import triton
 import triton.language as tl
 
 from ._utils import interpreting, next_pow2, num_sms
+from .kv_quant import dequantize_ref, gather_scales
 from .pdl import launch_options, use_pdl, wait_for_previous
-from .quant import (
-    check_cache_scales, check_paged_attention, codes_to_f16, dequantize_ref, gather_scales, product_mode, q_to_f16,
-    split_q_int8,
-)
+from .quant import check_cache_scales, check_paged_attention, codes_to_f16, product_mode, q_to_f16, split_q_int8
 
 LOG2E = 1.4426950408889634
 

@@ -7,10 +7,7 @@ plus a split-K reduce), because a few hundred KB per SM is too little to amortis
 Here each program streams ``BLOCK_N`` whole weight rows with wide loads and keeps a float32
 partial sum per column lane, reducing it once at the end: no split-K pass, no shared memory, and
 many small programs in flight on every SM. On an H200 the 64 projections of a llama-3.2-1b decode step
-take 552 us in one CUDA graph under PDL, 83% of HBM bandwidth (``benchmarks/gemv_chain.py``; cuBLAS's
-kernels took 697 us per step in the engine). Measured and dropped (session 7): persistent-style programs,
-two per SM, each walking a run of row blocks with the next tile prefetched in registers and the RMS row sum
-computed once per program; 628 us in the same chain, 860 against 827 us per batch-1 engine step.
+take 552 us in one CUDA graph under PDL, 83% of HBM bandwidth (``benchmarks/gemv_chain.py``).
 
 Two optional prologues fold the elementwise op before a projection into it, saving that op's launch
 (~2 us each at batch 1, three per layer): :func:`gemv_silu_mul` (SwiGLU before down_proj) and
@@ -177,9 +174,8 @@ def default_config(n: int, k: int, prologue: int = _PLAIN) -> GemvConfig:
     the plain product; 1024 under the RMS prologue (its chunk also loads x, residual and norm weight); eight rows
     by 2048 columns on eight warps under the SwiGLU prologue, whose exp and division per element want more warps
     in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
-    projections in one CUDA graph under PDL, H200): 552 us against 577 for the earlier 4 x 1024 everywhere (8 warps
-    under SwiGLU), almost all of it down_proj's; the batch-1 decode graph 807 against 825-836 us per step.
-    ``n`` is unused here; it keeps the signature of a per-shape table (``benchmarks/batch1_sweep.py`` swaps one in)."""
+    projections in one CUDA graph under PDL, H200: 552 us). ``n`` is unused here; it keeps the signature of a
+    per-shape table (``dev/batch1_sweep.py`` swaps one in)."""
     if prologue == _SILU_MUL:
         return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
     return GemvConfig(block_k=min(1024 if prologue == _RMS_NORM else 2048, next_pow2(k)))
@@ -274,12 +270,10 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     shape of rmsnorm.py, so the result tends to be bit-identical to ``fused_add_rms_norm``; rows wider than
     ``RMS_MAX_BLOCK`` are summed block by block), then normalises each K chunk as it streams its weight rows.
     The row is a few KB and stays in L2, so every program re-reading it is cheap next to its weight rows, but
-    the first pass delays each program's weight stream: measured on an H200 (CUDA-graph replay) the fusion
-    saves ~1 us on llama-3.2-1b qkv 3072x2048 (10.6 us against 11.5) and qwen3-0.6b gate_up 6144x1024 (10.7
-    against 11.8), and nothing on llama-3.2-1b gate_up 16384x2048 (29.1 against 28.9: its 4096 programs each
-    pay the first pass). Loading the first weight tile before the first pass was slower in plain launches;
-    under programmatic dependent launch (``pdl.py``) the kernel does load it first, while it waits for the
-    previous kernel.
+    the first pass delays each program's weight stream: on an H200 (CUDA-graph replay) the fusion saves ~1 us
+    on llama-3.2-1b qkv 3072x2048 (10.6 us against 11.5), and nothing on the widest products, whose thousands
+    of programs each pay the first pass. Under programmatic dependent launch (``pdl.py``) the kernel loads
+    its first weight tile before that pass, while it waits for the previous kernel.
 
     Unlike ``fused_add_rms_norm``, ``residual`` is NOT updated in place: other programs are still reading it.
     ``x + residual`` (rounded to the dtype) is written to a fresh ``new_residual`` by program 0 alone; with no

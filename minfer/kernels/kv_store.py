@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
+from .kv_quant import write_kv_rows
 from .quant import KVQuantFormat, check_cache_scales, row_scales, scaled_codes, store_constexprs
 
 
@@ -138,8 +139,6 @@ def store_kv_ref(
     """Torch reference of :func:`store_kv` (the tests' oracle): the engine's torch-path store
     (quantizing first for 8-bit caches, bit-identical to the kernel's codes and scales) on the rows
     whose slot is not -1."""
-    from minfer.model.attention import store_kv as store_kv_torch
-
     check_cache_scales(k_cache, v_cache, k_scale, v_scale)
     valid = slot_mapping >= 0
-    store_kv_torch(k[valid], v[valid], k_cache, v_cache, slot_mapping[valid], k_scale, v_scale)
+    write_kv_rows(k[valid], v[valid], k_cache, v_cache, slot_mapping[valid], k_scale, v_scale)

@@ -1,6 +1,6 @@
 """Triton helpers of the 8-bit KV cache: quantize in the store kernel, dequantize in attention.
 
-The formats, scaling rules and the torch reference live in ``minfer/model/kv_quant.py``.
+The formats, scaling rules and the torch reference live in ``kv_quant.py``.
 """
 
 from __future__ import annotations
@@ -10,10 +10,7 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, dot_mode, interpreting
-from minfer.model.kv_quant import (  # noqa: F401  (re-exported for the kernels and tests)
-    F16_CVT, F16_INT8, F16_SHIFT, KV_QUANT_FORMATS, KV_SCALE_DTYPE, KVQuantFormat, dequantize_ref,
-    format_of, gather_scales, min_scale, quantize_ref, scale_grid,
-)
+from .kv_quant import KVQuantFormat, format_of, min_scale, scale_grid
 
 
 # ------------------------------------------------------------------------------------------- triton

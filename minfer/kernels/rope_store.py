@@ -1,17 +1,17 @@
 """Per-head q/k RMSNorm (Qwen3), rotary embedding and the KV-cache store in one launch.
 
-Between the qkv projection and attention a layer used to run up to four small kernels: q norm,
-k norm, rotary, store. Each reads and writes rows a few KB long, so each costs mostly its launch
-and ramp-up (1.5-3 us on an H200), and a CUDA-graph decode step of Qwen3-0.6B ran 4 x 28 of them.
-Here program ``(t, 0)`` normalises and rotates token t's q heads in place (attention reads q
-through the same strided view), and program ``(t, 1)`` normalises and rotates its k heads and
+Between the qkv projection and attention sit up to four small steps: q norm, k norm, rotary,
+store. Each reads and writes rows a few KB long, so as separate kernels each would cost mostly its
+launch and ramp-up (1.5-3 us on an H200), 4 x 28 of them in a Qwen3-0.6B decode step. Here
+program ``(t, 0)`` normalises and rotates token t's q heads in place (attention reads q through
+the same strided view), and program ``(t, 1)`` normalises and rotates its k heads and
 writes k and v into the paged cache, quantizing them for 8-bit caches.
 
 Rotation pairs dimension d with d ± D/2. Rather than split the head into halves, each program
 loads the whole head twice, once in order and once partner-permuted (the second load hits L1),
 so the rotated rows come out as full ``[heads, D]`` tiles and the store's quantizer (a per-row
-absmax) applies unchanged. Rounding matches the separate kernels: the norm rounds as HF's RMSNorm
-does (``rmsnorm.py``), rotary computes in float32 and rounds once (``rotary.py``).
+absmax) applies unchanged. Rounding is that of the separate steps: the norm rounds as HF's RMSNorm
+does (``rmsnorm.py``), rotary computes in float32 and rounds once (``apply_rotary_ref``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import triton
 import triton.language as tl
 
 from ._utils import interpreting, next_pow2
-from .kv_store import check_store_args, store_token_rows
+from .kv_store import check_store_args, store_kv_ref, store_token_rows
 from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant import store_constexprs
+from .rmsnorm import rms_norm_ref
 
 
 @triton.jit
@@ -104,7 +105,7 @@ def rope_store_kv(
     """Rotate ``q`` ``[T, Hq, D]`` in place and store rotated ``k`` and ``v`` ``[T, Hkv, D]`` at
     ``slot_mapping`` (int64, < 0 skips), after per-head RMSNorms when the norm weights are given.
 
-    The same as ``rms_norm`` on q and k (Qwen3), ``apply_rotary`` and ``store_kv`` in sequence,
+    The same as ``rms_norm`` on q and k (Qwen3), ``apply_rotary_ref`` and ``store_kv`` in sequence,
     except that ``k`` itself is left as it was (only its cache rows are written). q, k, v may be
     strided views of the fused qkv output; only their last dimension must be contiguous.
     """
@@ -140,10 +141,6 @@ def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
                       v_scale: torch.Tensor | None = None, q_norm_weight: torch.Tensor | None = None,
                       k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
     """Torch reference of :func:`rope_store_kv`: the separate references in sequence."""
-    from .kv_store import store_kv_ref
-    from .rmsnorm import rms_norm_ref
-    from .rotary import apply_rotary_ref
-
     if q_norm_weight is not None:
         q.copy_(rms_norm_ref(q, q_norm_weight, eps))
         k = rms_norm_ref(k, k_norm_weight, eps)
@@ -151,3 +148,17 @@ def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
         k = k.clone()
     apply_rotary_ref(q, k, positions, cos_sin_cache)
     store_kv_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` in place by ``positions``, non-interleaved
+    ("rotate half"), from a float32 ``cos_sin_cache`` ``[max_pos, D]`` of ``[cos | sin]``: float32
+    math (float64 for float64 inputs) with one rounding, the kernel's arithmetic."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions]
+    for x in (q, k):
+        cos = cs[:, None, :half].to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        sin = cs[:, None, half:].to(cos.dtype)
+        xf = x.to(cos.dtype)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))

@@ -2,12 +2,12 @@
 
 A graph replays kernels on fixed addresses, so every step's inputs (token ids, positions, cache slots,
 context lengths, block tables) must land in the graph's own buffers, and the padding rows of the bucket
-need their harmless values (slot -1, one token of context). Done with torch ops that was two uploads, five
+need their harmless values (slot -1, one token of context). With torch ops that is two uploads, five
 device copies, two fills and the gather/scatter of the tokens still on the device: about ten launches
 outside the graph. Here the host packs everything into one pinned int64 buffer, which goes up in one copy,
 and one kernel puts each row where the graph reads it, taking a token sampled by the previous step straight
-from that step's output. With the one-launch argmax (``sampling.py``), a batch-1 token's time outside the
-graph fell from ~36 to ~17 us on an H200 (llama-3.2-1b: 1,207 against 1,161 tok/s; RESULTS.md, session 8).
+from that step's output. With the one-launch argmax (``sampling.py``), a batch-1 token spends ~17 us
+outside the graph on an H200 (llama-3.2-1b).
 
 Packed layout for ``n`` rows and tables ``width`` entries wide (int64 words): ids [n] | positions [n] |
 slots [n] | source rows [n] (the row of the previous step's sampled ids that holds this row's input token,

@@ -1,7 +1,7 @@
 """Building blocks of the decoder: fused linear layers that load HF shards, RMSNorm, rotary, SwiGLU.
 
-Each block has a torch path with HF's rounding (the reference, and the CPU path) and, when built
-with ``use_triton``, calls the fused Triton kernel of ``minfer.kernels`` instead.
+Each block computes through the ``Ops`` it was built with (``minfer.ops``): HF's rounding on the torch
+ops, the fused Triton kernels on the Triton ops; no block asks which.
 """
 from __future__ import annotations
 
@@ -9,21 +9,24 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from minfer.ops import Ops
 
 
 class FusedLinear(nn.Module):
     """y = x Wᵀ (+ b), where W stacks several checkpoint matrices along the output dimension.
 
     q/k/v become one matmul and gate/up another: fewer, larger GEMMs. ``shard_sizes`` gives the
-    rows each checkpoint tensor fills; ``load_shard`` copies one of them into its slice.
+    rows each checkpoint tensor fills; ``load_shard`` copies one of them into its slice. The product
+    in ``forward`` is the layer's only arithmetic: the seam where a quantized linear method would
+    multiply instead (the layer asks it; it does not know the weights' format).
     """
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype,
-                 use_triton: bool = False) -> None:
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.shard_sizes = shard_sizes
-        self.use_triton = use_triton
         self.weight = nn.Parameter(torch.empty(sum(shard_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(shard_sizes), dtype=dtype), requires_grad=False) if bias else None
 
@@ -36,42 +39,23 @@ class FusedLinear(nn.Module):
         target.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton and x.dim() == 2 and x.shape[0] == 1:  # batch-1 decode: a weight stream
-            from minfer.kernels.gemv import gemv
-
-            return gemv(x.contiguous(), self.weight, self.bias)
-        return nn.functional.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with HF Llama's rounding: statistics in float32, the weight multiply in the model dtype.
+    """RMSNorm; ``forward(x, residual)`` first adds the residual and returns the normed output
+    together with the new residual stream (the Triton ops fuse the add into the norm)."""
 
-    ``forward(x, residual)`` first adds the residual (in the model dtype, as HF does) and returns
-    the normed output together with the new residual stream.
-    """
-
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, use_triton: bool = False) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
         self.eps = eps
-        self.use_triton = use_triton
+        self.ops = ops
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        if self.use_triton:
-            from minfer.kernels import fused_add_rms_norm, rms_norm
-
-            if residual is None:
-                return rms_norm(x if x.dim() == 3 else x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps), residual  # residual updated in place
         if residual is None:
-            return self.norm(x)
-        x = x + residual
-        return self.norm(x), x
-
-    def norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -96,11 +80,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, blended, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Non-interleaved ("rotate half") rotary embedding from a precomputed float32 cache.
 
-    ``cos_sin_cache[p] = [cos(p·f) | sin(p·f)]`` over the head_dim/2 frequencies f: the layout the
-    Triton kernels read too.
+class RotaryEmbedding(nn.Module):
+    """The table of a non-interleaved ("rotate half") rotary embedding, precomputed in float32.
+
+    ``cos_sin_cache[p] = [cos(p·f) | sin(p·f)]`` over the head_dim/2 frequencies f: any scaling is
+    decided here, once, and the ops that rotate (``Ops.rope_store_kv``) read only this table.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
@@ -109,33 +94,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns them rotated with HF's rounding (products in the model
-        dtype). The Triton backend rotates inside its KV-store kernel instead (``kernels/rope_store.py``:
-        float32 arithmetic, one rounding)."""
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
 
 class GatedMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, use_triton: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
-        self.use_triton = use_triton
-        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], False, dtype, use_triton)
-        self.down_proj = FusedLinear(intermediate, [hidden], False, dtype, use_triton)
+        self.ops = ops
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], False, dtype)
+        self.down_proj = FusedLinear(intermediate, [hidden], False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_triton:
-            from minfer.kernels import silu_and_mul
-
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

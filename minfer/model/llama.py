@@ -9,59 +9,50 @@ import torch
 from torch import nn
 
 from minfer.config import ModelConfig
-from minfer.model.attention import Attention, AttentionMetadata, RopeInputs
+from minfer.model.attention import Attention
 from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding
+from minfer.ops import AttentionMetadata, Ops, RopeInputs
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        triton = backend == "triton"
-        self.qkv_proj = FusedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], cfg.attention_bias,
-                                    dtype, triton)
-        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype, triton)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, triton) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, triton) if cfg.qk_norm else None
+        qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
+        self.qkv_proj = FusedLinear(cfg.hidden_size, qkv_sizes, cfg.attention_bias, dtype)
+        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), positions, meta)
+        return self.o_proj(self.attention(self.qkv_proj(x), positions, meta))
 
-    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Everything after the qkv projection: norms, rotary, KV store, attention, o_proj."""
+    def attention(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything between the qkv projection and o_proj: q/k norms, rotary, KV store, attention."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # views into the fused qkv output
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.attn.backend == "triton":  # norms + rotary + KV store: one kernel
-            rope = RopeInputs(positions, self.rotary.cos_sin_cache)
-            if self.q_norm is not None:
-                rope.q_norm_weight, rope.k_norm_weight, rope.eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-            return self.o_proj(self.attn(q, k, v, meta, rope).reshape(t, self.q_size))
+        rope = RopeInputs(positions, self.rotary.cos_sin_cache)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta).reshape(t, self.q_size))
+            rope.q_norm_weight, rope.k_norm_weight, rope.eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return self.attn(q, k, v, rope, meta).reshape(t, self.q_size)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, backend: str) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops) -> None:
         super().__init__()
-        triton = backend == "triton"
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, triton)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, triton)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, triton)
-        self.triton = triton
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.triton and x.shape[0] == 1:
-            return self._forward_one_token(x, residual, positions, meta)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -69,20 +60,6 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, positions, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    def _forward_one_token(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                           meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch 1, where each small kernel costs about what a matrix-vector product does: both norms
-        run in the prologue of the matrix-vector kernel after them and SwiGLU in the down projection's,
-        three launches fewer per layer (``kernels/gemv.py``)."""
-        from minfer.kernels.gemv import gemv_rms_norm, gemv_silu_mul
-
-        ln, attn, mlp = self.input_layernorm, self.self_attn, self.mlp
-        qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-        x = attn.attend(qkv, positions, meta)
-        ln = self.post_attention_layernorm
-        gate_up, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, mlp.gate_up_proj.weight)
-        return gemv_silu_mul(gate_up, mlp.down_proj.weight), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -96,15 +73,14 @@ class LlamaForCausalLM(nn.Module):
         "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0),
     }
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, backend: str = "torch") -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, ops: Ops) -> None:
         super().__init__()
         self.config = cfg
-        triton = backend == "triton"
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, triton)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:

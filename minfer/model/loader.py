@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from minfer.config import ModelConfig
 from minfer.model.llama import LlamaForCausalLM
+from minfer.ops import Ops
 
 
 def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
@@ -100,9 +102,10 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] |
 
 
 @torch.no_grad()
-def build_model(model_dir: Path, config, dtype: torch.dtype, device: torch.device, max_position: int,
-                backend: str) -> LlamaForCausalLM:
+def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
+                ops: Ops) -> LlamaForCausalLM:
+    """The model on ``device``, computing with ``ops`` (``minfer.ops.select_ops``), weights loaded."""
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype, max_position, backend)
+        model = LlamaForCausalLM(config, dtype, max_position, ops)
     load_weights(model, model_dir)
     return model.eval()

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from minfer.kernels import (  # noqa: E402
-    apply_rotary, apply_rotary_ref, fused_add_rms_norm, fused_add_rms_norm_ref,
+    fused_add_rms_norm, fused_add_rms_norm_ref,
     paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention, paged_prefill_attention_ref,
     rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref, store_kv, store_kv_ref,
 )
@@ -148,27 +148,6 @@ def check_rms_norm(num_tokens: int, hidden: int, dtype: torch.dtype, device: str
     torch.testing.assert_close(out, out_same, rtol=tol, atol=tol)
 
 
-def check_rotary(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: str) -> None:
-    max_pos = 4096
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    freqs = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(device)
-    width = (num_heads + 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(num_tokens, width, device=device).to(dtype)
-    positions = torch.randint(0, max_pos, (num_tokens,), device=device)
-    qkv_ref = qkv.double()
-    split = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
-    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split(split, dim=-1))
-    qr, kr, _ = (t.view(num_tokens, -1, head_dim) for t in qkv_ref.split(split, dim=-1))
-    v_before = v.clone()
-    apply_rotary(q, k, positions, cache)
-    apply_rotary_ref(qr, kr, positions, cache.double())
-    assert_close(q, qr, dtype, "rotary q")
-    assert_close(k, kr, dtype, "rotary k")
-    assert torch.equal(v, v_before), "rotary wrote outside q and k"
-
-
 def check_silu_and_mul(num_tokens: int, inter: int, dtype: torch.dtype, device: str) -> None:
     x = (2 * torch.randn(num_tokens, 2 * inter, device=device)).to(dtype)
     out = silu_and_mul(x)
@@ -183,7 +162,7 @@ def quantize_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_dtype: st
                       scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
     """(k codes, v codes, k_scale, v_scale) of float caches ``[blocks, page, Hkv, D]`` in format ``kv_dtype``,
     scales in the paged layout ``[blocks, Hkv, page]``."""
-    from minfer.kernels.quant import KV_QUANT_FORMATS, quantize_ref
+    from minfer.kernels.kv_quant import KV_QUANT_FORMATS, quantize_ref
 
     fmt = KV_QUANT_FORMATS[kv_dtype]
     kc, ks = quantize_ref(k_cache, fmt, scale_dtype)
@@ -241,7 +220,7 @@ def check_prefill_quant(q_lens: list[int], ctx_lens: list[int], num_heads: int, 
 def check_store_kv_quant(num_tokens: int, num_kv_heads: int, head_dim: int, page: int, kv_dtype: str,
                          dtype: torch.dtype, scale_dtype: torch.dtype, device: str) -> None:
     """Kernel vs reference: the same codes and scales bit for bit; untouched slots stay untouched."""
-    from minfer.kernels.quant import KV_QUANT_FORMATS
+    from minfer.kernels.kv_quant import KV_QUANT_FORMATS
 
     code_dtype = KV_QUANT_FORMATS[kv_dtype].dtype
     num_blocks = num_tokens // page + 4

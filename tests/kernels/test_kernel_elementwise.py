@@ -1,10 +1,11 @@
-"""KV store, RMSNorm, rotary and SwiGLU kernels vs their torch references (CPU interpreter in CI)."""
+"""KV store, RMSNorm and SwiGLU kernels vs their torch references (CPU interpreter in CI); rotary is
+tested inside the fused store kernel (test_kernel_rope_store.py)."""
 
 import pytest
 import torch
 
 from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
-    check_rms_norm, check_rotary, check_silu_and_mul, check_store_kv, seed_per_case,
+    check_rms_norm, check_silu_and_mul, check_store_kv, seed_per_case,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -21,12 +22,6 @@ def test_store_kv(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("hidden", [64, 1000])
 def test_rms_norm(hidden: int, dtype: torch.dtype) -> None:
     check_rms_norm(9, hidden, dtype, "cpu")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (6, 1, 64)])
-def test_rotary(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-    check_rotary(11, num_heads, num_kv_heads, head_dim, dtype, "cpu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)

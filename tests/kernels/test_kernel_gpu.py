@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
-    check_decode, check_prefill, check_rms_norm, check_rotary, check_silu_and_mul, check_store_kv, seed_per_case,
+    check_decode, check_prefill, check_rms_norm, check_silu_and_mul, check_store_kv, seed_per_case,
 )
 
 pytestmark = [
@@ -49,6 +49,4 @@ def test_elementwise(dtype: torch.dtype) -> None:
     check_store_kv(4099, 8, 128, 16, dtype, "cuda")
     check_rms_norm(1027, 4096, dtype, "cuda")
     check_rms_norm(513, 1024, dtype, "cuda")
-    check_rotary(1027, 32, 8, 128, dtype, "cuda")
-    check_rotary(513, 16, 8, 128, dtype, "cuda")
     check_silu_and_mul(257, 14336, dtype, "cuda")

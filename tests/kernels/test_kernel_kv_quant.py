@@ -19,8 +19,10 @@ from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
 )
 from minfer.kernels import paged_decode_attention_ref, paged_prefill_attention_ref
 from minfer.kernels.decode_attention import DecodeConfig
-from minfer.kernels.quant import KV_QUANT_FORMATS, dequantize_ref, quantize_ref, split_q_int8
-from minfer.model.attention import AttentionMetadata, torch_decode_attention, torch_prefill_attention
+from minfer.kernels.kv_quant import KV_QUANT_FORMATS, dequantize_ref, quantize_ref
+from minfer.kernels.quant import split_q_int8
+from minfer.ops import AttentionMetadata
+from minfer.ops.torch_attention import torch_decode_attention, torch_prefill_attention
 
 FORMATS = list(KV_QUANT_FORMATS)
 PAGE = 16
@@ -98,7 +100,7 @@ def test_prefill_quant(kv_dtype: str, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 def test_engine_torch_path_matches_reference(kv_dtype: str) -> None:
-    """minfer.model.attention's torch path (the engine's CPU backend) on quantized caches equals the
+    """The torch ops' attention (minfer/ops/torch_attention.py, the engine's CPU path) on quantized caches equals the
     kernels' reference: the same codes, the same scales, the same attention."""
     ctx, q_lens, hq, hkv, d = [5, 40, 17, 33], [1, 1, 17, 9], 8, 2, 32
     kf, vf, table = make_paged_kv(ctx, hkv, d, PAGE, torch.float32, "cpu")
@@ -188,7 +190,7 @@ def test_8bit_decode_loop_sass() -> None:
     or a kernel change that undoes one of these fails here instead of silently costing ~30%."""
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0")  # a real compile, in a fresh process
-    res = subprocess.run([sys.executable, str(root / "benchmarks" / "sass_stats.py"), "--kv",
+    res = subprocess.run([sys.executable, str(root / "dev" / "sass_stats.py"), "--kv",
                           "int8,fp8_e4m3,fp8_e5m2", "--check"], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("byte LDS 0") == 3, res.stdout

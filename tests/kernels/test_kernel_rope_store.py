@@ -1,14 +1,15 @@
-"""The fused q/k-norm + rotary + KV-store kernel against the separate kernels it replaces, and
-against the torch references (CPU interpreter in CI; the same checks on the GPU)."""
+"""The fused q/k-norm + rotary + KV-store kernel against the separate steps it replaces (the norm and
+store kernels, the float32 rotary reference), and against the torch references (CPU interpreter in
+CI; the same checks on the GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_testlib import REL_TOL, assert_close, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
-from minfer.kernels import apply_rotary, rms_norm, store_kv
-from minfer.kernels.quant import KV_QUANT_FORMATS
-from minfer.kernels.rope_store import rope_store_kv, rope_store_kv_ref
+from kernel_testlib import EXACT_BF16, REL_TOL, assert_close, seed_per_case  # noqa: F401 (seed_per_case: autouse)
+from minfer.kernels import rms_norm, store_kv
+from minfer.kernels.kv_quant import KV_QUANT_FORMATS
+from minfer.kernels.rope_store import apply_rotary_ref, rope_store_kv, rope_store_kv_ref
 from minfer.model.layers import RotaryEmbedding
 
 PAGE = 16
@@ -57,15 +58,26 @@ def _run_fused(case: dict) -> None:
 
 
 def _run_separate(case: dict) -> None:
-    """The unfused launches of the engine before: q/k norms, rotary, store."""
+    """The unfused steps: q/k norm kernels, rotary (float32, one rounding), the store kernel."""
     q, k = case["q"], case["k"]
     if case["q_norm_weight"] is not None:
         q.copy_(rms_norm(q, case["q_norm_weight"], 1e-6))
         k = rms_norm(k, case["k_norm_weight"], 1e-6)
     else:
         k = k.clone()
-    apply_rotary(q, k, case["positions"], case["cos_sin_cache"])
+    _rotate(q, k, case["positions"], case["cos_sin_cache"])
     store_kv(k, case["v"], case["k_cache"], case["v_cache"], case["slot_mapping"], case["k_scale"], case["v_scale"])
+
+
+def _rotate(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor) -> None:
+    """The rotary step alone, in place: float32 math rounded once, as a kernel rounds here (Triton's
+    interpreter rounds float32 -> bfloat16 toward zero, see kernel_testlib.EXACT_BF16)."""
+    qf, kf = q.float(), k.float()
+    apply_rotary_ref(qf, kf, positions, cache)
+    for x, xf in ((q, qf), (k, kf)):
+        if x.dtype == torch.bfloat16 and not EXACT_BF16:
+            xf = (xf.view(torch.int32) & -65536).view(torch.float32)  # drop the low 16 bits: toward zero
+        x.copy_(xf)
 
 
 def _bits(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -16,8 +16,8 @@ a decode program (one sequence, one KV head) then reads each page's scales as on
 (32 bytes for 16 tokens), instead of one scattered element per token.
 
 The Triton side (store-kernel quantization, dequantization in the attention kernels) lives in
-``minfer/kernels/quant.py``; this module needs only torch, so the engine's torch path does not
-load Triton.
+``quant.py``; this module needs only torch, so the engine's torch path (``minfer/ops``) uses it
+without loading Triton.
 
 Triton's CPU interpreter (3.9) converts float32 to 8/16-bit floats with ties rounded away from
 zero and, when rounding carries into the exponent, drops the carry (125.0 → e4m3 64.0). Under the
@@ -37,7 +37,7 @@ import torch
 KV_SCALE_DTYPE = torch.float16
 
 # How the attention kernels turn codes into float16 dot operands (see ``codes_to_f16`` in
-# minfer/kernels/quant.py): int8 by byte permutes, e4m3 by conversion, e5m2 by a bit shift.
+# quant.py): int8 by byte permutes, e4m3 by conversion, e5m2 by a bit shift.
 F16_INT8, F16_CVT, F16_SHIFT = 0, 1, 2
 
 
@@ -124,3 +124,20 @@ def gather_scales(scales: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return scales[slots // page, :, slots % page]
 
 
+
+
+def write_kv_rows(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
+    """Write each token's K/V ``[T, Hkv, D]`` into its cache slot (every slot valid); 8-bit caches get
+    codes, and scales beside them. The torch path's store and the store kernel's reference: one
+    function, so the two backends' caches agree bit for bit."""
+    fmt = format_of(k_cache.dtype)
+    page = k_cache.shape[1]
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        rows = cache.view(-1, *cache.shape[2:])
+        if fmt is not None:
+            x, row_scales = quantize_ref(x, fmt, scales.dtype)
+            scales[slot_mapping // page, :, slot_mapping % page] = row_scales
+            rows, x = rows.view(torch.uint8), x.view(torch.uint8)  # as bytes: float8 lacks some index kernels
+        rows[slot_mapping] = x

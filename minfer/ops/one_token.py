@@ -1,0 +1,56 @@
+"""The forward of a one-token step on the Triton kernels, built from the model from outside.
+
+At batch 1 every projection is a weight stream (``minfer/kernels/gemv.py``) and each small kernel
+between two projections costs about what a matrix-vector product does. So here each layer's two
+RMSNorms (with their residual adds) run in the prologue of the matrix-vector kernel after them
+(qkv, gate_up) and SwiGLU in the down projection's: three launches fewer per layer. The decoder
+itself keeps one plain forward: this module reads its layers' weights from outside (as gpt-fast's
+``tp.py`` swaps modules), and calls the layer's own attention (q/k norms, rotary, KV store, paged
+attention on the same ops) between the projections. The LM head stays with the model
+(``compute_logits``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minfer.kernels.gemv import gemv, gemv_rms_norm, gemv_silu_mul
+from minfer.ops.metadata import AttentionMetadata
+
+
+class OneTokenForward:
+    """``model.forward`` for a step of exactly one token, as fused matrix-vector launches.
+
+    ``model`` is a Llama-family decoder (``minfer.model.llama.LlamaForCausalLM``): ``embed_tokens``,
+    and ``layers`` of ``input_layernorm``, ``self_attn`` (``qkv_proj``, ``attention``, ``o_proj``),
+    ``post_attention_layernorm`` and ``mlp`` (``gate_up_proj``, ``down_proj``).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.embed_tokens = model.embed_tokens
+        self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+                       for layer in model.layers]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for ln, attn, ln2, mlp in self.layers:
+            qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias)
+            gate_up, residual = gemv_rms_norm(x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
+            x = gemv_silu_mul(gate_up, mlp.down_proj.weight)
+        return x + residual  # the final norm runs in compute_logits, as in the model's forward
+
+
+class OneTokenFusedForward:
+    """The step forward on the Triton ops: the one place that decides the fused path, by the step's
+    token count alone (a lone decode, a one-token prompt chunk: the batch-1 decode graph included)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.one_token = OneTokenForward(model)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if input_ids.shape[0] == 1:
+            return self.one_token(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta)

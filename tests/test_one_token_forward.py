@@ -1,0 +1,71 @@
+"""The fused one-token forward (minfer/ops/one_token.py) against the model's plain forward on the
+Triton ops (interpreter on CPU), and both against the torch ops, on tiny models of each family."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minfer.config import ModelConfig
+from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from minfer.model.loader import build_model
+from minfer.ops import AttentionMetadata, select_ops
+from minfer.ops import one_token
+
+BLOCK = 16
+PROMPT = [5, 17, 42, 9, 100, 3, 77]
+
+
+def _meta(slots: list[int], ctx: int, num_decodes: int) -> AttentionMetadata:
+    """One sequence in block 0: a decode (one token) or a prompt chunk of ``len(slots)`` tokens."""
+    q = torch.tensor([0, len(slots)], dtype=torch.int32)
+    table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=table, context_lens=lens, num_decodes=num_decodes,
+        block_size=BLOCK, prefill_query_start_loc=None if num_decodes else q,
+        prefill_block_tables=None if num_decodes else table, prefill_context_lens=None if num_decodes else lens,
+        max_prefill_query_len=0 if num_decodes else len(slots), context_lens_host=[ctx],
+        query_lens_host=[len(slots)])
+
+
+def _decode_hidden(path, backend: str, fused: bool | None) -> torch.Tensor:
+    """Prefill PROMPT with the plain forward, then one decode step: through the ops' step forward
+    (``fused=None``), or explicitly the fused one-token forward / the plain model forward."""
+    cfg = ModelConfig.from_pretrained(path)
+    ops = select_ops(backend, torch.device("cpu"), BLOCK, cfg.head_dim)
+    model = build_model(path, cfg, torch.float32, torch.device("cpu"), 64, ops)
+    allocate_kv_cache(model.attention_layers(), KVCacheSpec.for_model(cfg, BLOCK, torch.float32), 2,
+                      torch.device("cpu"))
+    n = len(PROMPT)
+    with torch.no_grad():
+        model(torch.tensor(PROMPT), torch.arange(n), _meta(list(range(n)), n, 0))
+        forward = ops.model_forward(model) if fused is None else one_token.OneTokenForward(model) if fused else model
+        hidden = forward(torch.tensor([11]), torch.tensor([n]), _meta([n], n + 1, 1))
+        return model.compute_logits(hidden)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norms
+def test_one_token_forward_matches_plain_forward_and_torch_ops(checkpoints, arch):
+    fused = _decode_hidden(checkpoints[arch], "triton", True)
+    plain = _decode_hidden(checkpoints[arch], "triton", False)
+    torch_ops = _decode_hidden(checkpoints[arch], "torch", None)
+    assert _rel(fused, plain) < 1e-5, "fused one-token forward vs the plain forward on the Triton ops"
+    assert _rel(fused, torch_ops) < 1e-4, "Triton ops vs torch ops"
+    assert torch.equal(fused.argmax(-1), torch_ops.argmax(-1))
+
+
+def test_step_forward_takes_the_fused_path_exactly_at_one_token(checkpoints, monkeypatch):
+    calls = []
+    real = one_token.gemv_rms_norm
+    monkeypatch.setattr(one_token, "gemv_rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = checkpoints["llama3"]
+    stepped = _decode_hidden(path, "triton", None)
+    assert len(calls) == 2 * ModelConfig.from_pretrained(path).num_hidden_layers  # the decode, not the prefill
+    assert torch.equal(stepped, _decode_hidden(path, "triton", True))
+    cfg = ModelConfig.from_pretrained(path)
+    torch_ops = select_ops("torch", torch.device("cpu"), BLOCK, cfg.head_dim)
+    model = build_model(path, cfg, torch.float32, torch.device("cpu"), 64, torch_ops)
+    assert torch_ops.model_forward(model) is model  # the torch ops have no fused forward
