@@ -9,8 +9,9 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from minfer.config import EngineConfig
-from minfer.engine.llm_engine import LLMEngine, PromptType
-from minfer.outputs import RequestOutput
+from minfer.engine.llm_engine import LLMEngine
+from minfer.engine.processor import PromptType
+from minfer.outputs import RequestOutput, RequestOutputKind
 from minfer.sampling_params import SamplingParams
 
 
@@ -28,7 +29,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         config = EngineConfig.from_kwargs(model=str(model or builtin_model_path()), **kwargs)
-        self.llm_engine = LLMEngine(config, stream_text=False)
+        self.llm_engine = LLMEngine(config, RequestOutputKind.FINAL_ONLY)
         self._counter = 0
 
     def get_tokenizer(self) -> Any:

@@ -1,7 +1,17 @@
 """What a request returns: RequestOutput holding one CompletionOutput per sample (vLLM's shapes)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``LLMEngine.step`` returns (vLLM's names): ``FINAL_ONLY`` finished requests only (``LLM``),
+    ``CUMULATIVE`` every request that got a token, whole, ``DELTA`` only what is new (the server)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -9,8 +19,8 @@ class CompletionOutput:
     """One generated sequence. ``logprobs`` is a list (one per token) of {token_id: logprob}.
 
     ``token_offset`` is the position in the whole output of ``token_ids[0]`` (and ``logprobs[0]``).
-    It is 0 except in the delta outputs of an engine with ``delta_outputs`` set (the server's), where
-    it counts the tokens that earlier outputs of this sequence already carried, so each step copies
+    It is 0 except in the delta outputs of an engine built with ``RequestOutputKind.DELTA`` (the
+    server's), where it counts the tokens that earlier outputs of this sequence already carried, so each step copies
     only its new tokens instead of the whole output so far. ``text`` and ``cumulative_logprob``
     are always whole: a str is shared, not copied.
     """

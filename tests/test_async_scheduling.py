@@ -21,7 +21,7 @@ def _all_free(llm: LLM) -> bool:
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_async_greedy_matches_hf(checkpoints, arch, scenario):
     llm = LLM(str(checkpoints[arch]), async_scheduling=True, **SCENARIOS[scenario])
-    assert llm.llm_engine.async_scheduling
+    assert llm.llm_engine.config.async_scheduling
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
@@ -112,4 +112,4 @@ def test_async_abort_while_a_step_is_in_flight(checkpoints):
 def test_async_scheduling_flag_is_validated(checkpoints):
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(model=str(checkpoints["llama3"]), async_scheduling="yes")
-    assert LLM(str(checkpoints["llama3"]), num_kv_blocks=8).llm_engine.async_scheduling  # the default
+    assert LLM(str(checkpoints["llama3"]), num_kv_blocks=8).llm_engine.config.async_scheduling  # the default

@@ -1,4 +1,4 @@
-"""Delta outputs (``LLMEngine.delta_outputs``, the server's mode): each step's partial outputs carry
+"""Delta outputs (``RequestOutputKind.DELTA``, the server's mode): each step's partial outputs carry
 only new tokens, and joined back together they are exactly the whole outputs of the default mode."""
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from minfer import LLM, SamplingParams
 from minfer.config import EngineConfig
 from minfer.engine.async_engine import RequestStream, join_outputs
 from minfer.engine.llm_engine import LLMEngine
-from minfer.outputs import RequestOutput
+from minfer.outputs import RequestOutput, RequestOutputKind
 
 PROMPT = "def fibonacci(n):"
 
 
 def _run(path: Any, delta: bool, params: dict[str, SamplingParams]) -> list[list[RequestOutput]]:
     """Every step's outputs, until all requests finish."""
-    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64), stream_text=True, delta_outputs=delta)
+    engine = LLMEngine(EngineConfig(model=str(path), num_kv_blocks=64), RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE)
     for rid, p in params.items():
         engine.add_request(rid, PROMPT if rid != "ids" else {"prompt_token_ids": list(range(2, 30))}, p)
     steps = []

@@ -6,13 +6,24 @@ import torch
 
 from conftest import _hf_model
 from minfer import LLM, SamplingParams
+from minfer.engine.input_batch import SamplingMetadata
 from minfer.engine.sampler import Sampler, uniform_noise
-from minfer.engine.sequence import Sequence
+from minfer.ops import select_ops
+
+CPU = torch.device("cpu")
 
 
-def _seqs(params: list[SamplingParams], seeds: list[int], tokens: list[int] | None = None) -> list[Sequence]:
-    return [Sequence(i, str(i), 0, tokens or [0], p, s, frozenset({1}), 10_000)
-            for i, (p, s) in enumerate(zip(params, seeds))]
+def _sampler() -> Sampler:
+    return Sampler(CPU, select_ops("torch", CPU, 16, 64))
+
+
+def _meta(params: list[SamplingParams], seeds: list[int], tokens: list[int] | None = None,
+          prompt_len: int = 1) -> SamplingMetadata:
+    """Rows of a one-token prompt (``tokens``: prompt + output so far) with EOS id 1."""
+    tokens = tokens or [0]
+    return SamplingMetadata.from_params(params, seeds, [len(tokens) - prompt_len] * len(params), CPU,
+                                        [list(tokens)] * len(params), [prompt_len] * len(params),
+                                        [frozenset({1})] * len(params))
 
 
 def test_noise_is_uniform_and_a_function_of_seed_and_counter():
@@ -31,7 +42,7 @@ def test_samples_follow_softmax_of_scaled_logits():
     temp = 0.7
     n = 20_000
     params = [SamplingParams(temperature=temp)] * n
-    out = Sampler(torch.device("cpu"))(logits.repeat(n, 1), _seqs(params, list(range(n)))).result()
+    out = _sampler()(logits.repeat(n, 1), _meta(params, list(range(n)))).result()
     freq = torch.bincount(torch.tensor(out.token_ids), minlength=5).float() / n
     expected = (logits / temp).softmax(-1)
     assert torch.allclose(freq, expected, atol=0.015), (freq, expected)
@@ -47,17 +58,15 @@ def test_samples_follow_softmax_of_scaled_logits():
 def test_filters_restrict_support(kw, support):
     logits = torch.tensor([2.0, 1.0, 0.4, -1.0, 0.0])
     n = 3000
-    out = Sampler(torch.device("cpu"))(logits.repeat(n, 1),
-                                          _seqs([SamplingParams(temperature=1.0, **kw)] * n, list(range(n)))).result()
+    out = _sampler()(logits.repeat(n, 1), _meta([SamplingParams(temperature=1.0, **kw)] * n, list(range(n)))).result()
     assert set(out.token_ids) == support
 
 
 def test_penalties_match_definitions():
     logits = torch.tensor([[3.0, -2.0, 1.0, 0.5, 2.9, -0.1]])
-    seq = _seqs([SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5,
-                                frequency_penalty=0.25)], [0], tokens=[2, 3])[0]
-    seq.token_ids += [0, 0, 1]  # output tokens: 0 twice, 1 once; prompt: 2, 3
-    out = Sampler(torch.device("cpu"))._apply_penalties(logits, [seq])
+    meta = _meta([SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)],
+                 [0], tokens=[2, 3, 0, 0, 1], prompt_len=2)  # output tokens: 0 twice, 1 once; prompt: 2, 3
+    out = _sampler()._apply_penalties(logits, meta)
     expected = torch.tensor([[3.0 / 2 - 0.5 - 0.5, -2.0 * 2 - 0.5 - 0.25, 1.0 / 2, 0.5 / 2, 2.9, -0.1]])
     assert torch.allclose(out, expected)
 

@@ -21,7 +21,6 @@ with ``EngineDeadError`` and ``healthy`` turns False; nothing waits forever.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -30,8 +29,8 @@ from collections import deque
 from typing import Any, Protocol
 
 from minfer.engine.llm_engine import LLMEngine
-from minfer.outputs import RequestOutput
-from minfer.sampling_params import SamplingParams
+from minfer.engine.processor import EngineRequest, Processor
+from minfer.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger("minfer.async_engine")
 
@@ -67,7 +66,7 @@ class EngineObserver(Protocol):
 class RequestStream:
     """The outputs of one request not yet read, joined into one, read on the event loop.
 
-    The engine runs in delta mode (``LLMEngine.delta_outputs``): an unfinished request's output
+    The engine runs in delta mode (``RequestOutputKind.DELTA``): an unfinished request's output
     holds only its new tokens, the finished one everything. ``put`` joins a delta onto the unread
     output instead of queueing it (a finished output replaces it), which bounds what is kept per
     request whatever the client's pace and lets a slow client receive several tokens in one chunk.
@@ -126,18 +125,21 @@ class AsyncLLMEngine:
     """Serve an ``LLMEngine`` to asyncio callers from a background thread.
 
     ``max_waiting_requests`` bounds the requests admitted but not yet producing a token
-    (queued or in prefill); past it ``add_request`` raises ``QueueFullError``.
+    (queued or in prefill); past it ``add_request`` raises ``QueueFullError``. ``processor`` is the
+    event loop's own copy of the engine's: requests are checked there, before they are queued.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
-        engine.delta_outputs = True  # see LLMEngine.__init__; RequestStream.put joins the deltas
+        if engine.output_kind is not RequestOutputKind.DELTA:  # RequestStream.put joins deltas
+            raise ValueError(f"AsyncLLMEngine needs an LLMEngine built with RequestOutputKind.DELTA, "
+                             f"got {engine.output_kind}")
         self.engine = engine
+        self.processor: Processor = engine.processor.clone()
         self.max_waiting_requests = max_waiting_requests
         self.observer: EngineObserver | None = None  # told of every step and abort, on the engine thread
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._num_waiting = 0
-        self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -185,20 +187,20 @@ class AsyncLLMEngine:
                     num_streams=len(self._streams))
 
     # ---- requests (event loop side) -------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
-                    ) -> RequestStream:
-        """Queue a request for the engine thread and return the stream its outputs arrive on."""
+    def add_request(self, request: EngineRequest) -> RequestStream:
+        """Queue a request (checked by ``self.processor``) for the engine thread and return the stream
+        its outputs arrive on."""
         if not self.healthy:
             raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
         limit = self.max_waiting_requests
         if limit is not None and self._num_waiting >= limit:
             raise QueueFullError(f"{self._num_waiting} requests are already waiting (limit {limit})")
-        request_id = f"req-{next(self._ids)}"
-        stream = RequestStream(request_id)
-        self._streams[request_id] = stream
+        if request.request_id in self._streams:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        stream = RequestStream(request.request_id)
+        self._streams[request.request_id] = stream
         self._num_waiting += 1
-        self._commands.put(("add", request_id, {"prompt": prompt, "prompt_token_ids": prompt_token_ids},
-                            params, time.time()))
+        self._commands.put(("add", request))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -312,11 +314,11 @@ class AsyncLLMEngine:
                 if known and self.observer is not None:
                     self.observer.on_abort(cmd[1])
             elif kind == "add":
-                _, request_id, prompt, params, arrival = cmd
+                request = cmd[1]
                 try:
-                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                    self.engine.add_processed_request(request)
                 except (ValueError, TypeError) as exc:  # a bad request, not a broken engine
-                    self._call_on_loop(self._fail, request_id, exc)
+                    self._call_on_loop(self._fail, request.request_id, exc)
 
     def _count_new_tokens(self, outputs: list[RequestOutput]) -> list[int]:
         counts = self._num_tokens

@@ -82,7 +82,7 @@ class BlockManager:
         need = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(table) + shared
         if need > len(self.free_ids):
             return False
-        if shared:  # a new list, not an edit in place: see Sequence.table_rows
+        if shared:  # a new list, not an edit in place: see Sequence.block_table
             src = seq.block_table[first]
             self.blocks[src].ref_count -= 1
             dst = self._take_free_block()
@@ -108,7 +108,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs):
+        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_known_tokens) // bs):
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             key = (prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             h = hash(key)

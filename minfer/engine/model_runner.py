@@ -18,44 +18,17 @@ import torch
 
 from minfer.config import EngineConfig, ModelConfig, cdiv
 from minfer.engine.cuda_graphs import DecodeGraphs
+from minfer.engine.input_batch import InputBatch
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
 from minfer.engine.sampler import DeviceSample, Sampler
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.engine.sequence import Sequence
-from minfer.model.attention import AttentionMetadata
 from minfer.model.loader import build_model
+from minfer.ops import AttentionMetadata, select_ops
 
 logger = logging.getLogger("minfer")
 
 CPU_DEFAULT_KV_BYTES = 2 << 30
-
-
-def _check_triton_interpreter() -> None:
-    """On the CPU, Triton kernels only run in its interpreter, which must be on before Triton loads."""
-    from minfer.kernels import rms_norm
-
-    try:
-        rms_norm(torch.ones(1, 16), torch.ones(16), 1e-6)
-    except Exception as exc:
-        raise ValueError("attention_backend='triton' on the CPU needs Triton's interpreter: start Python with "
-                         f"TRITON_INTERPRET=1 (Triton was loaded before minfer could set it): {exc}") from exc
-
-
-def _block_tables(seqs: list[Sequence]) -> np.ndarray:
-    """The sequences' block tables as one zero-padded int32 matrix. Each row comes from the
-    sequence's cached int32 copy (``Sequence.table_rows``), remade only when its table changed
-    (a new block every ``block_size`` tokens): flattening every table from Python ints each step
-    cost about 1 ms at 256 sequences of 1k tokens."""
-    rows = []
-    for s in seqs:
-        table, cached = s.block_table, s.table_rows
-        if cached is None or cached[0] is not table or len(cached[1]) != len(table):
-            cached = s.table_rows = (table, np.array(table, dtype=np.int32))
-        rows.append(cached[1])
-    lens = np.array([len(r) for r in rows])
-    out = np.zeros((len(rows), int(lens.max())), dtype=np.int32)
-    out[np.arange(out.shape[1]) < lens[:, None]] = np.concatenate(rows)
-    return out
 
 
 def profile_lengths(budget: int, max_model_len: int) -> list[int]:
@@ -79,8 +52,10 @@ class StepArrays:
     cu: np.ndarray  # [S + 1] int64
     logit_rows: np.ndarray  # rows whose sequence samples this step
     num_decodes: int
-    fill_dst: np.ndarray  # token indices whose id is still on the device (PENDING_TOKEN) ...
+    fill_dst: np.ndarray  # token indices whose id is still on the device (a pending token) ...
     fill_src: np.ndarray  # ... and their rows in the previous step's sampled ids
+    batch_rows: np.ndarray | None = None  # each sequence's input-batch row
+    num_tokens: np.ndarray | None = None  # each sequence's tokens, pending ones included
 
 
 @dataclass(slots=True)
@@ -91,7 +66,7 @@ class LaunchedStep:
     batch: SchedulerOutput
     sampled: list[Sequence]
     sample: DeviceSample | None
-    prompt_logprobs: dict[int, list[dict[int, float]]]
+    prompt_logprobs: dict[Sequence, tuple[int, list[dict[int, float]]]]  # (first position, entries)
 
 
 class ModelRunner:
@@ -102,9 +77,11 @@ class ModelRunner:
         self.dtype = config.resolved_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = self._resolve_backend()
-        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.backend)
-        self.sampler = Sampler(self.device)
+        self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.head_dim)
+        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops)
+        self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
+        self.sampler = Sampler(self.device, self.ops)
+        self.input_batch = InputBatch(config.max_num_seqs, cdiv(max_model_len, self.block_size), self.device)
         self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype, config.kv_cache_dtype)
         self.num_kv_blocks = self._count_kv_blocks()
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.num_kv_blocks, self.device)
@@ -114,7 +91,7 @@ class ModelRunner:
                     self.block_size, self.block_bytes, self.num_kv_blocks * self.block_bytes / 2**30,
                     spec.format_name, scales)
         self.graphs = self._capture_graphs()
-        if self.device.type == "cuda" and self.backend == "triton":
+        if self.device.type == "cuda" and self.ops.name == "triton":
             self._warm_up_kernels()
 
     @torch.no_grad()
@@ -127,20 +104,6 @@ class ModelRunner:
                 if cache is not None:
                     raw = cache.view(torch.uint8)  # as bytes: float8 has no CPU indexing kernels
                     raw[dst] = raw[src]
-
-    def _resolve_backend(self) -> str:
-        """'auto' takes the Triton kernels on CUDA where they apply, the torch path otherwise."""
-        choice = self.config.attention_backend
-        hd = self.model_config.head_dim
-        fits = self.block_size >= 16 and hd & (hd - 1) == 0 and 16 <= hd <= 256
-        if choice == "triton" and not fits:
-            raise ValueError(f"attention_backend='triton' needs block_size >= 16 (got {self.block_size}) and a "
-                             f"power-of-two head_dim in [16, 256] (got {hd})")
-        if choice == "auto":
-            return "triton" if self.device.type == "cuda" and fits else "torch"
-        if choice == "triton" and self.device.type == "cpu":
-            _check_triton_interpreter()
-        return choice
 
     @property
     def block_bytes(self) -> int:
@@ -213,21 +176,19 @@ class ModelRunner:
             a = self._synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32))
             a.positions[:] = a.slots[:] = 0  # positions in any rotary table; all writes into block 0
             ids, positions, slots, rows = self._upload(torch.int64, a.ids, a.positions, a.slots, a.logit_rows)
-            hidden = self.model(ids, positions, self._metadata(a, slots))
+            hidden = self.forward(ids, positions, self._metadata(a, slots))
             logits = self.model.compute_logits(hidden[rows], float32=False)
-        from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
-
-        gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device),
-                      torch.ones(len(logits), device=self.device))
-        greedy_argmax(logits)
+        self.ops.gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device),
+                               torch.ones(len(logits), device=self.device))
+        self.ops.greedy_argmax(logits)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def _capture_graphs(self) -> DecodeGraphs | None:
-        if self.device.type != "cuda" or self.backend != "triton" or self.config.enforce_eager:
+        if self.device.type != "cuda" or not self.ops.cuda_graphs or self.config.enforce_eager:
             return None
         graphs = DecodeGraphs(self.model, self.config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
-                              self.block_size, self.device)
+                              self.block_size, self.device, forward=self.forward)
         graphs.capture()
         return graphs
 
@@ -236,6 +197,8 @@ class ModelRunner:
         Per-sequence facts are read with one plain list comprehension each (no properties, no
         generators): at 256 sequences this loop over Python objects is most of the cost."""
         seqs, nd = batch.seqs, batch.num_decodes
+        self.input_batch.free(batch.freed_seq_ids)
+        rows = self.input_batch.rows(seqs)
         q_list = [s.num_scheduled_tokens for s in seqs]
         start_list = [s.num_computed_tokens for s in seqs]
         token_lists = [s.token_ids for s in seqs]
@@ -250,15 +213,16 @@ class ModelRunner:
         ids = np.array(ids_list, dtype=np.int64)
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
-        tables = _block_tables(seqs)
+        ib = self.input_batch
+        tables = ib.block_tables[rows, :int(ib.num_blocks[rows].max())]
         bs = self.block_size
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         ends = starts + q_lens
         pending = np.array([i for i, s in enumerate(seqs) if s.num_pending], dtype=np.int64)
-        fill_src = np.array([seqs[i].sample_row for i in pending.tolist()], dtype=np.int64)
+        fill_src = ib.sample_row[rows[pending]]
         fill_dst = cu[pending] + num_tokens[pending] - 1 - starts[pending]  # always its sequence's last token
         return StepArrays(ids, positions, slots, tables, ends.astype(np.int32), q_lens, cu,
-                          cu[1:][ends == num_tokens] - 1, nd, fill_dst, fill_src)
+                          cu[1:][ends == num_tokens] - 1, nd, fill_dst, fill_src, rows, num_tokens)
 
     def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Copy ``arrays`` to the device as ``dtype`` in one transfer, through pinned memory on CUDA
@@ -309,37 +273,43 @@ class ModelRunner:
                 torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
             if len(a.fill_dst):
                 ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
-            hidden = self.model(ids, positions, self._metadata(a, slots))
+            hidden = self.forward(ids, positions, self._metadata(a, slots))
             logits = None
         seqs = batch.seqs
-        sampled = list(seqs) if len(a.logit_rows) == len(seqs) else [s for s in seqs if s.samples_this_step]
+        samples = len(a.logit_rows) == len(seqs)
+        sampled = list(seqs) if samples else [s for s in seqs if s.samples_this_step]
         sample = None
         if sampled:
             if logits is None:
                 logits = self.model.compute_logits(hidden[rows], float32=False)
-            sample = self.sampler(logits, sampled)
+            which = slice(None) if samples else np.array([s.samples_this_step for s in seqs])
+            sample_rows = a.batch_rows[which]
+            meta = self.input_batch.sampling_metadata(
+                sample_rows, a.num_tokens[which] - self.input_batch.prompt_lens[sample_rows], sampled)
+            sample = self.sampler(logits, meta)
             sample.start_copy()
+            self.input_batch.sample_row[sample_rows] = np.arange(len(sampled))
         prompt_lp = self._prompt_logprobs(batch, hidden) if any(
             s.params.prompt_logprobs is not None for s in batch.seqs) else {}
         return LaunchedStep(batch, sampled, sample, prompt_lp)
 
-    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor) -> dict[int, list[dict[int, float]]]:
-        """Logprobs of each prompt token this step's rows predict (row at position p → token p+1),
-        skipping positions recorded before a preemption. Logits go in slices to bound memory."""
-        result: dict[int, list[dict[int, float]]] = {}
+    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor
+                         ) -> dict[Sequence, tuple[int, list[dict[int, float]]]]:
+        """Logprobs of each prompt token this step's rows predict (row at position p → token p+1), as
+        (first position, entries) per sequence. Logits go in slices to bound memory."""
+        result: dict[Sequence, tuple[int, list[dict[int, float]]]] = {}
         row = 0
         for seq in batch.seqs:
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            if seq.params.prompt_logprobs is not None:
-                first = max(start, len(seq.prompt_logprobs) - 1)  # position whose next token is unrecorded
-                last = min(start + n, seq.num_prompt_tokens - 1)  # positions [first, last) predict prompt tokens
+            if seq.params.prompt_logprobs is not None and seq.index == 0:
+                last = min(start + n, seq.num_prompt_tokens - 1)  # positions [start, last) predict prompt tokens
                 entries: list[dict[int, float]] = []
-                for lo in range(first, last, 1024):
+                for lo in range(start, last, 1024):
                     hi = min(lo + 1024, last)
                     logprobs = self.model.compute_logits(hidden[row + lo - start:row + hi - start]).log_softmax(-1)
                     targets = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=self.device)
                     entries += self.sampler.gather_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * (hi - lo))
                 if entries:
-                    result[seq.seq_id] = entries
+                    result[seq] = (start, entries)
             row += n
         return result

@@ -13,37 +13,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from minfer.engine.sequence import Sequence
+from minfer.engine.input_batch import SamplingMetadata
+from minfer.ops import Ops
+from minfer.ops.torch_sampling import mix32, noise_from_row_hash
 
 _M32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche finaliser on int64 tensors (or uint64 arrays) holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x85EBCA6B) & _M32
-    x = x ^ (x >> 13)
-    x = (x * 0xC2B2AE35) & _M32
-    return x ^ (x >> 16)
 
 
 def row_hash(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     """Per-row 32-bit hash of (seed, output index): the row part of the noise. Takes int64 tensors or
     uint64 numpy arrays alike; the sampler hashes on the host, where 256 rows cost a few microseconds
     against a dozen tiny kernels on the device."""
-    return _mix32((_mix32(seeds & _M32) ^ (seeds >> 32)) ^ ((counters * 0x9E3779B1) & _M32))
+    return mix32((mix32(seeds & _M32) ^ (seeds >> 32)) ^ ((counters * 0x9E3779B1) & _M32))
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """u[r, v] in (0, 1), a pure function of (seeds[r], counters[r], v)."""
     return noise_from_row_hash(row_hash(seeds, counters), vocab_size)
-
-
-def noise_from_row_hash(row: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """:func:`uniform_noise` from the rows' hashes (int64 ``[R]``)."""
-    col = _mix32((torch.arange(vocab_size, device=row.device) * 0x27D4EB2F + 0x165667B1) & _M32)
-    bits = _mix32(row[:, None] ^ col[None, :]) >> 8  # 24 random bits
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
 
 
 @dataclass(slots=True)
@@ -100,70 +86,37 @@ class DeviceSample:
         return SamplerOutput(ids, logprobs)
 
 
-@dataclass(slots=True)
-class _BatchFacts:
-    """What a batch's rows sample with, fixed while the same sequences sample in the same order (the
-    steady state of decoding): built once, reused step after step. ``seqs`` keeps the sequences
-    alive, so no other object can take one of the ids in ``key``."""
-
-    key: tuple[int, ...]  # id() of each row's sequence
-    seqs: list[Sequence]
-    want_logprobs: list[int | None]
-    any_logprobs: bool
-    any_penalties: bool
-    any_min_tokens: bool
-    any_filters: bool  # top-k, top-p or min-p
-    greedy: list[bool]
-    inv_temps: torch.Tensor  # [R] float32 1 / temperature on the device (1.0 on greedy rows)
-    seeds: np.ndarray  # [R] uint64 on the host
-
-
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._facts: _BatchFacts | None = None
+    """Draws the next token of each sampling row. ``ops`` supplies the argmax passes (one fused Triton
+    pass over the logits on the GPU, torch's reference on the CPU); everything else is torch."""
 
-    def _batch_facts(self, seqs: list[Sequence]) -> _BatchFacts:
-        """The cached facts of this batch, or new ones: scanning every row's parameters each step cost
-        about as much as the rest of the sampler's host work at 256 rows."""
-        key = tuple(map(id, seqs))
-        facts = self._facts
-        if facts is not None and facts.key == key:
-            return facts
-        params = [s.params for s in seqs]
-        want_logprobs = [p.logprobs for p in params]
-        greedy = [p.greedy for p in params]
-        inv_temps = self._tensor([1.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)], torch.float32)
-        facts = self._facts = _BatchFacts(
-            key, list(seqs), want_logprobs, any(k is not None for k in want_logprobs),
-            any(p.has_penalties for p in params), any(p.min_tokens > 0 for p in params),
-            any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params), greedy, inv_temps,
-            np.array([s.sample_seed for s in seqs], dtype=np.uint64))
-        return facts
+    def __init__(self, device: torch.device, ops: Ops) -> None:
+        self.device = device
+        self.ops = ops
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
-        """logits: [len(seqs), vocab] of the rows that sample this step (float32, or the model dtype).
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSample:
+        """logits: [R, vocab] of the rows that sample this step (float32, or the model dtype).
         Nothing here waits for the device: per-row parameters go up through pinned memory, the draws
         stay down."""
-        facts = self._batch_facts(seqs)
+        facts = meta.rows
         if logits.dtype != torch.float32 and (not logits.is_cuda or facts.any_logprobs or facts.any_penalties
                                               or facts.any_min_tokens or facts.any_filters):
             logits = logits.float()  # else the argmax kernels read the model dtype and convert exactly
         want_logprobs = facts.want_logprobs
         raw_logprobs = logits.log_softmax(-1) if facts.any_logprobs else None
         if facts.any_penalties:
-            logits = self._apply_penalties(logits, seqs)
-        if facts.any_min_tokens and any(s.num_output_tokens < s.params.min_tokens for s in seqs):
-            logits = self._block_early_stops(logits, seqs)
+            logits = self._apply_penalties(logits, meta)
+        if facts.any_min_tokens and any(c < p.min_tokens for c, p in zip(meta.output_counts.tolist(), facts.params)):
+            logits = self._block_early_stops(logits, meta)
         greedy = facts.greedy
         if all(greedy):
-            token_ids = self._greedy(logits)
+            token_ids = self.ops.greedy_argmax(logits)
         elif not any(greedy):
-            token_ids = self._sample(logits, seqs, facts)
+            token_ids = self._sample(logits, meta)
         else:
-            token_ids = torch.where(self._tensor(greedy, torch.bool), self._greedy(logits),
-                                    self._sample(logits, seqs, facts))
+            token_ids = torch.where(self._tensor(greedy, torch.bool), self.ops.greedy_argmax(logits),
+                                    self._sample(logits, meta))
         sample = DeviceSample(token_ids, want_logprobs)
         if raw_logprobs is not None:
             k = max(w or 0 for w in want_logprobs)
@@ -172,16 +125,6 @@ class Sampler:
                 raw_logprobs[:, :0], raw_logprobs[:, :0].long())
         return sample
 
-    @staticmethod
-    def _greedy(logits: torch.Tensor) -> torch.Tensor:
-        """Argmax per row; on CUDA one chunked kernel (torch's argmax runs a 128k-vocabulary row on one
-        block: 28 us of a batch-1 decode step on an H200)."""
-        if logits.is_cuda:
-            from minfer.kernels.sampling import greedy_argmax
-
-            return greedy_argmax(logits)
-        return logits.argmax(-1)
-
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A list on the device, through pinned memory on CUDA; filled through numpy, which converts a
         list of Python numbers about twice as fast as ``torch.tensor`` does."""
@@ -189,11 +132,11 @@ class Sampler:
         host.numpy()[:] = values
         return host.to(self.device, non_blocking=True)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], facts: _BatchFacts) -> torch.Tensor:
-        params = [s.params for s in seqs] if facts.any_filters else []
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        facts = meta.rows
+        params = facts.params
         inv_temps = facts.inv_temps
-        counters = np.array([len(s.token_ids) - len(s.prompt_token_ids) for s in seqs], dtype=np.uint64)
-        hashes = self._tensor(row_hash(facts.seeds, counters), torch.int64)
+        hashes = self._tensor(row_hash(facts.seeds, meta.output_counts.astype(np.uint64)), torch.int64)
         if facts.any_filters:  # filters see logits / T
             logits = logits * inv_temps[:, None]
             inv_temps = torch.ones_like(inv_temps)
@@ -204,12 +147,7 @@ class Sampler:
                 min_p = self._tensor([p.min_p for p in params], torch.float32)
                 cutoff = probs.max(-1, keepdim=True).values * min_p[:, None]
                 logits = logits.masked_fill(probs < cutoff, float("-inf"))
-        if logits.is_cuda:  # one fused pass over the logits (the same draws up to rounding)
-            from minfer.kernels.sampling import gumbel_argmax
-
-            return gumbel_argmax(logits.contiguous(), hashes, inv_temps)
-        gumbel = -torch.log(-torch.log(noise_from_row_hash(hashes, logits.shape[-1])))
-        return (logits * inv_temps[:, None] + gumbel).argmax(-1)
+        return self.ops.gumbel_argmax(logits.contiguous(), hashes, inv_temps)
 
     def _top_k_top_p(self, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Keep the k most likely tokens and the smallest set whose probability reaches top_p."""
@@ -226,32 +164,33 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """repetition_penalty over prompt + output tokens (HF/vLLM); presence and frequency
         penalties over output tokens only (OpenAI)."""
         rows, vocab = logits.shape
-        out_counts = torch.zeros(rows, vocab, device=logits.device)
-        seen = torch.zeros(rows, vocab, dtype=torch.bool, device=logits.device)
-        for r, s in enumerate(seqs):  # one row per penalised sequence, not per token
-            if not s.params.has_penalties:
+        facts, dev = meta.rows, logits.device
+        out_counts = torch.zeros(rows, vocab, device=dev)
+        seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        for r, (p, tokens) in enumerate(zip(facts.params, meta.token_ids)):  # one row per sequence, not per token
+            if not p.has_penalties:
                 continue
-            out = torch.tensor(s.output_token_ids, dtype=torch.int64, device=logits.device)
-            out_counts[r].index_add_(0, out, torch.ones(len(out), device=logits.device))
-            seen[r, torch.tensor(s.token_ids, dtype=torch.int64, device=logits.device)] = True
-        params = [s.params for s in seqs]
-        rep = self._tensor([p.repetition_penalty for p in params], torch.float32)[:, None]
+            out = torch.tensor(tokens[int(facts.prompt_lens[r]):], dtype=torch.int64, device=dev)
+            out_counts[r].index_add_(0, out, torch.ones(len(out), device=dev))
+            seen[r, torch.tensor(tokens, dtype=torch.int64, device=dev)] = True
+        rep = self._tensor([p.repetition_penalty for p in facts.params], torch.float32)[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
-        freq = self._tensor([p.frequency_penalty for p in params], torch.float32)[:, None]
-        pres = self._tensor([p.presence_penalty for p in params], torch.float32)[:, None]
+        freq = self._tensor([p.frequency_penalty for p in facts.params], torch.float32)[:, None]
+        pres = self._tensor([p.presence_penalty for p in facts.params], torch.float32)[:, None]
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
-    def _block_early_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _block_early_stops(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Before min_tokens, EOS and stop_token_ids cannot be sampled."""
         logits = logits.clone()
-        for r, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
-                ids = set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else set(s.eos_token_ids))
+        facts = meta.rows
+        for r, (p, count) in enumerate(zip(facts.params, meta.output_counts.tolist())):
+            if count < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(facts.eos_token_ids[r]))
                 ids = [i for i in ids if i < logits.shape[-1]]
                 if ids:
                     logits[r, ids] = float("-inf")

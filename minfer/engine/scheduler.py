@@ -6,12 +6,16 @@ admits waiting sequences first come, first served, all under one token budget
 cannot hold a running sequence's next tokens, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 later (often mostly from the prefix cache). No step ever fails for lack of memory.
+
+A request of ``n`` samples enters as ``n`` sequences: sample 0 computes the prompt, and once its
+prompt is in the cache the others fork from it (sharing its blocks, copy on write) and recompute only
+the last prompt token for their own first draw.
 """
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.sequence import Sequence, SequenceStatus
@@ -25,6 +29,7 @@ class SchedulerOutput:
     num_decodes: int
     num_tokens: int
     scheduled_at: float = 0.0  # time.time()
+    freed_seq_ids: list[int] = field(default_factory=list)  # finished or preempted since the last step
 
 
 def _context_len(seq: Sequence) -> int:
@@ -32,10 +37,6 @@ def _context_len(seq: Sequence) -> int:
 
 
 class Scheduler:
-    # Decodes go longest context first: the decode kernel's programs start in row order, so the long ones
-    # start first and the short ones fill the gaps at the end (the longest-processing-time rule).
-    longest_decodes_first = True
-
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -43,13 +44,42 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.unforked: dict[int, list[Sequence]] = {}  # sample 0's seq_id -> samples 1..n-1 not yet forked
+        self._freed: list[int] = []
 
-    def add(self, seq: Sequence, front: bool = False) -> None:
-        """Queue ``seq``; ``front`` for work that was already admitted once (forked samples)."""
-        if front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+    def add_request(self, seqs: list[Sequence]) -> None:
+        """Queue a request's samples: sample 0 now, the others once it has computed the prompt."""
+        self.waiting.append(seqs[0])
+        if len(seqs) > 1:
+            self.unforked[seqs[0].seq_id] = seqs[1:]
+
+    def abort_request(self, seqs: list[Sequence]) -> None:
+        """Finish every unfinished sample of a request with reason 'abort' and free its blocks."""
+        for seq in self.unforked.pop(seqs[0].seq_id, ()):  # never queued: nothing to free
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        for seq in seqs:
+            if not seq.is_finished:
+                self.finish(seq, "abort")
+
+    def on_launched(self, batch: SchedulerOutput, sampled: list[Sequence]) -> None:
+        """Advance the step's sequences as if it had run: computed tokens move forward, full blocks
+        enter the prefix cache, each sampling sequence gets a pending token, and a finished prompt
+        releases its request's other samples."""
+        cache_full_blocks, unforked = self.block_manager.cache_full_blocks, self.unforked
+        for seq in batch.seqs:  # plain attributes, no properties: this loop runs for every sequence
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            seq.num_computed_tokens, seq.num_scheduled_tokens = end, 0
+            cache_full_blocks(seq)
+            if unforked and start < len(seq.prompt_token_ids) <= end and seq.seq_id in unforked:
+                self._fork_samples(seq)
+        for seq in sampled:
+            seq.append_pending()
+
+    def _fork_samples(self, seq: Sequence) -> None:
+        for child in self.unforked.pop(seq.seq_id):
+            self.block_manager.fork(seq, child)
+            child.num_computed_tokens = seq.num_prompt_tokens - 1
+            self.waiting.appendleft(child)  # already admitted once: ahead of new work
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,11 +126,14 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(seq)
             budget -= num_new
+        # Decodes go longest context first: the decode kernel's programs start in row order, so the long
+        # ones start first and the short ones fill the gaps at the end (the longest-processing-time rule).
         decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
-        if self.longest_decodes_first:
-            decodes.sort(key=_context_len, reverse=True)
+        decodes.sort(key=_context_len, reverse=True)
         chunks = [s for s in scheduled if s.num_scheduled_tokens > 1]
-        return SchedulerOutput(decodes + chunks, len(decodes), self.max_num_batched_tokens - budget, time.time())
+        freed, self._freed = self._freed, []
+        return SchedulerOutput(decodes + chunks, len(decodes), self.max_num_batched_tokens - budget, time.time(),
+                               freed)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -109,12 +142,11 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self._freed.append(seq.seq_id)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Retire ``seq`` (from either queue) and free its blocks; tokens still in flight are dropped."""
-        if seq.num_pending:
-            del seq.token_ids[-seq.num_pending:]
-            seq.num_pending = 0
+        seq.drop_pending()
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
@@ -123,3 +155,4 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        self._freed.append(seq.seq_id)

@@ -1,13 +1,15 @@
-"""Sequence: one stream of tokens being generated, and the state the scheduler keeps for it."""
+"""Sequence: one sample's tokens and its KV-cache accounting, as the scheduler sees it.
+
+What a sequence produces for the caller (text, logprobs, deltas) lives in the output processor, and
+what the model runner keeps per row (block-table copies, sampling parameters on the device) lives in
+its input batch; a sequence holds only what scheduling and caching need.
+"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from minfer.sampling_params import SamplingParams
-
 
 PENDING_TOKEN = -1  # stands in token_ids for a sampled token that is still on the device (async scheduling)
 
@@ -30,12 +32,12 @@ class Sequence:
 
     With async scheduling, a step's sampled token is appended as ``PENDING_TOKEN`` when the step is
     launched (``num_pending`` counts them, at most two, at the end of ``token_ids``) and filled in
-    when the step's results come back; meanwhile the next step reads its value on the device from
-    row ``sample_row`` of the previous step's sampled ids.
+    when the step's results come back; meanwhile the next step reads its value on the device. Only
+    the three methods below touch pending tokens.
 
     ``block_table`` only ever grows by ``append``; any other change (free, fork, copy on write)
-    puts a new list in its place. So ``table_rows``, the model runner's int32 copy of it, is
-    valid while it was made from this very list object and has its length.
+    puts a new list in its place, which lets the runner keep an int32 copy and update it by the
+    appended entries alone.
     """
 
     seq_id: int
@@ -43,30 +45,42 @@ class Sequence:
     index: int  # which of the request's n samples
     prompt_token_ids: list[int]
     params: SamplingParams
-    sample_seed: int  # the seed of this sample's random stream (see Sampler)
+    seed: int  # the seed of this sample's random stream (see Sampler)
     eos_token_ids: frozenset[int]
     max_total_tokens: int  # prompt + output may not exceed this (max_model_len / max_tokens)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0
     num_pending: int = 0
-    sample_row: int = -1  # this sequence's row in the last launched step's sampled ids
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
-    table_rows: tuple[list[int], np.ndarray] | None = None  # (block_table it copies, int32 copy)
     status: SequenceStatus = SequenceStatus.WAITING
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=lambda: [None])
-    cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""
-    detokenizer: object | None = None
-    num_reported_tokens: int = 0  # output tokens already sent in delta outputs (LLMEngine.delta_outputs)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
 
+    # ---- pending tokens (async scheduling) ------------------------------------------------
+    def append_pending(self) -> None:
+        """A launched step will sample this sequence's next token."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending += 1
+
+    def fill_pending(self, token: int) -> int:
+        """The oldest pending token's value arrived; returns its position in ``token_ids``."""
+        at = len(self.token_ids) - self.num_pending
+        self.token_ids[at] = token
+        self.num_pending -= 1
+        return at
+
+    def drop_pending(self) -> None:
+        """Forget tokens still in flight (the sequence finished before they came back)."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
+
+    # ---- derived counts -------------------------------------------------------------------
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

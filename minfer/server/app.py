@@ -33,7 +33,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
     metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy)
     async_engine.observer = metrics
-    ctx = ServerContext.from_engine(async_engine, served_model_names or [str(engine.config.model)])
+    ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

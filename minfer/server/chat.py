@@ -33,9 +33,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, top_k)
     text, ids = chat_prompt(ctx, req)
-    ctx.check_prompt(ids, max_tokens, "messages")
-    streams = ctx.submit([(text, ids)], params)
     cid, created = request_id("chatcmpl"), int(time.time())
+    streams = ctx.submit([ctx.process(cid, text, ids, params, "messages")])
     tok = TokenText(ctx.tokenizer)
 
     if not req.stream:

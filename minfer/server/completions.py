@@ -35,10 +35,10 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if len(prompts) * req.n > 1024:
         raise APIError(400, f"a batch of {len(prompts)} prompts with n={req.n} is over 1024 sequences", "prompt")
     params = ctx.sampling_params(req, req.max_tokens, req.logprobs)
-    for i, (_, ids) in enumerate(prompts):
-        ctx.check_prompt(ids, req.max_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
-    streams = ctx.submit(prompts, params)
     cid, created, n = request_id("cmpl"), int(time.time()), req.n
+    streams = ctx.submit([ctx.process(f"{cid}-{i}", text, ids, params,
+                                      "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                          for i, (text, ids) in enumerate(prompts)])
     tok = TokenText(ctx.tokenizer)
     num_prompt_tokens = sum(len(ids) for _, ids in prompts)
 

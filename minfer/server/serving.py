@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from minfer.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from minfer.engine.llm_engine import PromptError
+from minfer.engine.processor import EngineRequest, Processor, PromptError
 from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams
 from minfer.server.errors import APIError, bad_request, error_body
@@ -35,22 +34,24 @@ class ClientGone(Exception):
 
 @dataclass
 class ServerContext:
-    """The engine and the facts about the model that request handling needs."""
+    """The engine, the event loop's processor (its own tokenizer copy) and the served names."""
 
     engine: AsyncLLMEngine
     served_model_names: list[str]
-    max_model_len: int
-    tokenizer: Any = None  # the event loop's own copy (see from_engine)
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
 
-    @classmethod
-    def from_engine(cls, engine: AsyncLLMEngine, served_model_names: list[str], **kwargs: Any) -> "ServerContext":
-        """The tokenizer is deep-copied: a Rust ``tokenizers`` object used from two threads at once
-        (ours encoding, the engine thread decoding) can fail with 'Already borrowed'."""
-        core = engine.engine
-        return cls(engine=engine, served_model_names=served_model_names, max_model_len=core.max_model_len,
-                   tokenizer=copy.deepcopy(core.tokenizer) if core.tokenizer is not None else None, **kwargs)
+    @property
+    def processor(self) -> Processor:
+        return self.engine.processor
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.processor.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.processor.max_model_len
 
     @property
     def model_name(self) -> str:
@@ -69,14 +70,17 @@ class ServerContext:
                                 f"send prompts as token-id lists", param)
         return self.tokenizer
 
-    def check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
-        """The engine's own limits (``LLMEngine.check_prompt``), checked before the request is queued;
-        ``param`` names the prompt field in the error."""
+    def process(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                param: str) -> EngineRequest:
+        """The engine's own checks (``Processor``), before the request is queued; ``param`` names the
+        prompt field in the error."""
         try:
-            self.engine.engine.check_prompt(ids, max_tokens)
+            return self.processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
         except PromptError as exc:
             name = param if exc.field == "prompt" else exc.field
             raise APIError(400, f"{name}: {exc}", name) from exc
+        except (ValueError, TypeError) as exc:
+            raise bad_request(exc, _SAMPLING_FIELDS) from exc
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
@@ -94,12 +98,12 @@ class ServerContext:
             raise bad_request(exc, _SAMPLING_FIELDS) from exc
 
     # ---- running requests -----------------------------------------------------------------
-    def submit(self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestStream]:
-        """Queue one engine request per prompt; all or none."""
+    def submit(self, requests: list[EngineRequest]) -> list[RequestStream]:
+        """Queue the requests; all or none."""
         streams: list[RequestStream] = []
         try:
-            for text, ids in prompts:
-                streams.append(self.engine.add_request(ids, params, text))
+            for request in requests:
+                streams.append(self.engine.add_request(request))
         except QueueFullError as exc:
             self.abort(streams)
             raise APIError(503, f"the server is overloaded: {exc}; retry in {self.retry_after_s} s",

@@ -23,6 +23,7 @@ import uvicorn  # noqa: E402
 
 from minfer.config import EngineConfig  # noqa: E402
 from minfer.engine.llm_engine import LLMEngine  # noqa: E402
+from minfer.outputs import RequestOutputKind  # noqa: E402
 from minfer.server.app import build_app  # noqa: E402
 
 MODEL_NAME = "tiny-llama3"
@@ -43,7 +44,7 @@ class LiveServer:
 
     def __init__(self, model_dir: Path, max_waiting_requests: int | None = 1024, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE_ARGS, **engine_args}),
-                                stream_text=True)
+                                RequestOutputKind.DELTA)
         self.app = build_app(self.engine, [MODEL_NAME], max_waiting_requests)
         self.ctx = self.app.state.ctx
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

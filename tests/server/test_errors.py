@@ -59,15 +59,15 @@ CASES = [  # (path, body, status, param)
 
 @pytest.fixture()
 def engine_add_calls(server: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Records every request that reaches the engine thread's ``add_request``."""
+    """Records every request that reaches the engine thread's ``add_processed_request``."""
     calls: list[str] = []
-    real = server.engine.add_request
+    real = server.engine.add_processed_request
 
-    def spy(request_id: str, *args: Any, **kwargs: Any) -> None:
-        calls.append(request_id)
-        real(request_id, *args, **kwargs)
+    def spy(request: Any) -> None:
+        calls.append(request.request_id)
+        real(request)
 
-    monkeypatch.setattr(server.engine, "add_request", spy)
+    monkeypatch.setattr(server.engine, "add_processed_request", spy)
     return calls
 
 

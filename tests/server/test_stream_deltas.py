@@ -1,5 +1,5 @@
 """Streamed chunks, joined, are exactly the non-streamed response: the engine's delta outputs
-(``LLMEngine.delta_outputs``) lose, repeat and reorder nothing, with n=2, logprobs and a stop string."""
+(``RequestOutputKind.DELTA``) lose, repeat and reorder nothing, with n=2, logprobs and a stop string."""
 from __future__ import annotations
 
 import json

@@ -1,0 +1,117 @@
+"""Processor: a prompt and its SamplingParams in, a checked EngineRequest out.
+
+Every check a request must pass before it may reach the scheduler lives here, so the offline
+``LLM`` and the HTTP server reject the same requests with the same messages. It reads only fixed
+facts (the tokenizer, the vocabulary, ``max_model_len``, the cache's size), so the server runs its
+own copy on the event loop's side and answers a bad request with a 400 before queueing it.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Any
+
+from minfer.config import cdiv
+from minfer.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class PromptError(ValueError):
+    """A request the engine can never serve; ``field`` names what to change: 'prompt' or 'max_tokens'."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A request that passed every check: what the engine core schedules (vLLM's EngineCoreRequest)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # prompt + output never exceed this
+    arrival_time: float
+
+
+class Processor:
+    """Tokenizes prompts and checks requests against the engine's fixed limits.
+
+    ``num_kv_blocks`` x ``block_size`` is the whole cache: a request that could not fit in it even
+    alone is refused here rather than preempted forever.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int,
+                 block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+
+    def clone(self) -> "Processor":
+        """A processor for another thread. The tokenizer is deep-copied: a Rust ``tokenizers`` object
+        used from two threads at once (one encoding, the other decoding) can fail with 'Already borrowed'."""
+        other = copy.copy(self)
+        other.tokenizer = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
+        return other
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a str, a token-id list, or {'prompt' | 'prompt_token_ids': ...}."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                arrival_time: float | None = None) -> EngineRequest:
+        """Tokenize and check; raises ``PromptError`` (or another ValueError/TypeError) naming the field."""
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        max_total = self.check_prompt(ids, params.max_tokens)
+        self.check_params(params)
+        return EngineRequest(request_id, text, ids, params, max_total, arrival_time or time.time())
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: limits that depend on the model."""
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.vocab_size:  # top-k over the vocabulary
+                raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), got {k}")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
+
+    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+        """Reject prompts the engine can never serve (``PromptError``); return the request's longest
+        total length."""
+        if not ids:
+            raise PromptError("the prompt is empty: it must contain at least one token", "prompt")
+        vocab = self.vocab_size
+        if not all(type(t) is int for t in ids):  # the fast check; numpy integers pass the slow one
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
+            if bad:  # a float 1.5 would silently become token 1
+                raise PromptError(f"prompt token ids must be integers, got {bad[0]!r} ({type(bad[0]).__name__})",
+                                  "prompt")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise PromptError(f"prompt token ids must be in [0, {vocab}), got min {min(ids)}, max {max(ids)}", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                              f"it must be shorter to leave room for at least one output token", "prompt")
+        total = self.max_model_len if max_tokens is None else min(len(ids) + max_tokens, self.max_model_len)
+        need = cdiv(total, self.block_size)
+        if need > self.num_kv_blocks:
+            raise PromptError(f"this request needs up to {need} KV blocks ({total} tokens) but the whole cache has "
+                              f"{self.num_kv_blocks}; lower max_tokens or give the cache more memory", "max_tokens")
+        return total
