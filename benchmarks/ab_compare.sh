@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # A/B on one GPU machine: this working tree against commit $1, alternating in separate processes (same machine,
 # same minutes, so host and clock noise hit both), logs and a summary under $OUT.
-#   batch 1 (llama-3.2-1b, batch1_sweep.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
+#   batch 1 (llama-3.2-1b, batch1.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
 #   workload A on $SHAPES (minfer bench), $A_ROUNDS rounds (default 1; 0 skips it)
 # Usage: OUT=/tmp/ab ROUNDS=2 A_ROUNDS=2 SHAPES=qwen3-0.6b benchmarks/ab_compare.sh 0724a14
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT="${OUT:-/tmp/minfer-ab}"; mkdir -p "$OUT"; NEW="$PWD"; OLD=/tmp/minfer-old
 rm -rf "$OLD"; git worktree prune; git worktree add -f "$OLD" "$1" >/dev/null 2>&1 || { echo "no commit $1"; exit 1; }
-cp benchmarks/batch1_sweep.py benchmarks/gemv_chain.py "$OLD/benchmarks/"  # today's measurement, old engine
+cp benchmarks/batch1.py benchmarks/gemv_chain.py "$OLD/benchmarks/"  # today's measurement, old engine
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; echo "new: $(git rev-parse --short HEAD) + working tree, old: $1"; } | tee "$OUT/summary.md"
 for r in $(seq "${ROUNDS:-2}"); do
   for side in new old; do
     dir=$NEW; [ $side = old ] && dir=$OLD
-    (cd "$dir" && PYTHONPATH="$dir" timeout 120 python3 benchmarks/batch1_sweep.py --variants base --output-len 512) 2>&1 \
+    (cd "$dir" && PYTHONPATH="$dir" timeout 120 python3 benchmarks/batch1.py --output-len 512) 2>&1 \
       | grep -E "^\||Error" | sed "s/^| base |/| batch 1, $side |/" | tee -a "$OUT/summary.md"
   done
 done

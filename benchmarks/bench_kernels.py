@@ -39,7 +39,7 @@ from triton.testing import do_bench  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from minfer.kernels import (  # noqa: E402
-    apply_rotary, apply_rotary_ref, fused_add_rms_norm, fused_add_rms_norm_ref, paged_decode_attention,
+    fused_add_rms_norm, fused_add_rms_norm_ref, paged_decode_attention,
     paged_decode_attention_ref, paged_prefill_attention, paged_prefill_attention_ref, silu_and_mul,
     silu_and_mul_ref, store_kv, store_kv_ref,
 )
@@ -49,7 +49,7 @@ from minfer.kernels.gemv import _RMS_NORM, _SILU_MUL  # noqa: E402
 from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
-from minfer.kernels.quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
+from minfer.kernels.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
 PEAK_BW = HBM_BYTES_PER_S  # BENCHMARKS.md's measured copy bandwidth
 PEAK_FLOPS = 793e12
@@ -345,24 +345,6 @@ def rms_case(t: int, h: int) -> list[Row]:
                 nbytes, 0)]
 
 
-def rotary_case(t: int, hq: int, hkv: int, d: int) -> list[Row]:
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, dtype=DT)
-    q = qkv[:, :hq * d].view(t, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
-    pos = torch.randint(0, 32768, (t,), device=DEV)
-    freqs = torch.arange(32768, device=DEV)[:, None] * (1e4 ** (-torch.arange(0, d, 2, device=DEV) / d))[None]
-    cache = torch.cat((freqs.cos(), freqs.sin()), -1).float()
-    nbytes = 2 * t * (hq + hkv) * d * 2
-    shape = f"{t}x{hq}x{d} q + {hkv} kv heads, strided qkv view"
-    q2, k2 = q.clone(), k.clone()
-    qc, kc = q.clone(), k.clone()
-    apply_rotary(q2, k2, pos, cache)
-    apply_rotary_ref(qc, kc, pos, cache)
-    note = check("rotary", torch.cat((q2.flatten(), k2.flatten())), torch.cat((qc.flatten(), kc.flatten())))
-    return [Row("rotary", shape, "triton", bench_graph(lambda: apply_rotary(q, k, pos, cache)), nbytes, 0, note),
-            Row("rotary", shape, "torch ref", bench_graph(lambda: apply_rotary_ref(q, k, pos, cache)), nbytes, 0)]
-
-
 def silu_case(t: int, inter: int) -> list[Row]:
     x = torch.randn(t, 2 * inter, device=DEV, dtype=DT)
     nbytes = 3 * t * inter * 2
@@ -480,7 +462,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true", help="try launch configs first and print the best")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, to test the script itself (CPU ok)")
-    ap.add_argument("--only", default="", help="comma list: decode,prefill,rms,rotary,silu,store,gemv")
+    ap.add_argument("--only", default="", help="comma list: decode,prefill,rms,silu,store,gemv")
     ap.add_argument("--kv-dtypes", default="auto",
                     help="comma list of KV cache formats for decode/prefill: auto (bf16), int8, fp8_e4m3, fp8_e5m2")
     args = ap.parse_args()
@@ -504,7 +486,6 @@ def main() -> None:
                      ("store", lambda kd: store_case(32, 2, 32, sw, kd))]
         others: list[tuple[str, Callable[[], list[Row]]]] = [
             ("rms", lambda: rms_case(8, 256)),
-            ("rotary", lambda: rotary_case(8, 4, 2, 32)),
             ("silu", lambda: silu_case(8, 256)),
             ("gemv", lambda: gemv_case(40, 96, "tiny", sw)),
             ("gemv", lambda: gemv_fused_case(40, 96, "tiny", "add_rms", sw)),
@@ -521,7 +502,6 @@ def main() -> None:
         ]
         others = [
             ("rms", lambda: rms_case(8192, 4096)),
-            ("rotary", lambda: rotary_case(8192, 32, 8, 128)),
             ("silu", lambda: silu_case(8192, 14336)),
             *[("gemv", lambda n=n, k=k, lb=lb: gemv_case(n, k, lb, sw)) for n, k, lb in [
                 (3072, 2048, "1b qkv"), (2048, 2048, "1b o"), (16384, 2048, "1b gate_up"), (2048, 8192, "1b down"),

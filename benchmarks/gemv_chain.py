@@ -6,7 +6,7 @@ wide first tile won alone and lost 20% in the engine). Here one CUDA graph holds
 prologue), o, gate_up (+ RMSNorm) and down (+ SwiGLU) launches on distinct weights (1.95 GB for llama-3.2-1b,
 far beyond L2), and each config of one projection is timed with the other three at their defaults: a change
 in the chain's time is that projection's change. The best config per projection is then timed together and
-written to ``--json`` (``batch1_sweep.py --gemv-json`` runs the engine with it).
+written to ``--json`` (``dev/batch1_sweep.py --gemv-json`` runs the engine with it).
 
     python benchmarks/gemv_chain.py --shape llama-3.2-1b --json /tmp/gemv_best.json
 """

@@ -5,11 +5,9 @@
 #
 # 1. The engine's and kernels' gpu tests (HF agreement, graphs == eager, async == sync scheduling).
 # 2. Workload A (BENCHMARKS.md) on qwen3-0.6b, with and without async scheduling, and on llama-3.2-1b.
-# 3. torch.profiler traces of steady-state decode steps (qwen3-0.6b workload A; llama-3.2-1b batch 1)
-#    and of workload A's first, prompt-carrying (eager) steps; the host cost of one kernel launch.
-# 4. Batch-1 decode on llama-3.2-1b (with and without PDL); HF transformers' generate_batch on a subset, same process
-#    (SKIP_HF=1 leaves that out; SKIP_SYNC=1 the sync-scheduling run, SKIP_PROFILES=1 step 3).
-# The llama-3.1-8b runs (16 GB checkpoint) are in benchmarks/gpu_8b.sh.
+# 3. Batch-1 decode on llama-3.2-1b (with and without PDL); HF transformers' generate_batch on a subset, same process
+#    (SKIP_HF=1 leaves that out; SKIP_SYNC=1 the sync-scheduling run).
+# The llama-3.1-8b runs (16 GB checkpoint) are in benchmarks/gpu_8b.sh; profiles of the steps in dev/gpu_profiles.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
@@ -32,19 +30,6 @@ bench workload_a_qwen3-0.6b --shape qwen3-0.6b
 bench workload_a_llama-3.2-1b --shape llama-3.2-1b
 bench batch1_llama-3.2-1b --shape llama-3.2-1b --batch1
 MINFER_PDL=0 bench batch1_llama-3.2-1b_no_pdl --shape llama-3.2-1b --batch1   # programmatic dependent launch off
-if [ "${SKIP_PROFILES:-0}" != 1 ]; then
-echo "== profile ($(left) s left)"
-timeout "$(cap 100)" python3 benchmarks/profile_steps.py --shape qwen3-0.6b --out "$OUT/profile_qwen3-0.6b.txt" 2>&1 \
-  | grep -v Warn | head -14
-echo "== profile prompt-carrying steps ($(left) s left)"
-timeout "$(cap 80)" python3 benchmarks/profile_steps.py --shape qwen3-0.6b --prompt-steps --steps 6 \
-  --out "$OUT/profile_qwen3-0.6b_prompt_steps.txt" 2>&1 | grep -v Warn | head -20
-echo "== launch overhead ($(left) s left)"
-timeout "$(cap 40)" python3 benchmarks/launch_overhead.py 2>&1 | tee "$OUT/launch_overhead.txt"
-echo "== profile batch 1 ($(left) s left)"
-timeout "$(cap 80)" python3 benchmarks/profile_steps.py --shape llama-3.2-1b --batch1 --steps 50 \
-  --out "$OUT/profile_llama-3.2-1b_batch1.txt" 2>&1 | grep -v Warn | head -30
-fi
 [ "${SKIP_HF:-0}" = 1 ] || bench compare_hf_qwen3-0.6b --shape qwen3-0.6b --compare-hf
 
 python3 - "$OUT" <<'PY'

@@ -1,12 +1,13 @@
-"""Batch-1 decode speed under launch-config variants, in one process (issue 5's batch-1 target).
+"""Batch-1 decode speed under launch-config variants and kernel knock-outs (``benchmarks/batch1.py`` is the
+plain measurement).
 
 A launch config only shows its worth inside the decode chain: under programmatic dependent launch (PDL) each
 kernel overlaps the previous one's tail, which a kernel timed alone cannot show. So each variant here patches the
 module constants, builds a fresh engine (its CUDA graphs are captured with them) and runs ``minfer bench
 --batch1``'s measurement on the same checkpoint. Run one variant per process (``gpu_tuning.sh`` does).
 
-    python benchmarks/batch1_sweep.py --shape llama-3.2-1b --variants splits4 [--input-len 2048]
-    python benchmarks/batch1_sweep.py --variants base,gemv,base,gemv --gemv-json /tmp/gemv_best.json
+    python dev/batch1_sweep.py --shape llama-3.2-1b --variants splits4 [--input-len 2048]
+    python dev/batch1_sweep.py --variants base,gemv,base,gemv --gemv-json /tmp/gemv_best.json
 
 ``gemv`` runs the matrix-vector configs ``gemv_chain.py --json`` picked; ``skip_rope``, ``skip_merge`` and
 ``skip_attn`` leave a kernel out of the graph, to price it inside the chain; ``dBN_W_S`` runs the
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 from minfer import LLM  # noqa: E402
 from minfer.benchmark.offline import run_batch1  # noqa: E402
@@ -32,7 +34,7 @@ from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 from minfer.kernels import decode_attention  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
 
-from gemv_chain import median_replay_us  # this folder
+from gemv_chain import median_replay_us  # noqa: E402  (benchmarks/)
 
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
@@ -49,9 +51,9 @@ class _NoLaunch:
 # Knock-outs (timing only: the tokens they produce are wrong): name -> (module, attribute, stand-in). The graph
 # time without a kernel, against ``base``, is what that kernel costs inside the chain (PDL overlap included).
 KNOCKOUTS = {
-    "skip_rope": ("minfer.kernels.rope_store", "rope_store_kv", lambda *a, **k: None),
+    "skip_rope": ("minfer.ops.triton_ops", "rope_store_kv", lambda *a, **k: None),
     "skip_merge": ("minfer.kernels.decode_attention", "_decode_merge_kernel", _NoLaunch()),
-    "skip_attn": ("minfer.kernels", "paged_decode_attention", lambda q, *a, out=None, **k: out),
+    "skip_attn": ("minfer.ops.triton_ops", "paged_decode_attention", lambda q, *a, out=None, **k: out),
 }
 
 

@@ -16,7 +16,7 @@ if [ "${SKIP_SPLITS:-0}" != 1 ]; then
     | tee "$OUT/decode_splits_qwen3.md"
 fi
 for v in ${BATCH1_VARIANTS:-}; do   # name or name@input_len
-  timeout 90 python3 benchmarks/batch1_sweep.py --variants "${v%@*}" --input-len "$( [ "${v#*@}" != "$v" ] && echo "${v#*@}" || echo 128)" \
+  timeout 90 python3 dev/batch1_sweep.py --variants "${v%@*}" --input-len "$( [ "${v#*@}" != "$v" ] && echo "${v#*@}" || echo 128)" \
     2>&1 | grep -E "^\||Error|error" | sed "s/^| ${v%@*} |/| $v |/" | tee -a "$OUT/batch1.md"
 done
 for v in ${SPLIT_VARIANTS:-}; do

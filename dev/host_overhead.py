@@ -18,7 +18,7 @@ stepped until every prompt is prefilled; then K steady-state decode steps are ti
 per phase of ``step()`` (schedule, launch, complete).
 
 Usage:
-    python benchmarks/host_overhead.py [--num-seqs 256] [--steps 200] [--repeats 5] [--stream] [--no-async]
+    python dev/host_overhead.py [--num-seqs 256] [--steps 200] [--repeats 5] [--stream] [--no-async]
                                        [--cprofile]
 """
 from __future__ import annotations

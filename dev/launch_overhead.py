@@ -6,7 +6,7 @@ before the next launch is ready, so the wall time of N back-to-back launches ove
 cost of one. Compared: a torch elementwise op, ``torch.mm``, the Triton launchers of the engine
 (argument checks included), and a bare ``kernel[grid](...)`` call without our checks.
 
-Usage: python3 benchmarks/launch_overhead.py [--calls 2000]
+Usage: python3 dev/launch_overhead.py [--calls 2000]
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Prints the GPU-busy share of wall time, the top kernels by device time, and host time per phase
 of ``engine.step()``: schedule, launch (input building and kernel launches; with async scheduling
 nothing here waits for the GPU), complete (waiting for the draws, then stops and outputs).
-Usage (GPU): python3 benchmarks/profile_steps.py --shape qwen3-0.6b [--no-async] [--batch1] --out profile.txt
+Usage (GPU): python3 dev/profile_steps.py --shape qwen3-0.6b [--no-async] [--batch1] --out profile.txt
 ``--batch1``: one greedy request (128-token prompt) instead of workload A, for the batch-1 latency split.
 ``--prompt-steps``: profile workload A's first steps instead (each carries prompt chunks, eagerly: no
 CUDA graph covers them), to split their wall time into GPU work and host launch cost.
@@ -80,7 +80,7 @@ def main() -> None:
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     kind = "prompt-carrying" if args.prompt_steps else "decode"
-    lines = [f"shape {args.shape}, backend {engine.runner.backend}, async_scheduling {engine.async_scheduling}, "
+    lines = [f"shape {args.shape}, backend {engine.runner.ops.name}, async_scheduling {engine.async_scheduling}, "
              f"{batch_size} running sequences, {args.steps} {kind} steps in {wall * 1e3:.1f} ms = "
              f"{wall / args.steps * 1e3:.2f} ms/step ({batch_size * args.steps / wall:.0f} tok/s)",
              f"GPU busy (sum of kernel time / wall): {device_us / 1e6 / wall:.1%}",

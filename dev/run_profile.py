@@ -6,7 +6,7 @@ time, the sum of kernel time (GPU busy), the idle remainder, and kernel time gro
 (decode attention, prefill attention, GEMMs, norms, ...). The idle share is what host work,
 launch gaps and synchronisation cost; the grouped times show which kernels a target depends on.
 
-Usage: python3 benchmarks/run_profile.py --shape qwen3-0.6b [--out run_profile.txt]
+Usage: python3 dev/run_profile.py --shape qwen3-0.6b [--out run_profile.txt]
 """
 from __future__ import annotations
 

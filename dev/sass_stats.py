@@ -6,9 +6,9 @@ byte-wise shared-memory loads of an 8-bit V tile, or the int8 → float conversi
 ptxas/nvdisasm that ship inside Triton's NVIDIA backend; the device's Triton version may
 schedule differently, so the GPU timing stays the judge.
 
-    python benchmarks/sass_stats.py                     # bf16 and int8 caches, the shipped kernel
-    python benchmarks/sass_stats.py --kv int8 --dump    # also print the main loop's SASS
-    python benchmarks/sass_stats.py --kv int8,fp8_e4m3,fp8_e5m2 --check   # the 8-bit loop's structure (a test)
+    python dev/sass_stats.py                     # bf16 and int8 caches, the shipped kernel
+    python dev/sass_stats.py --kv int8 --dump    # also print the main loop's SASS
+    python dev/sass_stats.py --kv int8,fp8_e4m3,fp8_e5m2 --check   # the 8-bit loop's structure (a test)
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def decode_variants(kv: str):
     import torch
 
     from minfer.kernels import decode_attention as da
-    from minfer.kernels.quant import KV_QUANT_FORMATS
+    from minfer.kernels.kv_quant import KV_QUANT_FORMATS
 
     fmt = KV_QUANT_FORMATS.get(kv)
     code = "bf16" if fmt is None else "i8" if fmt.is_int else "u8"

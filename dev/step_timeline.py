@@ -13,8 +13,8 @@ inside an eager step), "GPU idle before" the time the device sat waiting for the
 launched at all: host-bound steps show up there. "host launch" is the host's time inside the
 launch (building inputs and queueing kernels; it never waits for the device).
 
-    python3 benchmarks/step_timeline.py --shape qwen3-0.6b [--no-async] [--out timeline.md]
-    python3 benchmarks/step_timeline.py --model minfer/assets/builtin-model --num-prompts 4 --max-model-len 256  # CPU
+    python3 dev/step_timeline.py --shape qwen3-0.6b [--no-async] [--out timeline.md]
+    python3 dev/step_timeline.py --model minfer/assets/builtin-model --num-prompts 4 --max-model-len 256  # CPU
 """
 from __future__ import annotations
 

@@ -1,7 +1,25 @@
-"""minfer: a compact, fast LLM inference engine for Llama-family models (PyTorch + Triton)."""
-from minfer.llm import LLM
+"""minfer: a compact, fast LLM inference engine for Llama-family models (PyTorch + Triton).
+
+``LLM`` is imported on first use: it pulls in torch and the engine, and ``minfer --help`` (which
+imports this package) should not wait for them.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from minfer.outputs import CompletionOutput, RequestOutput
 from minfer.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from minfer.llm import LLM
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from minfer.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

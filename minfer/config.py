@@ -2,15 +2,21 @@
 
 Both are validated once, at construction, so a bad value fails before any memory is allocated and
 never in the middle of a batch. Field names follow vLLM so a vLLM user needs no dictionary.
+Each EngineConfig field carries its help text (and its allowed values) in its metadata:
+``minfer.engine_args`` turns them into the command-line flags, so a knob is declared only here.
+
+torch is imported inside the functions that need it: the CLI builds its parser from this module,
+and ``minfer --help`` should not pay the seconds that importing torch takes.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -18,8 +24,24 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    """The ``torch.dtype`` of one of DTYPE_NAMES."""
+    import torch
+
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {name!r}")
+    return getattr(torch, name)
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (name -> torch.dtype), built on first use so that importing this module stays torch-free."""
+    if name == "DTYPES":
+        return {n: torch_dtype(n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(slots=True)
@@ -95,7 +117,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=int(window) if window else None,
-            torch_dtype=DTYPES.get(dtype_name, torch.float32),
+            torch_dtype=torch_dtype(dtype_name if dtype_name in DTYPE_NAMES else "float32"),
             eos_token_ids=_as_ids(eos),
             bos_token_id=cfg.get("bos_token_id"),
         )
@@ -121,10 +143,18 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
+DEVICES = ("auto", "cuda", "cpu")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # 'auto' stores K/V in the model dtype; the others are 8-bit with a scale per token and KV head.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
+
+
+def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field whose metadata holds its flag's help text and allowed values (see minfer.engine_args)."""
+    metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(slots=True)
@@ -135,35 +165,40 @@ class EngineConfig:
     without it the cache takes ``gpu_memory_utilization`` of the GPU (on CPU: 2 GiB).
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
+    model: str | None = _knob(None, "local HF folder or hub id (default: the built-in model)")
+    tokenizer: str | None = _knob(None, "tokenizer folder or hub id (default: the model's)")
+    dtype: str = _knob("auto", "weights and activations; auto: the checkpoint's on a GPU, float32 on the CPU "
+                       "(aliases: bf16, fp16, half, fp32, float)", DTYPE_CHOICES)
+    device: str = _knob("auto", "auto: cuda when a GPU is present", DEVICES)
+    seed: int = _knob(0, "seeds the draws of requests that bring no seed of their own")
+    max_model_len: int | None = _knob(None, "longest prompt + output in tokens (default: the model's context)")
+    max_num_seqs: int = _knob(256, "most sequences in one step")
     # As vLLM's offline LLM uses on large-memory GPUs. A step that carries prompt chunks runs eagerly,
     # one Python launch per kernel, and at 8192 those launches took longer than the GPU's work
     # (workload A, H200: 31 ms of host launch for ~20 ms of kernels per step); 16384 halves the count.
-    max_num_batched_tokens: int = 16384
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    async_scheduling: bool = True  # launch step N+1 before step N completes (see engine/llm_engine.py)
-    attention_backend: str = "auto"
-    kv_cache_dtype: str = "auto"
-    tensor_parallel_size: int = 1
-    skip_tokenizer_init: bool = False
-    revision: str | None = None
-    download_dir: str | None = None
+    max_num_batched_tokens: int = _knob(16384, "most tokens (prompt chunks + decodes) in one step")
+    block_size: int = _knob(16, "tokens per KV-cache block (a power of two up to 256)")
+    gpu_memory_utilization: float = _knob(0.9, "share of the GPU's memory the engine may take, KV cache included")
+    kv_cache_memory_bytes: int | None = _knob(None, "KV cache size in bytes (overrides gpu_memory_utilization; "
+                                              "CPU default: 2 GiB)")
+    num_kv_blocks: int | None = _knob(None, "exact number of KV blocks (overrides both KV sizes)")
+    enable_prefix_caching: bool = _knob(True, "reuse the KV blocks of a prompt prefix seen before")
+    enforce_eager: bool = _knob(False, "no CUDA graphs: every step launches its kernels from Python")
+    async_scheduling: bool = _knob(True, "launch step N+1 before step N completes (host/GPU overlap; see "
+                                   "engine/llm_engine.py)")
+    attention_backend: str = _knob("auto", "auto: triton on a GPU where the shapes fit, torch otherwise",
+                                   ATTENTION_BACKENDS)
+    kv_cache_dtype: str = _knob("auto", "auto: the model dtype; the others are 8-bit with a scale per token "
+                                "and KV head (alias: fp8 = fp8_e4m3)", KV_CACHE_DTYPES)
+    tensor_parallel_size: int = _knob(1, "GPUs the model is sharded over")
+    skip_tokenizer_init: bool = _knob(False, "no tokenizer: prompts must be token ids (e.g. random-weight shapes)")
+    revision: str | None = _knob(None, "branch, tag or commit of a hub model")
+    download_dir: str | None = _knob(None, "where hub models are downloaded (default: the HF cache)")
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
-        _check_choice("dtype", self.dtype, ("auto", *DTYPES))
-        _check_choice("device", self.device, ("auto", "cuda", "cpu"))
+        _check_choice("dtype", self.dtype, DTYPE_CHOICES)
+        _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
@@ -189,7 +224,7 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running sequence needs room for its decode token"
             )
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if self.device == "cuda" and not _cuda_available():
             raise ValueError("device='cuda' but no CUDA GPU is available; use device='cpu' or 'auto'")
 
     @classmethod
@@ -201,15 +236,23 @@ class EngineConfig:
             raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
 
-    def resolved_device(self) -> torch.device:
+    def resolved_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self, model_config: ModelConfig) -> torch.dtype:
+    def resolved_dtype(self, model_config: ModelConfig) -> "torch.dtype":
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        return model_config.torch_dtype if self.resolved_device().type == "cuda" else torch.float32
+            return torch_dtype(self.dtype)
+        return model_config.torch_dtype if self.resolved_device().type == "cuda" else torch_dtype("float32")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

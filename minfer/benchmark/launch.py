@@ -3,7 +3,7 @@
 A child process, not a thread: the benchmark's clients and the server's event loop and engine
 thread would otherwise share one GIL, and the latencies measured would be partly our own.
 The child gets the engine arguments as a dict (multiprocessing 'spawn'), so every engine flag
-of the CLI reaches it unchanged.
+of the command line reaches it unchanged.
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import urllib.error
 from pathlib import Path
 from typing import Iterator
 
-from minfer.server.sse_client import get_json
+from minfer.benchmark.sse_client import get_json
+from minfer.benchmark.workload import BENCH_MAX_MODEL_LEN
+from minfer.engine_args import engine_config, engine_kwargs
 
 
 @contextlib.contextmanager
@@ -24,23 +26,21 @@ def launched_server(args: argparse.Namespace) -> Iterator[str]:
     if not args.launch:
         yield (args.base_url or "http://127.0.0.1:8000").rstrip("/")
         return
-    from minfer.cli import _engine_kwargs
-    from minfer.server.cli import run_server
+    from minfer.server.run import require_server_extra, run_server
 
-    model, skip_tokenizer = args.model, False
+    require_server_extra()
+    engine_config(args)  # a bad flag fails here, not in the child after a shape's checkpoint is written
+    model, kwargs = args.model, engine_kwargs(args)
     if args.shape:
         from minfer.benchmark.shapes import write_random_checkpoint
 
         model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape))
-        skip_tokenizer = True  # random-weight shapes come without a tokenizer
-    kwargs = _engine_kwargs(args)
-    if args.shape:
-        kwargs["max_model_len"] = kwargs["max_model_len"] or 4096  # as `minfer bench` does
+        kwargs["skip_tokenizer_init"] = True  # random-weight shapes come without a tokenizer
+        kwargs["max_model_len"] = kwargs["max_model_len"] or BENCH_MAX_MODEL_LEN  # as `minfer bench` does
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(target=run_server, name="minfer-serve", daemon=True,
                        args=(model, kwargs, "127.0.0.1", args.port),
-                       kwargs=dict(max_waiting_requests=None, skip_tokenizer_init=skip_tokenizer,
-                                   log_level="warning", access_log=False))
+                       kwargs=dict(max_waiting_requests=None, log_level="warning", access_log=False))
     proc.start()
     base_url = f"http://127.0.0.1:{args.port}"
     try:

@@ -49,7 +49,8 @@ def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], 
             "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1),
             "num_preemptions": llm.get_stats()["num_preemptions"] - preempted_before,
             "num_kv_blocks": llm.get_stats()["num_kv_blocks"],
-            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
+            "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if torch.cuda.is_available() else None}
 
 
 def run_batch1(llm: LLM, input_len: int, output_len: int) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
                         ("hf_num_prompts", hf_num_prompts), ("hf_output_len", hf_output_len)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    llm = LLM(model, skip_tokenizer_init=True, **engine_kwargs)
+    llm = LLM(model, **(engine_kwargs | {"skip_tokenizer_init": True}))  # the prompts are token ids
     vocab = llm.llm_engine.model_config.vocab_size
     if not batch1 and input_len is None and vocab <= WORKLOAD_A_MAX_TOKEN_ID:
         raise ValueError(f"workload A draws token ids up to {WORKLOAD_A_MAX_TOKEN_ID:,}, but this model's vocabulary "

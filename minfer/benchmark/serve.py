@@ -1,10 +1,11 @@
-"""``minfer bench-serve``: load a server over HTTP and measure what its clients experience.
+"""The serving benchmark (``minfer bench-serve``): load a server over HTTP, measure what its clients see.
 
 Closed loop (``--concurrency 1,16,64``: that many clients, each sending its next request when
 the last one ends) or open loop (``--request-rate 2,8``: Poisson arrivals, optionally capped by
 ``--max-concurrency``). Every request streams from /v1/completions with a token-id prompt, so no
 tokenizer is needed and lengths are exact: workload A's (random 100-1024 in, 100-1024 out) or
-fixed ones. ``--launch`` starts the server itself in a child process first.
+fixed ones. ``--launch`` starts the server itself in a child process first. ``run`` takes the
+parsed arguments of ``minfer.cli.bench_serve``.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minfer.server.bench_report import print_table, plot, summarize
-from minfer.server.sse_client import get_json, post_sse, split_url
+from minfer.benchmark.serve_report import plot, print_table, summarize
+from minfer.benchmark.sse_client import get_json, post_sse, split_url
 
 
 @dataclass(slots=True)
@@ -32,32 +33,6 @@ class RequestResult:
     start: float = 0.0
     end: float = 0.0
     error: str = ""
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from minfer.cli import _add_engine_args
-    from minfer.server.cli import port_number
-
-    p.add_argument("--base-url", default=None, help="a running server (default: http://127.0.0.1:8000)")
-    p.add_argument("--launch", action="store_true", help="start a server on --model / --shape first")
-    p.add_argument("--shape", default=None, help="with --launch: a random-weight shape (e.g. llama-3.1-8b)")
-    p.add_argument("--checkpoint-dir", default="/tmp/minfer-shapes")
-    p.add_argument("--port", type=port_number, default=8000, help="with --launch: the port to serve on")
-    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the launched server")
-    p.add_argument("--concurrency", default="1,4", help="comma-separated client counts (closed loop)")
-    p.add_argument("--request-rate", default=None, help="comma-separated req/s (open loop, Poisson) instead")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests at a rate")
-    p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x level))")
-    p.add_argument("--workload", choices=["a", "fixed"], default="a")
-    p.add_argument("--input-len", type=int, default=128, help="fixed workload: prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens")
-    p.add_argument("--token-id-max", type=int, default=10000, help="prompt ids are drawn from [0, this]")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) before each run")
-    p.add_argument("--output-dir", default="bench-serve-results", help="results.json and latency.png go here")
-    p.add_argument("--quiet", action="store_true")
-    _add_engine_args(p)
 
 
 def build_requests(args: argparse.Namespace, n: int, level: int) -> list[dict[str, Any]]:
@@ -161,7 +136,7 @@ def parse_levels(args: argparse.Namespace) -> list[tuple[str, float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minfer.server.launch import launched_server
+    from minfer.benchmark.launch import launched_server
 
     levels = parse_levels(args)
     with launched_server(args) as base_url:

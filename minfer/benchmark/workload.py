@@ -9,6 +9,9 @@ from minfer.sampling_params import SamplingParams
 WORKLOAD_A_BOUND = {"qwen3-0.6b": 37_400, "llama-3.2-1b": 86_900, "llama-3.1-8b": 18_100}
 WORKLOAD_A_SUM_BOUND = {"qwen3-0.6b": 33_600, "llama-3.2-1b": 57_300, "llama-3.1-8b": 10_700}
 WORKLOAD_A_MAX_TOKEN_ID = 10_000  # prompt ids are randint(0, 10000): the model needs a larger vocabulary
+# max_model_len of a benchmark run unless given: workload A's sequences stay under 2,048 tokens, and the shapes'
+# own contexts (40k-128k) would size the block tables and the start-up memory profile for sequences never run.
+BENCH_MAX_MODEL_LEN = 4096
 
 
 def workload_a(num_requests: int = 256) -> tuple[list[dict], list[SamplingParams]]:

@@ -1,7 +1,8 @@
 """``minfer train``: train a tokenizer and a small Llama, export an HF checkpoint folder.
 
-``minfer/cli.py`` calls ``add_train_parser(subparsers)`` and dispatches to ``run_train``;
-``python -m minfer.train.command ...`` runs the same command standalone.
+``minfer.cli`` calls ``add_train_parser(subparsers)`` and dispatches to ``run_train``;
+``python -m minfer.train.command ...`` runs the same command standalone. The trainer (torch) is
+imported when the command runs, not when its flags are built.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from minfer.config import DTYPES
-from minfer.train.trainer import TrainConfig, train
+from minfer.config import DTYPE_NAMES
+from minfer.train.config import TrainConfig
 
 _DEFAULTS = TrainConfig(out=Path("runs/train"))
 
@@ -55,7 +56,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=d.seed)
     run.add_argument("--resume", action="store_true",
                      help="continue from OUT/train/checkpoint.pt")
-    run.add_argument("--dtype", default=d.dtype, choices=tuple(DTYPES),
+    run.add_argument("--dtype", default=d.dtype, choices=DTYPE_NAMES,
                      help="dtype of the exported weights")
     run.add_argument("--compile", action="store_true", help="torch.compile the model")
     run.add_argument("--stop-after", type=int, default=None,
@@ -79,6 +80,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run_train(args: argparse.Namespace) -> int:
     """Run ``minfer train``; a bad argument or corpus prints one line and returns 2."""
+    from minfer.train.trainer import train
+
     try:
         metrics = train(config_from_args(args))
     except ValueError as exc:

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from minfer.server.bench_report import percentile
-from minfer.server.cli import add_bench_serve_parser
+from minfer.benchmark.serve_report import percentile
+from minfer.cli.bench_serve import add_bench_serve_parser
 
 FIXED = ["--workload", "fixed", "--input-len", "24", "--output-len", "12", "--token-id-max", "299", "--quiet"]
 
@@ -28,7 +28,7 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 
 def test_bench_against_running_server(server: Any, tmp_path: Path, capsys: Any) -> None:
-    from minfer.server.bench_serve import run
+    from minfer.benchmark.serve import run
 
     args = _parse(["--base-url", server.base_url, "--concurrency", "1,4", "--num-prompts", "6",
                    "--output-dir", str(tmp_path), *FIXED])
@@ -47,7 +47,7 @@ def test_bench_against_running_server(server: Any, tmp_path: Path, capsys: Any) 
 
 
 def test_bench_at_a_request_rate(server: Any, tmp_path: Path) -> None:
-    from minfer.server.bench_serve import run
+    from minfer.benchmark.serve import run
 
     args = _parse(["--base-url", server.base_url, "--request-rate", "50", "--max-concurrency", "4",
                    "--num-prompts", "5", "--warmup", "0", "--output-dir", str(tmp_path), *FIXED])

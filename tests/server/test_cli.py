@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-import minfer.server.cli as server_cli
+import minfer.cli.serve as server_cli
+import minfer.server.run as server_run
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -26,14 +27,14 @@ def test_serve_flags_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.func(args) == 0
     assert seen["model"] == "m" and seen["port"] == 9001 and seen["host"] == "0.0.0.0"
     assert seen["served_model_names"] == ["a", "b"] and seen["max_waiting_requests"] == 7
-    assert seen["skip_tokenizer_init"] is True
+    assert seen["engine"]["skip_tokenizer_init"] is True
     assert seen["engine"]["num_kv_blocks"] == 64 and seen["engine"]["enable_prefix_caching"] is False
 
 
 def test_serve_defaults_to_the_builtin_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr("minfer.llm.builtin_model_path", lambda: tmp_path / "missing")
     with pytest.raises(ValueError, match="built-in model is not installed"):
-        server_cli.run_server(None, {})
+        server_run.run_server(None, {})
     args = _parse([])
     assert args.model is None and args.port == 8000 and args.host == "127.0.0.1"
 

@@ -1,0 +1,43 @@
+"""``minfer bench-serve``: load a server over HTTP and measure what its clients see (``minfer.benchmark.serve``).
+
+Its client is the standard library only, so benchmarking a running server needs no server extra;
+``--launch`` starts one in a child process and does.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from minfer.cli.serve import port_number
+from minfer.engine_args import add_engine_args
+
+
+def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench-serve", help="benchmark a running server over HTTP (or launch one)")
+    p.add_argument("--base-url", default=None, help="a running server (default: http://127.0.0.1:8000)")
+    p.add_argument("--launch", action="store_true", help="start a server on --model / --shape first")
+    p.add_argument("--shape", default=None, help="with --launch: a random-weight shape (e.g. llama-3.1-8b)")
+    p.add_argument("--checkpoint-dir", default="/tmp/minfer-shapes")
+    p.add_argument("--port", type=port_number, default=8000, help="with --launch: the port to serve on")
+    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the launched server")
+    p.add_argument("--concurrency", default="1,4", help="comma-separated client counts (closed loop)")
+    p.add_argument("--request-rate", default=None, help="comma-separated req/s (open loop, Poisson) instead")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests at a rate")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x level))")
+    p.add_argument("--workload", choices=["a", "fixed"], default="a")
+    p.add_argument("--input-len", type=int, default=128, help="fixed workload: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens")
+    p.add_argument("--token-id-max", type=int, default=10000, help="prompt ids are drawn from [0, this]")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) before each run")
+    p.add_argument("--output-dir", default="bench-serve-results", help="results.json and latency.png go here")
+    p.add_argument("--quiet", action="store_true")
+    add_engine_args(p)  # for --launch; --seed also seeds the prompts and the arrival times
+    p.set_defaults(func=cmd_bench_serve)
+    return p
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from minfer.benchmark.serve import run
+
+    return run(args)

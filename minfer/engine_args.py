@@ -1,0 +1,63 @@
+"""The engine's command-line flags, generated from ``EngineConfig`` (vLLM's ``EngineArgs``).
+
+Every field becomes ``--kebab-case`` with the dataclass's default, type, help text and allowed
+values, so a new knob needs no CLI edit and no default is written twice. Booleans take both
+spellings (``--enforce-eager`` / ``--no-enforce-eager``). Allowed values are shown, not enforced
+by argparse: ``EngineConfig`` checks them (aliases such as ``bf16`` included) and its message
+names the field, as it does for ``LLM(...)`` keywords.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from minfer.config import EngineConfig
+
+# Older spellings kept working: BooleanOptionalAction derives ``--no-prefix-caching`` from this one.
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"enable_prefix_caching": ("--prefix-caching",)}
+
+
+def flag_name(field_name: str) -> str:
+    """``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def _value_type(annotation: Any) -> type:
+    """The flag's type from the field's annotation: ``int | None`` -> int."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Add one flag per ``EngineConfig`` field, in an "engine" group of ``parser``'s help."""
+    group = parser.add_argument_group("engine", "how the engine runs the model (EngineConfig)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        kind = _value_type(hints[f.name])
+        flags = (flag_name(f.name), *FLAG_ALIASES.get(f.name, ()))
+        help_text = f.metadata.get("help", "").replace("%", "%%")
+        if kind is bool:
+            action = group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                                        default=f.default, help=help_text)
+            if "%(default)" not in action.help:  # some Python versions append it themselves
+                action.help += f" (default: {'on' if f.default else 'off'})"
+            continue
+        choices = f.metadata.get("choices")
+        metavar = "{" + ",".join(choices) + "}" if choices else kind.__name__.upper()
+        default = "" if f.default is None else f" (default: {f.default})"
+        group.add_argument(*flags, dest=f.name, type=kind, default=f.default, metavar=metavar,
+                           help=help_text + default)
+    return group
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed engine flags as ``EngineConfig`` keywords, all but ``model``: each command resolves
+    the model itself (the built-in model, a random-weight ``--shape``) and passes it on its own."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The validated ``EngineConfig`` of the parsed flags, model included."""
+    return EngineConfig(model=args.model, **engine_kwargs(args))
