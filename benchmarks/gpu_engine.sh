@@ -24,7 +24,7 @@ bench() {  # name, then minfer bench arguments
 }
 
 echo "== gpu tests ($(left) s left)"
-timeout "$(cap 150)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/kernels 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
+timeout "$(cap 150)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_engine_gpu.py tests/kernels 2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
 bench workload_a_qwen3-0.6b --shape qwen3-0.6b
 [ "${SKIP_SYNC:-0}" = 1 ] || bench workload_a_qwen3-0.6b_sync --shape qwen3-0.6b --no-async-scheduling
 bench workload_a_llama-3.2-1b --shape llama-3.2-1b

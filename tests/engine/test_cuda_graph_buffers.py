@@ -1,6 +1,6 @@
 """The decode-graph runner's static buffers and padding rows, checked on the CPU without capture.
 
-On a GPU the same buffers are captured and replayed (tests/test_engine_gpu.py compares graphs
+On a GPU the same buffers are captured and replayed (tests/engine/test_engine_gpu.py compares graphs
 with enforce_eager); here the runner executes its buffers eagerly, which exercises the padding
 rows (slot -1, context 1) and the bucket choice through the Triton interpreter.
 """
