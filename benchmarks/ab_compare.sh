@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# A/B on one GPU machine: this working tree against commit $1, alternating in separate processes (same machine,
+# A/B on one GPU machine: this working tree against commit $1 (or a folder holding an old tree), alternating in separate processes (same machine,
 # same minutes, so host and clock noise hit both), logs and a summary under $OUT.
 #   batch 1 (llama-3.2-1b, batch1.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
 #   workload A on $SHAPES (minfer bench), $A_ROUNDS rounds (default 1; 0 skips it)
 # Usage: OUT=/tmp/ab ROUNDS=2 A_ROUNDS=2 SHAPES=qwen3-0.6b benchmarks/ab_compare.sh 0724a14
+# A machine whose copy of .git lacks the commit takes a folder: `git archive C | tar -x -C .ab_old`, carried along.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT="${OUT:-/tmp/minfer-ab}"; mkdir -p "$OUT"; NEW="$PWD"; OLD=/tmp/minfer-old
-rm -rf "$OLD"; git worktree prune; git worktree add -f "$OLD" "$1" >/dev/null 2>&1 || { echo "no commit $1"; exit 1; }
+if [ -d "$1" ]; then
+  rm -rf "$OLD"; cp -r "$1" "$OLD"
+else
+  rm -rf "$OLD"; git worktree prune; git worktree add -f "$OLD" "$1" >/dev/null 2>&1 || { echo "no commit $1"; exit 1; }
+fi
 cp benchmarks/batch1.py benchmarks/gemv_chain.py "$OLD/benchmarks/"  # today's measurement, old engine
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; echo "new: $(git rev-parse --short HEAD) + working tree, old: $1"; } | tee "$OUT/summary.md"
 for r in $(seq "${ROUNDS:-2}"); do
