@@ -38,6 +38,7 @@ from minfer.benchmark import shapes
 from minfer.config import EngineConfig, cdiv
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.llm_engine import LLMEngine
+from minfer.outputs import RequestOutputKind
 from minfer.sampling_params import SamplingParams
 
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, num_hidden_layers=1,
@@ -56,12 +57,16 @@ def build_engine(num_seqs: int, stream: bool, async_scheduling: bool, stub_vocab
     config = EngineConfig(model=str(path), skip_tokenizer_init=True, device="cpu", max_model_len=max_len,
                           max_num_seqs=max(num_seqs, 1), num_kv_blocks=num_seqs * cdiv(max_len, 16) + 16,
                           async_scheduling=async_scheduling)
-    engine = LLMEngine(config, stream_text=stream, delta_outputs=stream)  # as AsyncLLMEngine sets it
+    engine = LLMEngine(config, RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)  # DELTA: the server's
     runner, model = engine.runner, engine.runner.model
     hidden = torch.zeros(config.max_num_batched_tokens, TINY["hidden_size"])
     logits = torch.zeros(config.max_num_seqs, stub_vocab)
     model.forward = lambda ids, positions, meta: hidden[:len(ids)]  # nn.Module.__call__ finds it first
     model.compute_logits = lambda h, float32=True, out=None: logits[:len(h)]
+    import minfer.engine.cuda_graphs as cuda_graphs  # the staging kernel would run in Triton's interpreter
+    from minfer.kernels.stage_inputs import stage_decode_inputs_ref
+
+    cuda_graphs.stage_decode_inputs = stage_decode_inputs_ref
     runner.graphs = DecodeGraphs(model, config.max_num_seqs, cdiv(max_len, 16), 16, runner.device)
     return engine
 
@@ -94,7 +99,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of --steps steps; the best is reported")
     ap.add_argument("--stream", action="store_true",
-                    help="stream_text and delta_outputs (outputs every step, as the server)")
+                    help="delta outputs every step, as the server")
     ap.add_argument("--no-async", action="store_true", help="async_scheduling=False")
     ap.add_argument("--stub-vocab", type=int, default=64)
     ap.add_argument("--cprofile", action="store_true", help="print cProfile top-25 (cumulative and tottime)")

@@ -104,11 +104,12 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish the blocks of ``seq`` that are now full, computed (or being computed by a launched
-        step) and whose token values are known into the prefix cache."""
+        step) and whose token values are known into the prefix cache. It runs twice per sequence per
+        step, so it reads plain attributes (the known tokens inline, not ``num_known_tokens``)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, seq.num_known_tokens) // bs):
+        for i in range(len(seq.block_hashes), min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs):
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             key = (prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             h = hash(key)

@@ -27,7 +27,7 @@ from minfer.engine.model_runner import LaunchedStep, ModelRunner
 from minfer.engine.output_processor import OutputProcessor
 from minfer.engine.processor import EngineRequest, Processor, PromptType
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
-from minfer.engine.sequence import Sequence
+from minfer.engine.sequence import Sequence, SequenceStatus
 from minfer.model.loader import resolve_model_path
 from minfer.outputs import RequestOutput, RequestOutputKind
 from minfer.sampling_params import SamplingParams
@@ -167,10 +167,11 @@ class LLMEngine:
         Sequences that finished meanwhile (aborted, or stopped by the step before) are skipped."""
         out = step.sample.result() if step.sample is not None else None
         touched: dict[str, None] = {}
+        stopped: set[str] = set()  # requests that may have finished: one of their sequences just did
         accept, finish = self.output_processor.accept, self.scheduler.finish
-        cache_full_blocks = self.block_manager.cache_full_blocks
-        for i, seq in enumerate(step.sampled):
-            if seq.is_finished:
+        cache_full_blocks, FINISHED = self.block_manager.cache_full_blocks, SequenceStatus.FINISHED
+        for i, seq in enumerate(step.sampled):  # plain attributes, no properties: runs for every sequence
+            if seq.status is FINISHED:
                 continue
             token = out.token_ids[i]
             stop = accept(seq, seq.fill_pending(token), token, out.logprobs[i] if out.logprobs is not None else None)
@@ -178,8 +179,9 @@ class LLMEngine:
                 cache_full_blocks(seq)  # a block its token completed
             else:
                 finish(seq, *stop)
+                stopped.add(seq.request_id)
             touched[seq.request_id] = None
-        outputs = self.output_processor.make_outputs(touched, step.batch.scheduled_at, time.time())
+        outputs = self.output_processor.make_outputs(touched, stopped, step.batch.scheduled_at, time.time())
         for output in outputs:
             if output.finished:
                 del self.requests[output.request_id]

@@ -139,10 +139,13 @@ class OutputProcessor:
                 return stop
         return None
 
-    def make_outputs(self, request_ids: Iterable[str], scheduled_at: float, now: float) -> list[RequestOutput]:
-        """Outputs of the requests that got tokens this step; finished requests are forgotten here."""
+    def make_outputs(self, request_ids: Iterable[str], stopped: set[str], scheduled_at: float,
+                     now: float) -> list[RequestOutput]:
+        """Outputs of the requests that got tokens this step (``stopped``: those of them with a sequence
+        that just finished); finished requests are forgotten here."""
         outputs = []
         stream = self.output_kind is not RequestOutputKind.FINAL_ONLY
+        FINISHED = SequenceStatus.FINISHED
         for request_id in request_ids:
             state = self.requests[request_id]
             metrics = state.metrics
@@ -150,7 +153,7 @@ class OutputProcessor:
                 metrics.first_scheduled_time = scheduled_at
             if not metrics.first_token_time:
                 metrics.first_token_time = now
-            finished = all(s.status is SequenceStatus.FINISHED for s in state.seqs)
+            finished = request_id in stopped and all(s.status is FINISHED for s in state.seqs)
             if finished:
                 metrics.finished_time = now
                 del self.requests[request_id]
