@@ -141,6 +141,7 @@ class LLMEngine:
             outputs += self._complete(self._inflight)  # penalties read every token: no overlap
             self._inflight = None
         batch = self.scheduler.schedule()
+        self.runner.free_rows(batch.freed_seq_ids)  # also when nothing is launched: rows must not leak
         launched = self._launch(batch) if batch.seqs else None
         if self._inflight is not None:
             outputs += self._complete(self._inflight)

@@ -192,12 +192,15 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
+    def free_rows(self, seq_ids: list[int]) -> None:
+        """Forget the per-row state of sequences the scheduler finished or preempted."""
+        self.input_batch.free(seq_ids)
+
     def prepare(self, batch: SchedulerOutput) -> StepArrays:
         """Flatten the step on the host: per-token ids, positions and slots, per-sequence tables.
         Per-sequence facts are read with one plain list comprehension each (no properties, no
         generators): at 256 sequences this loop over Python objects is most of the cost."""
         seqs, nd = batch.seqs, batch.num_decodes
-        self.input_batch.free(batch.freed_seq_ids)
         rows = self.input_batch.rows(seqs)
         q_list = [s.num_scheduled_tokens for s in seqs]
         start_list = [s.num_computed_tokens for s in seqs]

@@ -268,3 +268,15 @@ def test_memory_profile_covers_the_whole_token_budget():
     assert profile_lengths(16384, 5000) == [5000, 5000, 5000, 1384]
     assert profile_lengths(100, 4096) == [100]
     assert sum(profile_lengths(12345, 678)) == 12345
+
+
+def test_input_batch_rows_are_given_back(checkpoints):
+    """Every sequence's runner row is freed once it finishes, also when the step that reports it launches
+    nothing (the last steps of a batch): with two rows, leaked ones would soon leave no row to run in."""
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+    for round_ in range(6):
+        params = [SamplingParams(max_tokens=1 + (round_ + i) % 4, ignore_eos=True) for i in range(3)]
+        outs = llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(3)], params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [p.max_tokens for p in params]
+    rows = llm.llm_engine.runner.input_batch.row_of
+    assert len(rows) <= 2, rows  # only the last step's finished sequences, freed at the next step
