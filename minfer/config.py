@@ -37,13 +37,6 @@ def torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, name)
 
 
-def __getattr__(name: str) -> Any:
-    """``DTYPES`` (name -> torch.dtype), built on first use so that importing this module stays torch-free."""
-    if name == "DTYPES":
-        return {n: torch_dtype(n) for n in DTYPE_NAMES}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 @dataclass(slots=True)
 class ModelConfig:
     """The architecture of a Llama-family checkpoint, read from its HF ``config.json``.

@@ -174,8 +174,8 @@ def default_config(n: int, k: int, prologue: int = _PLAIN) -> GemvConfig:
     the plain product; 1024 under the RMS prologue (its chunk also loads x, residual and norm weight); eight rows
     by 2048 columns on eight warps under the SwiGLU prologue, whose exp and division per element want more warps
     in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
-    projections in one CUDA graph under PDL, H200: 552 us). ``n`` is unused here; it keeps the signature of a
-    per-shape table (``dev/batch1_sweep.py`` swaps one in)."""
+    projections in one CUDA graph under PDL, H200: 552 us). ``n`` is unused by this rule; a per-shape rule
+    would take it."""
     if prologue == _SILU_MUL:
         return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
     return GemvConfig(block_k=min(1024 if prologue == _RMS_NORM else 2048, next_pow2(k)))

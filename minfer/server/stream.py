@@ -1,7 +1,7 @@
 """Turning cumulative engine outputs into streamed deltas, and the SSE framing around them.
 
 The engine reports each request's whole text so far, and its tokens either whole or, in delta
-outputs (``LLMEngine.delta_outputs``), from ``token_offset`` on; a stream sends only what is new.
+outputs (``RequestOutputKind.DELTA``), from ``token_offset`` on; a stream sends only what is new.
 With stop strings, the last ``len(longest stop) - 1`` characters are held back until the request
 ends: they might be the start of a stop string, which the final text cuts off, and text already
 sent cannot be taken back. That keeps the streamed text equal to the non-streamed text.

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from minfer.config import DTYPES
+from minfer.config import DTYPE_NAMES, torch_dtype
 from minfer.train.model import Llama, ModelConfig
 
 HF_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "special_tokens_map.json")
 
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_DTYPE_NAMES = {torch_dtype(name): name for name in DTYPE_NAMES}
 
 
 def hf_state_dict(model: Llama, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
