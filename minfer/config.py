@@ -64,6 +64,9 @@ class ModelConfig:
     torch_dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Sampling settings the checkpoint's generation_config.json recommends (SamplingParams names), used
+    # where a request gives none (vLLM's generation_config="auto").
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -123,9 +126,21 @@ class ModelConfig:
         config = cls.from_dict(json.loads(path.read_text()))
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.is_file():
-            gen_eos = _as_ids(json.loads(gen_path.read_text()).get("eos_token_id"))
-            config.eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + gen_eos))
+            gen = json.loads(gen_path.read_text())
+            config.eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + _as_ids(gen.get("eos_token_id"))))
+            config.sampling_defaults = sampling_defaults(gen)
         return config
+
+
+# generation_config.json key -> SamplingParams field, as vLLM reads them
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The SamplingParams defaults a generation_config.json sets (as vLLM, ``do_sample`` is not read)."""
+    return {field: generation_config[key] for key, field in _GENERATION_KEYS.items()
+            if generation_config.get(key) is not None}
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:
@@ -184,6 +199,9 @@ class EngineConfig:
     kv_cache_dtype: str = _knob("auto", "auto: the model dtype; the others are 8-bit with a scale per token "
                                 "and KV head (alias: fp8 = fp8_e4m3)", KV_CACHE_DTYPES)
     tensor_parallel_size: int = _knob(1, "GPUs the model is sharded over")
+    generation_config: str = _knob("auto", "auto: the model's generation_config.json supplies the default sampling "
+                                   "settings of requests that give none; vllm: SamplingParams' own defaults",
+                                   ("auto", "vllm"))
     skip_tokenizer_init: bool = _knob(False, "no tokenizer: prompts must be token ids (e.g. random-weight shapes)")
     revision: str | None = _knob(None, "branch, tag or commit of a hub model")
     download_dir: str | None = _knob(None, "where hub models are downloaded (default: the HF cache)")
@@ -193,6 +211,7 @@ class EngineConfig:
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("generation_config", self.generation_config, ("auto", "vllm"))
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_int("seed", self.seed, 0)

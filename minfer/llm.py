@@ -32,6 +32,11 @@ class LLM:
         self.llm_engine = LLMEngine(config, RequestOutputKind.FINAL_ONLY)
         self._counter = 0
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no SamplingParams: the model's generation_config.json
+        settings (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' defaults."""
+        return self.llm_engine.processor.default_sampling_params()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
@@ -46,7 +51,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_serve_parser(sub)
     bench_serve.add_bench_serve_parser(sub)
     add_train_parser(sub)
+    for command in sub.choices.values():  # -v after the command too; SUPPRESS keeps one given before it
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log engine details (KV cache size, ...)")
     return parser
 
 

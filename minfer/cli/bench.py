@@ -38,6 +38,18 @@ def output_len(args: argparse.Namespace) -> int:
     return 512 if args.batch1 else 128
 
 
+def needed_model_len(args: argparse.Namespace, model: str) -> int:
+    """The context the run needs, within the model's: workload A's and batch 1's 4096 (the figures of the
+    README are measured so), a fixed workload's prompt + output."""
+    import json
+
+    from minfer.model.loader import resolve_model_path
+
+    need = BENCH_MAX_MODEL_LEN if args.input_len is None else args.input_len + output_len(args)
+    config = json.loads((resolve_model_path(model) / "config.json").read_text())
+    return min(need, int(config.get("max_position_embeddings", need)))
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from minfer.benchmark import offline
     from minfer.benchmark.shapes import write_random_checkpoint
@@ -49,7 +61,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if model is None:
         raise ValueError("bench needs --model or --shape")
     kwargs = engine_kwargs(args)
-    kwargs["max_model_len"] = kwargs["max_model_len"] or BENCH_MAX_MODEL_LEN
+    kwargs["max_model_len"] = kwargs["max_model_len"] or needed_model_len(args, model)
     result = offline.bench(model, args.shape, kwargs, num_prompts=args.num_prompts, input_len=args.input_len,
                            output_len=output_len(args), batch1=args.batch1, compare_hf=args.compare_hf,
                            hf_num_prompts=args.hf_num_prompts, hf_output_len=args.hf_output_len,

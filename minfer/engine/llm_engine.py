@@ -48,8 +48,9 @@ class LLMEngine:
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ([tok_eos] if tok_eos is not None else []))
         self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len)
+        defaults = self.model_config.sampling_defaults if config.generation_config == "auto" else {}
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                   self.runner.num_kv_blocks, config.block_size)
+                                   self.runner.num_kv_blocks, config.block_size, defaults)
         self.output_processor = OutputProcessor(self.tokenizer, output_kind)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -43,16 +43,38 @@ class Processor:
     """Tokenizes prompts and checks requests against the engine's fixed limits.
 
     ``num_kv_blocks`` x ``block_size`` is the whole cache: a request that could not fit in it even
-    alone is refused here rather than preempted forever.
+    alone is refused here rather than preempted forever. ``clamp_max_tokens``: a ``max_tokens`` past
+    the context is cut to fit (the offline ``LLM``, whose batches mix prompt lengths under one
+    SamplingParams) or refused naming the context, the prompt and the request (the server, as vLLM's).
     """
 
+    clamp_max_tokens: bool = True
+
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int,
-                 block_size: int) -> None:
+                 block_size: int, sampling_defaults: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.sampling_defaults = dict(sampling_defaults or {})  # the model's (generation_config.json)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this cannot fit in the context, whatever it says: no token of the vocabulary is
+        longer than ``max_token_chars`` characters. Checked before tokenizing, which takes seconds for a
+        megabyte-long text."""
+        return self.max_model_len * self.max_token_chars
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry in characters (a byte-level entry spells each byte as one character,
+        so this bounds the decoded text too); computed once."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+            self._max_token_chars = max(max(map(len, vocab), default=1), 16)
+        return self._max_token_chars
 
     def clone(self) -> "Processor":
         """A processor for another thread. The tokenizer is deep-copied: a Rust ``tokenizers`` object
@@ -61,11 +83,16 @@ class Processor:
         other.tokenizer = copy.deepcopy(self.tokenizer) if self.tokenizer is not None else None
         return other
 
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams' defaults with the model's recommended settings on top."""
+        return SamplingParams(**self.sampling_defaults)
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a str, a token-id list, or {'prompt' | 'prompt_token_ids': ...}."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("skip_tokenizer_init=True: pass prompts as {'prompt_token_ids': [...]}")
+            self.check_text_length(len(prompt))
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
@@ -78,7 +105,7 @@ class Processor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                 arrival_time: float | None = None) -> EngineRequest:
         """Tokenize and check; raises ``PromptError`` (or another ValueError/TypeError) naming the field."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         text, ids = self.tokenize(prompt)
         max_total = self.check_prompt(ids, params.max_tokens)
         self.check_params(params)
@@ -93,11 +120,20 @@ class Processor:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
 
+    def check_text_length(self, num_chars: int, field: str = "prompt") -> None:
+        """``PromptError`` for a text that is longer than any prompt the context can hold (see ``max_prompt_chars``)."""
+        if num_chars > self.max_prompt_chars:
+            raise PromptError(f"the text has {num_chars} characters: more than the {self.max_model_len}-token context "
+                              f"can hold (at most {self.max_token_chars} characters a token)", field)
+
     def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
-        """Reject prompts the engine can never serve (``PromptError``); return the request's longest
-        total length."""
+        """Reject prompts the engine can never serve (``PromptError``); return the request's longest total
+        length. ``max_tokens`` None means up to the context; past it, see ``clamp_max_tokens``."""
         if not ids:
             raise PromptError("the prompt is empty: it must contain at least one token", "prompt")
+        if len(ids) >= self.max_model_len:  # first: the other checks cost a pass over the ids
+            raise PromptError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                              f"it must be shorter to leave room for at least one output token", "prompt")
         vocab = self.vocab_size
         if not all(type(t) is int for t in ids):  # the fast check; numpy integers pass the slow one
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
@@ -106,9 +142,10 @@ class Processor:
                                   "prompt")
         if min(ids) < 0 or max(ids) >= vocab:
             raise PromptError(f"prompt token ids must be in [0, {vocab}), got min {min(ids)}, max {max(ids)}", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                              f"it must be shorter to leave room for at least one output token", "prompt")
+        if max_tokens is not None and len(ids) + max_tokens > self.max_model_len and not self.clamp_max_tokens:
+            raise PromptError(f"max_tokens is too large: {max_tokens}. This model's maximum context length is "
+                              f"{self.max_model_len} tokens and your request has {len(ids)} input tokens "
+                              f"({max_tokens} > {self.max_model_len} - {len(ids)})", "max_tokens")
         total = self.max_model_len if max_tokens is None else min(len(ids) + max_tokens, self.max_model_len)
         need = cdiv(total, self.block_size)
         if need > self.num_kv_blocks:

@@ -22,7 +22,10 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+    if path.is_file():
+        raise FileNotFoundError(f"model {model!r} is a file; pass the folder that holds it (config.json, "
+                                f"*.safetensors and the tokenizer files): {str(path.parent) or '.'}")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model path {model!r} does not exist (expected a folder with config.json "
                                 f"and *.safetensors, or a Hugging Face hub id like 'org/name')")
     from huggingface_hub import snapshot_download
@@ -33,7 +36,8 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     except Exception as exc:  # offline, unknown id, gated repo ...
         offline = os.environ.get("HF_HUB_OFFLINE") == "1"
         hint = "HF_HUB_OFFLINE=1 is set and it is not in the local cache" if offline else \
-            "it is not a local folder and could not be downloaded (no network, or unknown id)"
+            "no local folder has this name, so it was taken as a Hugging Face hub id, which could not be " \
+            "downloaded (offline, or an unknown id)"
         raise FileNotFoundError(f"model {model!r}: {hint}: {type(exc).__name__}: {exc}") from exc
 
 

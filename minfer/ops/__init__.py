@@ -6,11 +6,15 @@ construction and calls its named ops (``base.Ops``) without knowing which backen
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from minfer.ops.base import ModelForward, Ops
 from minfer.ops.metadata import AttentionMetadata, PagedKVCache, RopeInputs
 from minfer.ops.torch_ops import TorchOps
+
+logger = logging.getLogger("minfer")
 
 __all__ = ["AttentionMetadata", "ModelForward", "Ops", "PagedKVCache", "RopeInputs", "TorchOps", "select_ops"]
 
@@ -26,6 +30,9 @@ def select_ops(attention_backend: str, device: torch.device, block_size: int, he
         attention_backend = "triton" if device.type == "cuda" and fits else "torch"
     elif attention_backend == "triton" and device.type == "cpu":
         _check_triton_interpreter()
+        logger.warning("attention_backend='triton' on the CPU runs every kernel in Triton's interpreter, which is "
+                       "meant for tests at tiny shapes: a short prompt on a small model takes minutes. Use "
+                       "attention_backend='auto' (the torch ops) to generate on the CPU.")
     if attention_backend == "triton":
         from minfer.ops.triton_ops import TritonOps
 

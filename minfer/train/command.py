@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from minfer.config import DTYPE_NAMES
-from minfer.train.config import TrainConfig
+from minfer.train.config import HELDOUT_RULES, TrainConfig
 
 _DEFAULTS = TrainConfig(out=Path("runs/train"))
 
@@ -25,6 +25,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text files or folders (default: this interpreter's stdlib *.py)")
     p.add_argument("--out", type=Path, default=d.out,
                    help="output folder: HF checkpoint + train/ state (default: %(default)s)")
+    p.add_argument("--heldout", choices=HELDOUT_RULES, default=d.heldout,
+                   help="held-out documents: packages (the stdlib's email, json, tomllib and their tests), tail "
+                        "(the last ~5%% of the text), auto (packages for the default stdlib corpus, tail for "
+                        "yours; default)")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size)
     p.add_argument("--tokenizer", type=Path, default=None,
                    help="reuse the tokenizer.json in this folder instead of training one")
@@ -67,7 +71,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``train`` subcommand; its handler is ``run_train`` (set as ``func``)."""
     p = subparsers.add_parser("train", help="train a tokenizer + small Llama, export HF",
-                              description=__doc__.splitlines()[0])
+                              description=__doc__.splitlines()[0] + " On a CPU the default shape takes about 40 s "
+                              "a step on 2 cores: for a quick run try --hidden-size 128 --layers 4 --seq-len 256 "
+                              "--batch-size 8 --vocab-size 2048 --steps 200.")
     _add_arguments(p)
     p.set_defaults(func=run_train)
 

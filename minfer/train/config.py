@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from minfer.config import DTYPE_NAMES
 
+HELDOUT_RULES = ("auto", "packages", "tail")
+
 if TYPE_CHECKING:
     from minfer.train.model import ModelConfig
 
@@ -20,6 +22,10 @@ if TYPE_CHECKING:
 class TrainConfig:
     out: Path
     paths: list[str] = field(default_factory=list)  # empty: the stdlib
+    # Which documents are held out (validation loss): "packages" (the stdlib's email/json/tomllib packages and
+    # their tests, see corpus.py), "tail" (the last ~5% of the text), or "auto": packages for the default
+    # stdlib corpus, tail for a corpus of your own.
+    heldout: str = "auto"
     # Defaults: the sweep's "d256-l8" (8.0M parameters, 15.8 MiB in bf16, 0.9895 held-out
     # bits/byte); the shipped model is its 4096-vocabulary, 9-layer sibling (TRAINING.md).
     vocab_size: int = 8192
@@ -57,6 +63,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.heldout not in HELDOUT_RULES:
+            raise ValueError(f"heldout must be one of {list(HELDOUT_RULES)}, got {self.heldout!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.max_time is not None and self.max_time <= 0:

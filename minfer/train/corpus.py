@@ -10,9 +10,9 @@ Held-out set (validation loss, ``minfer eval-ppl``): whole packages, so that the
 scored on code it has never seen rather than on neighbouring lines of files it trained on:
 the ``email``, ``json`` and ``tomllib`` packages and their test packages
 (``test/test_email``, ``test/test_json``, ``test/test_tomllib``), about 4% of the corpus.
-The same rule is applied, relative to each folder given on the command line, to any other
-corpus; when it matches nothing (a corpus that is not a Python tree), the last documents,
-about 5% of the text, are held out instead, and a single document is cut at a line near 95%.
+For a corpus of your own the last documents, about 5% of the text, are held out instead (a single
+document is cut at a line near 95%), unless ``heldout="packages"`` asks for the same package rule
+relative to each folder given (falling back to the tail when it matches nothing).
 """
 
 from __future__ import annotations
@@ -146,8 +146,10 @@ def _tail_split(docs: list[Document]) -> tuple[list[Document], list[Document]]:
 
 
 def load_corpus(paths: Sequence[str | Path] | None = None,
-                patterns: Sequence[str] | None = None) -> Corpus:
-    """Read and split the corpus; raises ValueError for a missing path or no text at all."""
+                patterns: Sequence[str] | None = None, heldout: str = "auto") -> Corpus:
+    """Read and split the corpus; raises ValueError for a missing path or no text at all. ``heldout``:
+    "packages" (HELDOUT_PREFIXES, falling back to the tail when they match nothing), "tail", or "auto"
+    (packages for the default stdlib corpus, tail for any other)."""
     files = collect_files(paths, patterns)
     corpus = Corpus()
     docs: list[tuple[Document, bool]] = []
@@ -161,6 +163,8 @@ def load_corpus(paths: Sequence[str | Path] | None = None,
     if not docs:
         where = ", ".join(map(str, paths)) if paths else str(stdlib_root())
         raise ValueError(f"the corpus is empty: no text found in {where}")
+    if heldout == "tail" or (heldout == "auto" and paths):
+        docs = [(d, False) for d, _ in docs]  # the tail split below
     corpus.train = [d for d, held in docs if not held]
     corpus.val = [d for d, held in docs if held]
     if not corpus.train or not corpus.val:

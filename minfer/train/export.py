@@ -70,9 +70,14 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     }
 
 
+# Default sampling for a small code model: greedy decoding of an 8M-parameter model loops on the same
+# few lines, and these settings (the built-in model's) give varied, readable code.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 40, "repetition_penalty": 1.15}
+
+
 def generation_config(cfg: ModelConfig) -> dict:
     return {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id,
-            "pad_token_id": cfg.pad_token_id}
+            "pad_token_id": cfg.pad_token_id, **SAMPLING_DEFAULTS}
 
 
 def export_hf(model: Llama, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

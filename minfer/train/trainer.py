@@ -141,8 +141,11 @@ def train(cfg: TrainConfig) -> dict:
         torch.backends.cudnn.allow_tf32 = True
     log = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
 
-    corpus = load_corpus(cfg.paths or None)
+    corpus = load_corpus(cfg.paths or None, heldout=cfg.heldout)
     log(f"corpus: {corpus.describe()}")
+    if cfg.warmup > cfg.steps:
+        log(f"warning: --warmup {cfg.warmup} is longer than --steps {cfg.steps}: the learning rate never reaches "
+            f"its peak {cfg.lr}")
     tok = _tokenizer_for(cfg, texts(corpus.train))
     save_tokenizer(tok, cfg.out, model_max_length=cfg.seq_len)
     train_stream = encode_documents(tok, texts(corpus.train))
@@ -252,6 +255,12 @@ def train(cfg: TrainConfig) -> dict:
         else:
             train_time += time.perf_counter() - t0
         bar.update(1)
+        if step == 3 and device.type == "cpu" and cfg.max_time is None:
+            per_step = (time.perf_counter() - start) / 3
+            if per_step * (cfg.steps - step) > 3600:
+                log(f"warning: {per_step:.1f} s a step on the CPU: {cfg.steps} steps take about "
+                    f"{per_step * cfg.steps / 3600:.1f} h. Pass --max-time SECONDS to fit a budget, or a smaller "
+                    f"shape (--hidden-size 128 --layers 4 --seq-len 256 --batch-size 8)")
         if step % cfg.eval_every == 0:
             elapsed = time.perf_counter() - start
             periodic_eval()

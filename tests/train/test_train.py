@@ -68,7 +68,7 @@ def _tiny(out: Path, corpus: Path, **kw) -> TrainConfig:
     base = dict(out=out, paths=[str(corpus)], vocab_size=300, hidden_size=32, layers=2,
                 heads=4, kv_heads=2, intermediate_size=64, seq_len=32, batch_size=8,
                 steps=60, lr=1e-2, warmup=5, eval_every=30, device="cpu", dtype="float32",
-                quiet=True)
+                quiet=True, heldout="packages")  # the corpus is stdlib-shaped: hold out its json package
     base.update(kw)
     return TrainConfig(**base)
 
@@ -160,9 +160,12 @@ def test_heldout_rule(tmp_path):
     assert not is_heldout("emailx/parser.py") and not is_heldout("asyncio/tasks.py")
     root = _write_corpus(tmp_path / "corpus", copies=2)
     assert heldout_files(root) == [root / "json" / "__init__.py"]
-    corpus = load_corpus([root])
+    corpus = load_corpus([root], heldout="packages")
     assert [d.path for d in corpus.val] == [root / "json" / "__init__.py"]
     assert len(corpus.train) == 2
+    # a corpus of one's own gets the tail split unless the package rule is asked for
+    assert load_corpus([root]).split == "tail"
+    assert load_corpus([root], heldout="tail").split == "tail"
 
 
 def test_single_file_falls_back_to_tail_split(tmp_path):
