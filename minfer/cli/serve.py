@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from minfer.engine_args import add_engine_args, engine_kwargs
 from minfer.server.run import DEFAULT_MAX_WAITING, require_server_extra, run_server
+
+API_KEY_ENV = "MINFER_API_KEY"
 
 
 def port_number(text: str) -> int:
@@ -21,12 +24,22 @@ def port_number(text: str) -> int:
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server with a demo web page at /")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a checkpoint folder or hub id, as in `vllm serve MODEL` (or --model; default: the "
+                        "built-in model)")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0 serves every interface: set an API key then")
     p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require `Authorization: Bearer KEY` on every route but /health, /metrics, /version and "
+                        f"the pages (default: ${API_KEY_ENV}; unset: no key)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
     p.add_argument("--served-model-name", action="append", default=None,
-                   help="name clients pass as `model` (repeatable; default: --model as given)")
+                   help="name clients pass as `model` (repeatable; default: the model as given)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
                    help="past this many requests waiting for their first token, new ones get 503 (0: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="larger request bodies get a 413 before they are parsed (default: 16 MiB; 0: no cap)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     add_engine_args(p)
@@ -34,9 +47,29 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def serve_model(args: argparse.Namespace) -> str | None:
+    """The positional MODEL or ``--model``; both given, they must agree."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+    return args.model_tag if args.model_tag is not None else args.model
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """``--api-key``, else ``$MINFER_API_KEY``; an empty key would let every client in, so it is refused."""
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(f"the API key is empty (--api-key or ${API_KEY_ENV}); unset it to serve without one")
+    return key.strip() if key is not None else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     require_server_extra()
-    run_server(args.model, engine_kwargs(args), host=args.host, port=args.port,
+    from minfer.server.chat_template import load_chat_template
+
+    model, key = serve_model(args), api_key(args)
+    template = load_chat_template(args.chat_template) if args.chat_template is not None else None
+    run_server(model, engine_kwargs(args), host=args.host, port=args.port,
                served_model_names=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
-               log_level=args.uvicorn_log_level, access_log=not args.no_access_log)
+               log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=key,
+               chat_template=template, max_request_bytes=args.max_request_bytes)
     return 0

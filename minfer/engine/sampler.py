@@ -159,8 +159,11 @@ class Sampler:
         drop = rank >= top_k[:, None]
         top_p = self._tensor([p.top_p for p in params], torch.float32)
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        mass_before = probs.cumsum(-1) - probs  # the most likely token always stays
+        mass_before = probs.cumsum(-1) - probs
         drop |= mass_before >= top_p[:, None]
+        # The most likely token always stays: a top_p that rounds to 0 in float32 (below ~1.4e-45) would
+        # drop it too (0 >= 0), and an all -inf row would draw token 0.
+        drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, health, metrics, engine state, and the demo web page."""
+"""The FastAPI app: OpenAI routes, tokenize/detokenize, health, metrics, engine state, the demo web page and
+the API docs (served from a packaged copy, so /docs works offline)."""
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
@@ -8,32 +9,48 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 from minfer.engine.async_engine import AsyncLLMEngine
 from minfer.engine.llm_engine import LLMEngine
+from minfer.server.auth import APIKeyMiddleware
 from minfer.server.chat import create_chat_completion
 from minfer.server.completions import create_completion
-from minfer.server.errors import install_error_handlers
+from minfer.server.errors import APIError, install_error_handlers
+from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from minfer.server.metrics import ServerMetrics
 from minfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from minfer.server.routes_tokenize import tokenize_router
 from minfer.server.serving import ClientGone, ServerContext
+from minfer.version import __version__
 
 STATIC_DIR = Path(__file__).parent / "static"
+DOCS_STATIC = "/docs-static"  # Swagger UI and ReDoc from the fastapi-offline package: /docs works offline
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 500, 503)}
 _STREAMED = {"text/event-stream": {"schema": {"type": "string", "description": "SSE chunks, then [DONE]"}}}
 
 
 def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
-              max_waiting_requests: int | None = 1024) -> FastAPI:
+              max_waiting_requests: int | None = 1024, api_key: str | None = None,
+              chat_template: str | None = None,
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
+    ``api_key``: every route but the probes and pages (``auth.OPEN_PATHS``) then needs it as a bearer
+    token. ``chat_template``: the template text, set on the engine's tokenizer before any copy of it
+    is made, so every copy (the event loop's, the tokenizer pool's) renders chats with it.
+    ``max_request_bytes``: larger bodies get a 413 before anything parses them (None: no cap).
     """
+    if chat_template is not None:
+        if engine.processor.tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer, but the server runs with --skip-tokenizer-init")
+        engine.processor.tokenizer.chat_template = chat_template
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
-    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy)
-    async_engine.observer = metrics
     ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)])
+    metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy, ctx.model_name, ctx.max_model_len)
+    async_engine.observer = metrics
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -42,11 +59,16 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
             yield
         finally:
             async_engine.shutdown()
+            ctx.close()
 
-    app = FastAPI(title="minfer", summary="OpenAI-compatible serving of a minfer engine", lifespan=lifespan)
+    app = FastAPIOffline(title="minfer", summary="OpenAI-compatible serving of a minfer engine", lifespan=lifespan,
+                         version=__version__, static_url=DOCS_STATIC)
     app.state.ctx = ctx
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_request_bytes=max_request_bytes)
+    if api_key is not None:  # added last, so it runs first: a bad key is a 401 before the body is read
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_prefixes=("/static/", DOCS_STATIC + "/"))
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_: Request, __: ClientGone) -> Response:
@@ -62,10 +84,26 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=ctx.created, max_model_len=ctx.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, created=ctx.created, max_model_len=ctx.max_model_len)
-                               for name in ctx.served_model_names])
+        return ModelList(data=[card(name) for name in ctx.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def model(model_id: str) -> ModelCard:
+        """A path parameter: hub ids hold a slash (``client.models.retrieve("org/name")``)."""
+        if model_id not in ctx.served_model_names:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                                f"{ctx.served_model_names}", "model", "model_not_found")
+        return card(model_id)
+
+    app.include_router(tokenize_router(ctx))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
 
     @app.get("/health", responses={503: {"description": "the engine loop has died"}})
     async def health() -> JSONResponse:

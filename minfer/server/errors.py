@@ -67,15 +67,15 @@ def _validation_response(exc: RequestValidationError) -> JSONResponse:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     if first.get("type") == "json_invalid":
         return error_response(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-    if first.get("type") == "model_attributes_type" or tuple(first.get("loc", ())) == ("body",) and \
-            first.get("type") in ("dict_type", "missing", "model_type"):
+    # Only the body itself of the wrong shape is "not an object"; a nested field's shape error names the field.
+    if tuple(first.get("loc", ())) == ("body",) and \
+            first.get("type") in ("model_attributes_type", "dict_type", "missing", "model_type"):
         return error_response(400, "the request body must be a JSON object")
     param = _param_of(tuple(first.get("loc", ())))
-    msg = str(first.get("msg", "invalid value"))
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
         match = _LEADING_NAME.match(msg)
         param = match.group(1) if match else None
-        msg = msg.removeprefix("Value error, ")
         return error_response(400, msg, param)
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 and not _same_field(errors) else ""
     return error_response(400, f"{param}: {msg}{more}", param)
@@ -100,5 +100,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        return error_response(500, f"internal error: {exc!r}")
+        return internal_error_response(exc)
+
+
+def internal_error_response(exc: BaseException) -> JSONResponse:
+    """A 500 for a failure nobody anticipated: the details go to the log, never to the client (they may
+    hold internals or the request's own bytes)."""
+    logger.error("unhandled error while serving a request", exc_info=exc)
+    return error_response(500, "internal server error (details are in the server log)", code="internal_error")

@@ -1,4 +1,7 @@
-"""Prometheus metrics for GET /metrics.
+"""Prometheus metrics for GET /metrics, under vLLM's names (``vllm:*``) and our own (``minfer_*``).
+
+vLLM's names and labels (``model_name``, ``engine``) are those of its v1 ``PrometheusStatLogger``,
+so dashboards and alerts built for vLLM work unchanged; ours stay for the dashboards built on them.
 
 Two sources. Engine state (running/waiting sequences, KV blocks, prefix cache, preemptions) is
 read at scrape time from the engine thread's latest stats snapshot, so it costs nothing per
@@ -22,11 +25,31 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                 0.2, 0.3, 0.5, 1.0, 2.5)
+# vLLM's own buckets, so a histogram_quantile over both servers compares like with like.
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                      10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0)
+_VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_LABELS = ("model_name", "engine")
+FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values, each series present from the start
+
+
+def _one_two_five(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
 
 
 class _EngineStateCollector(Collector):
-    def __init__(self, stats: Callable[[], dict[str, Any]], healthy: Callable[[], bool]) -> None:
-        self.stats, self.healthy = stats, healthy
+    def __init__(self, stats: Callable[[], dict[str, Any]], healthy: Callable[[], bool], model_name: str) -> None:
+        self.stats, self.healthy, self.labels = stats, healthy, [model_name, "0"]
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -52,12 +75,92 @@ class _EngineStateCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from self._vllm(s)
+
+    def _vllm(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """vLLM's engine-state series: a sequence counts as a request, as each of n samples is one in vLLM v1."""
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", s["num_running"]),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s["num_waiting"]),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s["kv_cache_usage"])):
+            family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
+            family.add_metric(self.labels, value)
+            yield family
+        for name, doc, value in (
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s["num_preemptions"]),
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                 s["prefix_cache_queried_tokens"]),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 s["prefix_cache_hit_tokens"])):
+            family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+            family.add_metric(self.labels, value)
+            yield family
+
+
+class _VllmRequestMetrics:
+    """vLLM's per-request series, bound to this server's label values once."""
+
+    def __init__(self, r: CollectorRegistry, labels: tuple[str, str], max_model_len: int) -> None:
+        def bound(metric: Any) -> Any:
+            return metric.labels(*labels)
+
+        tokens = _one_two_five(max_model_len)
+        self.prompt_tokens = bound(Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                           VLLM_LABELS, registry=r))
+        self.generation_tokens = bound(Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                               VLLM_LABELS, registry=r))
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                [*VLLM_LABELS, "finished_reason"], registry=r)
+        self._labels = labels
+        for reason in FINISH_REASONS:
+            self.success(reason)
+
+        def histogram(name: str, doc: str, buckets: Any) -> Any:
+            return bound(Histogram(name, doc, VLLM_LABELS, buckets=buckets, registry=r))
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _VLLM_TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _VLLM_ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (the same values as "
+                              "vllm:inter_token_latency_seconds, as vLLM records them).", _VLLM_ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _VLLM_REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", _VLLM_REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", _VLLM_REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", _VLLM_REQUEST_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", _VLLM_REQUEST_BUCKETS)
+        self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.request_generation = histogram("vllm:request_generation_tokens",
+                                            "Number of generation tokens processed.", tokens)
+
+    def success(self, reason: str) -> Any:
+        return self._success.labels(*self._labels, reason)
+
+    def finished(self, out: RequestOutput, reason: str, now: float) -> None:
+        self.success(reason).inc()
+        m = out.metrics
+        self.e2e.observe(now - m.arrival_time)
+        if m.first_scheduled_time:
+            self.queue.observe(m.first_scheduled_time - m.arrival_time)
+            self.inference.observe(now - m.first_scheduled_time)
+            if m.first_token_time:
+                self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+                self.decode.observe(now - m.first_token_time)
+        self.request_prompt.observe(len(out.prompt_token_ids))
+        self.request_generation.observe(sum(c.token_offset + len(c.token_ids) for c in out.outputs))
 
 
 class ServerMetrics:
     """The registry plus the ``EngineObserver`` hooks that fill its histograms and counters."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], healthy: Callable[[], bool]) -> None:
+    def __init__(self, stats: Callable[[], dict[str, Any]], healthy: Callable[[], bool], model_name: str = "minfer",
+                 max_model_len: int = 1 << 20) -> None:
         disable_created_metrics()  # no `*_created` series: they double the output and nobody reads them
         self.registry = CollectorRegistry()
         r = self.registry
@@ -70,29 +173,39 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("minfer_e2e_request_latency_seconds", "arrival to last token",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        r.register(_EngineStateCollector(stats, healthy))
+        self.vllm = _VllmRequestMetrics(r, (model_name, "0"), max_model_len)
+        r.register(_EngineStateCollector(stats, healthy, model_name))
         self._last_token_time: dict[str, float] = {}  # engine thread only
 
     def on_step(self, outputs: list[RequestOutput], new_tokens: list[int], now: float) -> None:
-        last = self._last_token_time
+        last, v = self._last_token_time, self.vllm
         for out, k in zip(outputs, new_tokens):
             prev = last.get(out.request_id)
             if prev is None:
-                self.ttft.observe(now - out.metrics.arrival_time)
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                ttft, n_prompt = now - out.metrics.arrival_time, len(out.prompt_token_ids)
+                self.ttft.observe(ttft)
+                v.ttft.observe(ttft)
+                self.prompt_tokens.inc(n_prompt)
+                v.prompt_tokens.inc(n_prompt)
             elif k:
                 self.itl.observe(now - prev)
+                v.itl.observe(now - prev)
+                v.tpot.observe(now - prev)
             self.generation_tokens.inc(k)
+            v.generation_tokens.inc(k)
             if out.finished:
                 last.pop(out.request_id, None)
+                reason = out.outputs[0].finish_reason or "unknown"
                 self.e2e.observe(now - out.metrics.arrival_time)
-                self.requests.labels(out.outputs[0].finish_reason or "unknown").inc()
+                self.requests.labels(reason).inc()
+                v.finished(out, reason, now)
             else:
                 last[out.request_id] = now
 
     def on_abort(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)
         self.requests.labels("abort").inc()
+        self.vllm.success("abort").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,24 +2,83 @@
 
 Requests are validated in strict mode, so ``"max_tokens": "5"`` or ``"stream": 1`` is a 400
 naming the field rather than a silent coercion, and every range check happens here, in the
-HTTP handler, before anything reaches the engine thread. Unknown fields are ignored, as the
-OpenAI API and vLLM do. Names beyond OpenAI's (``top_k``, ``min_p``, ``repetition_penalty``,
-``ignore_eos``, ...) are vLLM's, which the ``openai`` client sends through ``extra_body``.
-Streamed chunks are built as plain dicts in ``stream.py``: one per token is hot.
+HTTP handler, before anything reaches the engine thread. Every string, at any depth, must be
+valid unicode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) would make the tokenizer, the chat
+template or the response's own encoding raise later. Names beyond OpenAI's (``top_k``, ``min_p``,
+``repetition_penalty``, ``ignore_eos``, ...) are vLLM's, which the ``openai`` client sends through
+``extra_body``. Streamed chunks are built as plain dicts in ``stream.py``: one per token is hot.
+
+A field that would change the output is either honoured or refused: ``UNSUPPORTED`` lists those
+not implemented (tools, structured outputs, beam search, ...), each a 400 naming it unless it holds
+its neutral value. Other unknown fields are ignored, as the OpenAI API does; ``HARMLESS`` names the
+ones clients are known to send that change nothing here (bookkeeping, caching and routing hints).
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from minfer.sampling_params import MAX_SEED
 
 MAX_N = 128  # OpenAI's own limit on `n`
 MAX_LOGPROBS = 20  # OpenAI's limit on `top_logprobs`
 
+# Every request string is constrained (``Text``): pydantic-core then converts it to UTF-8 in Rust, which
+# refuses a lone surrogate by itself; a plain ``str`` would pass it through untouched.
+Text = Annotated[str, Field(min_length=0)]
 StopStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+
+# Accepted and without effect here: OpenAI's bookkeeping (user, metadata, store), caching and routing
+# hints (prompt_cache_key, service_tier, safety_identifier), vLLM's request_id and priority.
+HARMLESS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id",
+            "priority")
+
+# Not implemented: a 400 naming the field unless it holds one of its neutral values (None is always one).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (), "structured_outputs": (), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "logits_processors": ([],), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,), "prompt_embeds": (), "audio": (), "modalities": (["text"],),
+    "prediction": (), "reasoning_effort": (), "web_search_options": (), "documents": (),
+    "mm_processor_kwargs": (), "spaces_between_special_tokens": (True,),
+}
+
+
+def _unsupported_field(data: Any) -> str | None:
+    if not isinstance(data, dict):
+        return None
+    for name, value in data.items():
+        if value is None:
+            continue
+        neutral = UNSUPPORTED.get(name) if isinstance(name, str) else None
+        if (neutral is not None or (isinstance(name, str) and name.startswith("guided_"))) and \
+                not any(type(value) is type(v) and value == v for v in neutral or ()):
+            return name
+    return None
+
+
+def check_unicode(value: Any) -> Any:
+    """Raise on a string (at any depth, dict keys too) that is not valid unicode; ``value`` otherwise."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"is not valid unicode: a lone UTF-16 surrogate at character {exc.start}") from None
+    elif isinstance(value, (list, tuple)):
+        if value and type(value[0]) is int:  # a validated token-id list: millions of ints need no walk
+            return value
+        for item in value:
+            check_unicode(item)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k)
+            check_unicode(v)
+    return value
 
 
 class _Request(BaseModel):
@@ -28,12 +87,13 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="usage (so far) in every chunk")
 
 
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
-    model: str | None = Field(None, description="a name from GET /v1/models; omitted means the served model")
+    model: Text | None = Field(None, description="a name from GET /v1/models; omitted means the served model")
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0.0, le=100.0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -43,7 +103,7 @@ class SamplingFields(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
     # vLLM extras
     top_k: int | None = Field(None, ge=-1, description="0 or -1 disables")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -53,7 +113,15 @@ class SamplingFields(_Request):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=256)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = Field(None, description="not supported: must be empty")
+    logit_bias: dict[Text, float] | None = Field(None, description="not supported: must be empty")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        name = _unsupported_field(data)
+        if name is not None:
+            raise ValueError(f"{name} is not supported by this server (remove it or send null)")
+        return data
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> "SamplingFields":
@@ -67,37 +135,71 @@ class SamplingFields(_Request):
 PromptIds = Annotated[list[int], Field(min_length=1)]
 
 
+def _prompt_kind(value: Any) -> str | None:
+    """The one union member a prompt can be, from its type and its first item. A plain union would try each
+    member in turn, and a million-id list tried as ``list[str]`` first costs a million errors (seconds)."""
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list) and value:
+        first = value[0]
+        return "list[str]" if isinstance(first, str) else "list[list[int]]" if isinstance(first, list) else "list[int]"
+    return "list[int]" if isinstance(value, list) else None
+
+
+Prompt = Annotated[Union[Annotated[Text, Tag("str")], Annotated[Annotated[list[Text], Field(min_length=1)], Tag("list[str]")],
+                         Annotated[PromptIds, Tag("list[int]")],
+                         Annotated[Annotated[list[PromptIds], Field(min_length=1)], Tag("list[list[int]]")]],
+                   Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                                 custom_error_message="a prompt is a string, a list of strings, a list of token ids "
+                                                      "or a list of token-id lists")]
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt`` is text, token ids, or a batch of either."""
 
-    prompt: str | Annotated[list[str], Field(min_length=1)] | PromptIds | Annotated[
-        list[PromptIds], Field(min_length=1)]
-    max_tokens: int | None = Field(16, ge=1, description="OpenAI's default is 16; null means up to the context")
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=0, description="OpenAI's default is 16; null means up to the context; "
+                                                         "0 only with echo (score the prompt, generate nothing)")
+    max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, description="not supported: must be false")
-    suffix: str | None = Field(None, description="not supported: must be null")
+    echo: bool = Field(False, description="return the prompt before the completion (and its logprobs with logprobs)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: top-k per prompt token")
+    add_special_tokens: bool = Field(True, description="vLLM's: BOS etc. when tokenizing a text prompt")
+    suffix: Text | None = Field(None, description="not supported: must be null")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="only best_of == n is supported")
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+        if "max_tokens" in self.model_fields_set and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_completion_tokens and max_tokens disagree: send one of them")
+        if self.stream and (self.echo or self.prompt_logprobs is not None):
+            raise ValueError(f"{'echo' if self.echo else 'prompt_logprobs'} is not supported when streaming")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (minfer returns every sample)")
         return self
 
+    @property
+    def output_tokens(self) -> int | None:
+        """max_tokens, or max_completion_tokens where only that one was sent."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -113,11 +215,29 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="vLLM's: top-k per prompt token")
+    # the chat template (vLLM's names)
+    chat_template: str | None = Field(None, min_length=1, description="a Jinja template replacing the model's")
+    add_generation_prompt: bool = Field(True, description="end with the assistant's header, so the model answers")
+    continue_final_message: bool = Field(False, description="leave the last (assistant) message open to extend it")
+    chat_template_kwargs: dict[Text, Any] | None = Field(None, description="extra variables for the template")
+    add_special_tokens: bool = Field(False, description="add BOS etc. on top of what the template writes")
+
+    @field_validator("chat_template_kwargs", mode="after")
+    @classmethod
+    def _kwargs_unicode(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_unicode(value)  # values of any type: no Text constraint reaches inside them
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported when streaming")
         return self
 
 
@@ -129,16 +249,24 @@ class UsageInfo(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo, the prompt's tokens come first; the first has no logprob (None), as in vLLM."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None
 
@@ -176,6 +304,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None
 

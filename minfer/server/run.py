@@ -7,45 +7,71 @@ engine are imported inside, so importing this module costs nothing.
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import logging
 from typing import Any
 
 DEFAULT_MAX_WAITING = 1024
-SERVER_EXTRA = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+SERVER_EXTRA = ("fastapi", "fastapi_offline", "uvicorn", "pydantic", "prometheus_client")
+_INSTALL = "pip install 'minfer[server]'"
+
+logger = logging.getLogger("minfer")
 
 
 def require_server_extra() -> None:
     """Fail with the install command, not an ImportError deep in a traceback, when the extra is missing."""
     missing = [name for name in SERVER_EXTRA if importlib.util.find_spec(name) is None]
     if missing:
-        raise ValueError(f"the server needs the `server` extra ({', '.join(missing)} not installed): "
-                         f"pip install 'minfer[server]'")
+        raise ValueError(f"the server needs the `server` extra ({', '.join(missing)} not installed): {_INSTALL}")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = DEFAULT_MAX_WAITING,
-               log_level: str = "info", access_log: bool = True) -> None:
+               log_level: str = "info", access_log: bool = True, api_key: str | None = None,
+               chat_template: str | None = None, max_request_bytes: int | None = None) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully).
 
     ``engine_kwargs``: ``EngineConfig`` fields but ``model``; ``model`` None serves the built-in model.
+    ``chat_template``: the template's text (``chat_template.load_chat_template`` reads a file).
     """
-    import uvicorn
+    require_server_extra()
+    try:
+        import uvicorn
+
+        from minfer.server.app import build_app
+    except ImportError as exc:  # installed, but broken (a dependency of the extra is missing)
+        raise ValueError(f"the server's packages do not import ({exc}): {_INSTALL}") from None
+
+    if api_key is None and not is_loopback(host):
+        logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
+                       "(pass --api-key or set MINFER_API_KEY)", host)
 
     from minfer.config import EngineConfig
     from minfer.engine.llm_engine import LLMEngine
     from minfer.llm import builtin_model_path
     from minfer.outputs import RequestOutputKind
-    from minfer.server.app import build_app
 
     if model is None:
         builtin = builtin_model_path()
         if not (builtin / "config.json").is_file():
-            raise ValueError(f"the built-in model is not installed (no {builtin}/config.json); pass --model")
+            raise ValueError(f"the built-in model is not installed (no {builtin}/config.json); pass a model")
         model, names = str(builtin), served_model_names or ["minfer-builtin"]
     else:
         names = served_model_names or [model]
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
     engine = LLMEngine(config, RequestOutputKind.DELTA)  # the server streams deltas
-    logging.getLogger("minfer").info("serving %s as %s on http://%s:%d", model, names, host, port)
-    app = build_app(engine, names, max_waiting_requests or None)
+    logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
+    limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes or None}  # 0: no cap
+    app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
+                    **limit)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)

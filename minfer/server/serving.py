@@ -1,22 +1,31 @@
 """What both OpenAI endpoints share: the model check, prompt checks, SamplingParams, and running
 engine streams under a watch for the client going away.
 
-All of it runs on the event loop, never on the engine thread: a bad request is turned away
-here with a 4xx before the engine sees it.
+None of it runs on the engine thread: a bad request is turned away here with a 4xx before the
+engine sees it. Work that grows with the request (tokenizing, rendering a chat template, checking
+token ids, decoding an echoed prompt) runs on a small thread pool (``offload``), after the O(1)
+count and length checks that turn the largest requests away first, so the event loop keeps
+answering /health and streaming other clients' tokens meanwhile. Each pool thread borrows a
+``Processor`` of its own: a Rust tokenizer used from two threads at once can fail with
+'Already borrowed'.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from minfer.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
+from minfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream,
+                                        StepFailedError)
 from minfer.engine.processor import EngineRequest, Processor, PromptError
 from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams
@@ -26,6 +35,9 @@ from minfer.server.stream import DONE, sse
 
 T = TypeVar("T")
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "top_logprobs"}
+MAX_SEQUENCES = 1024  # prompts x n in one request
+TOKENIZE_WORKERS = 2
+logger = logging.getLogger("minfer.server")
 
 
 class ClientGone(Exception):
@@ -40,6 +52,30 @@ class ServerContext:
     served_model_names: list[str]
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
+    tokenize_workers: int = TOKENIZE_WORKERS
+
+    def __post_init__(self) -> None:
+        self.processor.clamp_max_tokens = False  # a max_tokens past the context is a 400, as in vLLM
+        _ = self.processor.max_token_chars  # computed once, before the clones copy it
+        self.worker_processors = [self.processor.clone() for _ in range(self.tokenize_workers)]
+        self._processors: SimpleQueue[Processor] = SimpleQueue()
+        for processor in self.worker_processors:
+            self._processors.put(processor)
+        self._pool = ThreadPoolExecutor(self.tokenize_workers, thread_name_prefix="minfer-tokenize")
+
+    async def offload(self, fn: Callable[[Processor], T]) -> T:
+        """``fn(processor)`` on the tokenizer pool, with a processor (and tokenizer) no other thread uses now."""
+        def call() -> T:
+            processor = self._processors.get()
+            try:
+                return fn(processor)
+            finally:
+                self._processors.put(processor)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def processor(self) -> Processor:
@@ -70,19 +106,13 @@ class ServerContext:
                                 f"send prompts as token-id lists", param)
         return self.tokenizer
 
-    def process(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                param: str) -> EngineRequest:
-        """The engine's own checks (``Processor``), before the request is queued; ``param`` names the
-        prompt field in the error."""
-        try:
-            return self.processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
-        except PromptError as exc:
-            name = param if exc.field == "prompt" else exc.field
-            raise APIError(400, f"{name}: {exc}", name) from exc
-        except (ValueError, TypeError) as exc:
-            raise bad_request(exc, _SAMPLING_FIELDS) from exc
+    def check_count(self, num_prompts: int, n: int, param: str = "prompt") -> None:
+        if num_prompts * n > MAX_SEQUENCES:
+            raise APIError(400, f"{param}: a batch of {num_prompts} prompts with n={n} is over {MAX_SEQUENCES} "
+                                f"sequences", param)
 
-    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer (the server runs with --skip-tokenizer-init)", "stop")
@@ -90,7 +120,8 @@ class ServerContext:
                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                       repetition_penalty=req.repetition_penalty, seed=req.seed, stop=stop,
                       stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
-                      min_tokens=req.min_tokens, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                      min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                      skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output)
         try:  # None means "OpenAI's default", which SamplingParams' defaults already are
             return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
@@ -119,15 +150,50 @@ class ServerContext:
                 self.engine.abort(stream.request_id)
 
 
+def process(processor: Processor, request_id: str, text: str | None, ids: list[int] | None,
+            params: SamplingParams, param: str, add_special_tokens: bool = True) -> EngineRequest:
+    """Tokenize ``text`` unless ``ids`` are given, then the engine's own checks (``Processor``), before the
+    request is queued; ``param`` names the prompt field in the error. Run on the tokenizer pool."""
+    try:
+        if ids is None:
+            ids = encode(processor, text or "", param, add_special_tokens)
+        return processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+    except PromptError as exc:
+        name = param if exc.field == "prompt" else exc.field
+        message = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
+        raise APIError(400, message, name) from exc
+    except (ValueError, TypeError) as exc:
+        raise bad_request(exc, _SAMPLING_FIELDS) from exc
+
+
+def encode(processor: Processor, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of a text after the length bound; a tokenizer's refusal is the caller's 400, its text logged."""
+    try:
+        processor.check_text_length(len(text))
+    except PromptError as exc:
+        raise APIError(400, f"{param}: {exc}", param) from exc
+    try:
+        return processor.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except Exception as exc:  # noqa: BLE001 - whatever the tokenizer refuses came from the request
+        logger.info("the tokenizer rejected %s: %r", param, exc)
+        raise APIError(400, f"{param}: the tokenizer could not encode this text", param) from exc
+
+
 def request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def engine_error(exc: BaseException) -> APIError:
-    """Map an error raised by an engine stream to what the client sees."""
+    """Map an error raised by an engine stream to what the client sees. The engine's named failures (its loop
+    died, the step serving the request failed) say so; anything else is logged and reported generically."""
     if isinstance(exc, (ValueError, TypeError)):
         return bad_request(exc)
-    return APIError(500, str(exc), code="engine_dead" if isinstance(exc, EngineDeadError) else None)
+    if isinstance(exc, EngineDeadError):
+        return APIError(500, str(exc), code="engine_dead")
+    if isinstance(exc, StepFailedError):
+        return APIError(500, str(exc), code="step_failed")
+    logger.error("unexpected error from an engine stream", exc_info=exc)
+    return APIError(500, "internal server error (details are in the server log)", code="internal_error")
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

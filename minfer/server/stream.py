@@ -102,6 +102,46 @@ def completion_logprobs(lps: list[dict[int, float]], ids: list[int], tok: TokenT
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(prompt_ids: list[int], prompt_lps: list[dict[int, float] | None], tok: TokenText,
+                  k: int) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs (vLLM's and lm-evaluation-harness's shape): every
+    prompt token, the first with ``None`` for its logprob and its top logprobs (nothing comes before it); each
+    other position the prompt token's logprob and the top ``k`` with it."""
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for pos, tid in enumerate(prompt_ids):
+        s = tok(tid)
+        entry = prompt_lps[pos] if pos < len(prompt_lps) else None
+        tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if entry is None or pos == 0:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(_finite(entry[tid]))
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        tops.append({tok(t): _finite(v) for t, v in [(tid, entry[tid]), *top]})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(head: dict[str, Any], tail: dict[str, Any] | None) -> dict[str, Any]:
+    """``head`` (the echoed prompt's) followed by ``tail`` (the completion's), offsets shifted past the head."""
+    if tail is None:
+        return head
+    shift = sum(map(len, head["tokens"]))
+    return {"tokens": head["tokens"] + tail["tokens"], "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": head["text_offset"] + [o + shift for o in tail["text_offset"]]}
+
+
+def prompt_logprobs_entries(lps: list[dict[int, float] | None] | None, tok: TokenText) -> list[Any] | None:
+    """vLLM's ``prompt_logprobs``: per prompt position None (the first) or {token id: {logprob, decoded_token}}."""
+    if lps is None:
+        return None
+    return [None if entry is None else {str(t): {"logprob": _finite(v), "decoded_token": tok(t)} for t, v in entry.items()}
+            for entry in lps]
+
+
 def chat_logprobs(lps: list[dict[int, float]], ids: list[int], tok: TokenText, k: int) -> list[dict[str, Any]]:
     """The chat shape: per token its logprob and the ``k`` most likely tokens at that position."""
     content = []

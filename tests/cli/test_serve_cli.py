@@ -23,11 +23,11 @@ def test_serve_flags_reach_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
         model=model, engine=engine_kwargs, **kw))
     args = _parse(["--model", "m", "--port", "9001", "--host", "0.0.0.0", "--served-model-name", "a",
                    "--served-model-name", "b", "--max-waiting-requests", "7", "--num-kv-blocks", "64",
-                   "--no-prefix-caching", "--skip-tokenizer-init"])
+                   "--no-prefix-caching", "--skip-tokenizer-init", "--max-request-bytes", "4096"])
     assert args.func(args) == 0
     assert seen["model"] == "m" and seen["port"] == 9001 and seen["host"] == "0.0.0.0"
     assert seen["served_model_names"] == ["a", "b"] and seen["max_waiting_requests"] == 7
-    assert seen["engine"]["skip_tokenizer_init"] is True
+    assert seen["engine"]["skip_tokenizer_init"] is True and seen["max_request_bytes"] == 4096
     assert seen["engine"]["num_kv_blocks"] == 64 and seen["engine"]["enable_prefix_caching"] is False
 
 

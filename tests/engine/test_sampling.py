@@ -62,6 +62,17 @@ def test_filters_restrict_support(kw, support):
     assert set(out.token_ids) == support
 
 
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-30, 1e-9])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """A top_p that underflows to 0 in float32 must still keep the top token, never fall back to token 0."""
+    logits = torch.tensor([-1.0, 0.5, 3.0, 2.9, 0.0])  # the most likely token is 2, not 0
+    n = 200
+    params = [SamplingParams(temperature=1.0, top_p=top_p)] * n + [SamplingParams(temperature=1.0, top_p=top_p,
+                                                                                  top_k=2)]
+    out = _sampler()(logits.repeat(n + 1, 1), _meta(params, list(range(n + 1)))).result()
+    assert set(out.token_ids) == {2}
+
+
 def test_penalties_match_definitions():
     logits = torch.tensor([[3.0, -2.0, 1.0, 0.5, 2.9, -0.1]])
     meta = _meta([SamplingParams(temperature=0, repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)],

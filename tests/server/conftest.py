@@ -25,6 +25,7 @@ from minfer.config import EngineConfig  # noqa: E402
 from minfer.engine.llm_engine import LLMEngine  # noqa: E402
 from minfer.outputs import RequestOutputKind  # noqa: E402
 from minfer.server.app import build_app  # noqa: E402
+from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES  # noqa: E402
 
 MODEL_NAME = "tiny-llama3"
 ENGINE_ARGS: dict[str, Any] = dict(num_kv_blocks=512, max_num_seqs=64, max_num_batched_tokens=1024)
@@ -42,10 +43,13 @@ def _root_conftest() -> Any:
 class LiveServer:
     """An app on uvicorn in a background thread; ``stop`` shuts both down."""
 
-    def __init__(self, model_dir: Path, max_waiting_requests: int | None = 1024, **engine_args: Any) -> None:
+    def __init__(self, model_dir: Path, max_waiting_requests: int | None = 1024, api_key: str | None = None,
+                 chat_template: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+                 **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE_ARGS, **engine_args}),
                                 RequestOutputKind.DELTA)
-        self.app = build_app(self.engine, [MODEL_NAME], max_waiting_requests)
+        self.app = build_app(self.engine, [MODEL_NAME], max_waiting_requests, api_key=api_key,
+                             chat_template=chat_template, max_request_bytes=max_request_bytes)
         self.ctx = self.app.state.ctx
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -32,7 +32,8 @@ CASES = [  # (path, body, status, param)
     (COMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
     (COMP, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (COMP, {"prompt": "x", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
-    (COMP, {"prompt": "x", "echo": True}, 400, "echo"),
+    (COMP, {"prompt": "x", "echo": True, "stream": True}, 400, "echo"),
+    (COMP, {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
     (COMP, {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     (COMP, {"max_tokens": 4}, 400, "prompt"),
     (COMP, {"prompt": 5}, 400, "prompt"),
@@ -129,7 +130,7 @@ def test_health_models_metrics(client: httpx.Client) -> None:
     {"top_k": 10**9}, {"top_k": -1}, {"temperature": 1e-6}, {"temperature": 100.0}, {"top_p": 1e-9},
     {"seed": 2**63 - 1}, {"stop_token_ids": [10**9, 0]}, {"min_tokens": 10**6, "max_tokens": None},
     {"repetition_penalty": 100.0, "presence_penalty": -2, "frequency_penalty": 2}, {"min_p": 1.0},
-    {"logprobs": 20, "n": 3}, {"stop": ["a", "b", "c", "d", "e"]}, {"max_tokens": 10**9},
+    {"logprobs": 20, "n": 3}, {"stop": ["a", "b", "c", "d", "e"]},
 ])
 def test_extreme_but_valid_values_are_served(client: httpx.Client, extra: dict[str, Any]) -> None:
     body = {"model": MODEL_NAME, "prompt": "x" * 400, "max_tokens": 4, **extra}

@@ -1,0 +1,157 @@
+"""GET /health latency while the server handles oversized and expensive requests (p50 / p99 / max).
+
+Runs a server in this process (uvicorn in a thread, as the tests do) on a tiny random-weight checkpoint
+or ``--model``, probes /health every ``--probe-interval`` seconds from one thread while another sends, in
+a loop, each request of ``attacks()``: bodies past the size cap (declared and chunked), a text prompt
+longer than the context can hold, a huge token-id list, thousands of prompts, a chat of tens of thousands of
+messages, and a prompt just inside the character bound (tokenized, then refused), while a third client
+streams tokens. Reports the /health percentiles, the longest gap between that client's tokens, and each
+attack's status and time.
+
+    python benchmarks/server_health_under_load.py [--model DIR] [--seconds 20] [--max-request-bytes N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+Attack = tuple[str, str, Callable[[], dict[str, Any]]]  # (name, path, httpx.request kwargs)
+
+
+def attacks(max_request_bytes: int, max_prompt_chars: int) -> list[Attack]:
+    over = max_request_bytes + 1024
+    inside = int(max_request_bytes * 0.8)
+
+    def chunked() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(over // 65536 + 1):
+            yield b"a" * 65536
+        yield b'"}'
+
+    def body(payload: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+        data = json.dumps(payload).encode()  # encoded once: the client's own JSON work would share the GIL
+        return lambda: {"content": data, "headers": {"Content-Type": "application/json"}}
+
+    return [
+        ("body over the cap (Content-Length)", "/v1/completions", body({"prompt": "a" * over})),
+        ("body over the cap (chunked)", "/v1/completions",
+         lambda: {"content": chunked(), "headers": {"Content-Type": "application/json"}}),
+        ("text past the context", "/v1/completions", body({"prompt": "word " * (inside // 5)})),
+        ("huge token-id list", "/v1/completions", body({"prompt": [7] * (inside // 3)})),
+        ("thousands of prompts", "/v1/completions", body({"prompt": ["hi"] * min(inside // 6, 200_000)})),
+        ("tens of thousands of messages", "/v1/chat/completions",
+         body({"messages": [{"role": "user", "content": "hi"}] * min(inside // 40, 100_000)})),
+        ("prompt at the character bound", "/v1/completions", body({"prompt": "ab " * (max_prompt_chars // 3)})),
+    ]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run(base_url: str, seconds: float, probe_interval: float, max_request_bytes: int,
+        max_prompt_chars: int) -> dict[str, Any]:
+    stop = threading.Event()
+    health: list[float] = []
+    failures: list[str] = []
+    gaps: list[float] = []
+    results: dict[str, list[tuple[int, float]]] = {}
+
+    def probe() -> None:
+        with httpx.Client(base_url=base_url, timeout=30) as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                r = c.get("/health")
+                health.append(time.perf_counter() - t)
+                if r.status_code != 200:
+                    failures.append(f"/health {r.status_code}")
+                time.sleep(probe_interval)
+
+    def stream() -> None:
+        body = {"prompt": "def f():", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=base_url, timeout=60) as c:
+            while not stop.is_set():
+                last = time.perf_counter()
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        now = time.perf_counter()
+                        if line.startswith("data: {"):
+                            gaps.append(now - last)
+                            last = now
+                        if stop.is_set():
+                            break
+
+    requests = attacks(max_request_bytes, max_prompt_chars)
+
+    def attack() -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as c:
+            while not stop.is_set():
+                for name, path, kwargs in requests:
+                    t = time.perf_counter()
+                    try:
+                        status = c.post(path, **kwargs()).status_code
+                    except httpx.HTTPError as exc:  # a server may close a refused upload early
+                        status = -1
+                        failures.append(f"{name}: {exc!r}")
+                    results.setdefault(name, []).append((status, time.perf_counter() - t))
+                    if stop.is_set():
+                        break
+
+    threads = [threading.Thread(target=f, daemon=True) for f in (probe, stream, attack)]
+    for th in threads:
+        th.start()
+    time.sleep(seconds)
+    stop.set()
+    for th in threads:
+        th.join(60)
+    return {
+        "health_probes": len(health), "health_p50_ms": 1e3 * statistics.median(health),
+        "health_p99_ms": 1e3 * percentile(health, 0.99), "health_max_ms": 1e3 * max(health),
+        "stream_chunks": len(gaps), "stream_max_gap_ms": 1e3 * max(gaps) if gaps else None,
+        "attacks": {name: {"statuses": sorted({s for s, _ in rs}), "mean_s": statistics.mean(t for _, t in rs)}
+                    for name, rs in results.items()},
+        "failures": failures[:10],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="checkpoint folder (default: a tiny random-weight Llama built here)")
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--probe-interval", type=float, default=0.01)
+    ap.add_argument("--max-request-bytes", type=int, default=None, help="default: the server's default")
+    args = ap.parse_args()
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from server.conftest import LiveServer, _root_conftest  # the tests' in-process server
+
+    from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES
+
+    model = Path(args.model) if args.model else _root_conftest().make_checkpoint(
+        Path(tempfile.mkdtemp()) / "llama3", "llama3")
+    cap = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
+    live = LiveServer(model, max_request_bytes=cap)
+    try:
+        report = run(live.base_url, args.seconds, args.probe_interval, cap, live.ctx.processor.max_prompt_chars)
+        report["idle_after"] = {k: v for k, v in live.wait_idle().items()
+                                if k in ("healthy", "kv_blocks_used", "num_running", "num_waiting")}
+    finally:
+        live.stop()
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""``minfer serve`` as vLLM users type it: a positional MODEL, --api-key / $MINFER_API_KEY, --chat-template,
+the warning for a public host without a key, and one line (exit 2) when the server extra is missing."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import minfer.cli.serve as server_cli
+from minfer.cli import main
+from minfer.server.chat_template import load_chat_template
+
+TEMPLATE = "{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}" \
+           "{% if add_generation_prompt %}<<assistant:{% endif %}"
+
+
+@pytest.fixture()
+def seen(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What ``cmd_serve`` hands to ``run_server`` (nothing is loaded or served)."""
+    got: dict[str, Any] = {}
+    monkeypatch.setattr(server_cli, "run_server", lambda model, engine_kwargs, **kw: got.update(model=model, **kw))
+    monkeypatch.delenv("MINFER_API_KEY", raising=False)
+    return got
+
+
+def test_positional_model(seen: dict[str, Any]) -> None:
+    assert main(["serve", "org/model", "--port", "9000"]) == 0
+    assert seen["model"] == "org/model" and seen["port"] == 9000
+    assert main(["serve", "--port", "9000", "org/other"]) == 0 and seen["model"] == "org/other"
+    assert main(["serve", "--model", "org/model"]) == 0 and seen["model"] == "org/model"
+    assert main(["serve", "org/model", "--model", "org/model"]) == 0 and seen["model"] == "org/model"
+    assert main(["serve"]) == 0 and seen["model"] is None  # the built-in model
+
+
+def test_two_different_models_is_an_error(seen: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "a", "--model", "b"]) == 2
+    assert "the model is given twice" in capsys.readouterr().err and not seen
+
+
+def test_api_key_flag_and_environment(seen: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "m"]) == 0 and seen["api_key"] is None
+    monkeypatch.setenv("MINFER_API_KEY", "from-env")
+    assert main(["serve", "m"]) == 0 and seen["api_key"] == "from-env"
+    assert main(["serve", "m", "--api-key", "from-flag"]) == 0 and seen["api_key"] == "from-flag"
+    seen.clear()
+    assert main(["serve", "m", "--api-key", " "]) == 2
+    assert "API key is empty" in capsys.readouterr().err and not seen
+
+
+def test_chat_template_file_or_inline(seen: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    assert main(["serve", "m", "--chat-template", str(path)]) == 0 and seen["chat_template"] == TEMPLATE
+    assert main(["serve", "m", "--chat-template", TEMPLATE]) == 0 and seen["chat_template"] == TEMPLATE
+    assert main(["serve", "m"]) == 0 and seen["chat_template"] is None
+    seen.clear()
+    for bad, message in ((str(tmp_path / "missing.jinja"), "neither a file nor a Jinja template"),
+                         ("{% for m in messages %}", "not a valid Jinja template")):
+        assert main(["serve", "m", "--chat-template", bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and not seen
+
+
+def test_a_public_host_without_a_key_warns(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                            tmp_path: Path) -> None:
+    import minfer.server.run as server_run
+
+    monkeypatch.setattr("minfer.llm.builtin_model_path", lambda: tmp_path)  # stops before a model loads
+    for host, key, warns in (("0.0.0.0", None, True), ("::", None, True), ("192.168.1.7", None, True),
+                             ("0.0.0.0", "k", False), ("127.0.0.1", None, False), ("localhost", None, False),
+                             ("::1", None, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="minfer"), pytest.raises(ValueError, match="built-in"):
+            server_run.run_server(None, {}, host=host, api_key=key)
+        warned = [r.getMessage() for r in caplog.records if "without an API key" in r.getMessage()]
+        assert bool(warned) is warns, (host, key, warned)
+
+
+@pytest.mark.parametrize("module", ["uvicorn", "fastapi", "fastapi_offline", "prometheus_client"])
+def test_missing_server_extra_is_one_line(seen: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture, module: str) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # what an uninstalled package looks like to find_spec
+    assert main(["serve", "m"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and module in err and "pip install 'minfer[server]'" in err
+    assert "Traceback" not in err and not seen
+
+
+def test_load_chat_template_keeps_the_text() -> None:
+    assert load_chat_template(TEMPLATE) == TEMPLATE
+    assert load_chat_template("{{ messages[0]['content'] }}\n") == "{{ messages[0]['content'] }}\n"
+
+
+def test_without_the_extra_the_command_prints_one_line(tmp_path: Path) -> None:
+    """In a fresh interpreter where neither FastAPI nor uvicorn imports: no traceback, exit 2."""
+    code = ("import sys; sys.modules['fastapi'] = sys.modules['uvicorn'] = None; "
+            "from minfer.cli import main; sys.exit(main(['serve', 'm']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "fastapi, uvicorn not installed" in proc.stderr, proc.stderr
+
+
+def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """`minfer serve MODEL --chat-template FILE --api-key K`: the app uvicorn would run renders chats with
+    the file's template, on /v1/chat/completions and /tokenize alike, and wants the key."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    apps: list[Any] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append((app, kw)))
+    monkeypatch.delenv("MINFER_API_KEY", raising=False)
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    model = str(checkpoints["llama3"])
+    assert main(["serve", model, "--chat-template", str(path), "--api-key", "k", "--port", "8123",
+                 "--num-kv-blocks", "64", "--max-num-seqs", "4"]) == 0
+    (app, kw), = apps
+    assert kw["port"] == 8123 and kw["host"] == "127.0.0.1"
+    messages = [{"role": "user", "content": "def f("}]
+    with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+        tok = app.state.ctx.tokenizer
+        expected = tok.encode("<<user: def f(>><<assistant:", add_special_tokens=False)
+        assert c.post("/tokenize", json={"messages": messages}).json()["tokens"] == expected
+        chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
+        assert chat.json()["model"] == model
+        assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        stats = c.get("/stats").json()
+        assert stats["kv_blocks_used"] == 0 and stats["healthy"]
