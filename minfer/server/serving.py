@@ -123,8 +123,12 @@ class ServerContext:
                       min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output)
-        try:  # None means "OpenAI's default", which SamplingParams' defaults already are
-            return SamplingParams(**{k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"})
+        # A field left out takes the model's generation_config.json setting, else SamplingParams' default
+        # (OpenAI's); max_tokens left out means up to the context.
+        defaults = {k: v for k, v in self.processor.sampling_defaults.items() if k != "max_tokens"}
+        given = {k: v for k, v in kwargs.items() if v is not None or k == "max_tokens"}
+        try:
+            return SamplingParams(**{**defaults, **given})
         except ValueError as exc:
             raise bad_request(exc, _SAMPLING_FIELDS) from exc
 
