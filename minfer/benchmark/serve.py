@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from minfer.benchmark.serve_report import plot, print_table, summarize
+from minfer.benchmark.workload import WORKLOAD_A_MAX_TOKEN_ID
 from minfer.benchmark.sse_client import get_json, post_sse, split_url
 
 
@@ -120,7 +121,7 @@ def parse_levels(args: argparse.Namespace) -> list[tuple[str, float]]:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.token_id_max < 0 or args.warmup < 0:
+    if (args.token_id_max is not None and args.token_id_max < 0) or args.warmup < 0:
         raise ValueError(f"--token-id-max and --warmup must be >= 0, got {args.token_id_max} and {args.warmup}")
     if args.request_rate:
         kind, flag, text, cast = "rate", "--request-rate", args.request_rate, float
@@ -135,6 +136,15 @@ def parse_levels(args: argparse.Namespace) -> list[tuple[str, float]]:
     return [(kind, v) for v in values]
 
 
+def served_token_id_max(base_url: str) -> int:
+    """The largest prompt id the served model takes: its vocabulary from minfer's /stats, else (another
+    OpenAI-compatible server) workload A's 10,000."""
+    try:
+        return int(get_json(base_url + "/stats")["vocab_size"]) - 1
+    except (OSError, KeyError, ValueError, TypeError):
+        return WORKLOAD_A_MAX_TOKEN_ID
+
+
 def run(args: argparse.Namespace) -> int:
     from minfer.benchmark.launch import launched_server
 
@@ -145,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ValueError(f"cannot reach a server at {base_url} ({exc}); start one with `minfer serve`, "
                              f"or pass --launch") from None
+        if args.token_id_max is None:
+            args.token_id_max = served_token_id_max(base_url)
         results = []
         for i, (kind, value) in enumerate(levels):
             n = args.num_prompts or max(16, 2 * int(value))

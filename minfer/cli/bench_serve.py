@@ -27,7 +27,8 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=["a", "fixed"], default="a")
     p.add_argument("--input-len", type=int, default=128, help="fixed workload: prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="fixed workload: output tokens")
-    p.add_argument("--token-id-max", type=int, default=10000, help="prompt ids are drawn from [0, this]")
+    p.add_argument("--token-id-max", type=int, default=None,
+                   help="prompt ids are drawn from [0, this] (default: the served model's vocabulary - 1, else 10000)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) before each run")
     p.add_argument("--output-dir", default="bench-serve-results", help="results.json and latency.png go here")

@@ -119,6 +119,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     async def stats() -> dict[str, Any]:
         """Engine state for the web page's live panel (cheap: a snapshot, no engine call)."""
         return dict(async_engine.stats(), healthy=async_engine.healthy, model=ctx.model_name, max_model_len=ctx.max_model_len,
+                    vocab_size=ctx.processor.vocab_size,
                     has_chat_template=bool(getattr(ctx.tokenizer, "chat_template", None)))
 
     @app.get("/", include_in_schema=False)

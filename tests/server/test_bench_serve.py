@@ -86,3 +86,18 @@ def test_bad_arguments_and_an_unreachable_server_are_clear_errors(capsys: Any) -
                            ([], "cannot reach a server")):
         assert main(["bench-serve", "--base-url", url, "--quiet", *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_prompt_ids_fit_the_served_vocabulary(server: Any, tmp_path: Path) -> None:
+    """Without --token-id-max, the ids come from the served model's vocabulary (the test model's is far below
+    the old default of 10,000, which made every request fail as out-of-vocabulary)."""
+    from minfer.benchmark.serve import run, served_token_id_max
+
+    vocab = server.stats()["vocab_size"]
+    assert served_token_id_max(server.base_url) == vocab - 1 < 10_000
+    args = _parse(["--base-url", server.base_url, "--concurrency", "2", "--num-prompts", "4", "--warmup", "0",
+                   "--workload", "fixed", "--input-len", "24", "--output-len", "4", "--quiet",
+                   "--output-dir", str(tmp_path)])
+    assert args.token_id_max is None and run(args) == 0 and args.token_id_max == vocab - 1
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["levels"][0]["completed"] == 4 and report["levels"][0]["failed"] == 0
