@@ -1,8 +1,8 @@
 """Batch-1 matrix-vector kernels timed as the decode step runs them: a chain of every layer's four projections.
 
 A matrix-vector kernel timed alone pays its own launch and ramp-up and, under programmatic dependent launch
-(PDL), hides none of it behind the previous kernel, so single-kernel timings rank configs wrongly (session 5's
-wide first tile won alone and lost 20% in the engine). Here one CUDA graph holds all layers' qkv (+ RMSNorm
+(PDL), hides none of it behind the previous kernel, so single-kernel timings rank configs wrongly (a config
+can win alone and lose in the engine; RESULTS.md has the case). Here one CUDA graph holds all layers' qkv (+ RMSNorm
 prologue), o, gate_up (+ RMSNorm) and down (+ SwiGLU) launches on distinct weights (1.95 GB for llama-3.2-1b,
 far beyond L2), and each config of one projection is timed with the other three at their defaults: a change
 in the chain's time is that projection's change. The best config per projection is then timed together and

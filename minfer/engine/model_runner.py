@@ -56,6 +56,7 @@ class StepArrays:
     fill_src: np.ndarray  # ... and their rows in the previous step's sampled ids
     batch_rows: np.ndarray | None = None  # each sequence's input-batch row
     num_tokens: np.ndarray | None = None  # each sequence's tokens, pending ones included
+    samples: np.ndarray | None = None  # [S] bool: the sequence reaches its last token and samples
 
 
 @dataclass(slots=True)
@@ -224,8 +225,9 @@ class ModelRunner:
         pending = np.array([i for i, s in enumerate(seqs) if s.num_pending], dtype=np.int64)
         fill_src = ib.sample_row[rows[pending]]
         fill_dst = cu[pending] + num_tokens[pending] - 1 - starts[pending]  # always its sequence's last token
+        samples = ends == num_tokens
         return StepArrays(ids, positions, slots, tables, ends.astype(np.int32), q_lens, cu,
-                          cu[1:][ends == num_tokens] - 1, nd, fill_dst, fill_src, rows, num_tokens)
+                          cu[1:][samples] - 1, nd, fill_dst, fill_src, rows, num_tokens, samples)
 
     def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Copy ``arrays`` to the device as ``dtype`` in one transfer, through pinned memory on CUDA
@@ -279,13 +281,13 @@ class ModelRunner:
             hidden = self.forward(ids, positions, self._metadata(a, slots))
             logits = None
         seqs = batch.seqs
-        samples = len(a.logit_rows) == len(seqs)
-        sampled = list(seqs) if samples else [s for s in seqs if s.samples_this_step]
+        every = len(a.logit_rows) == len(seqs)
+        which = slice(None) if every else a.samples
+        sampled = list(seqs) if every else [s for s, m in zip(seqs, a.samples.tolist()) if m]
         sample = None
         if sampled:
             if logits is None:
                 logits = self.model.compute_logits(hidden[rows], float32=False)
-            which = slice(None) if samples else np.array([s.samples_this_step for s in seqs])
             sample_rows = a.batch_rows[which]
             meta = self.input_batch.sampling_metadata(
                 sample_rows, a.num_tokens[which] - self.input_batch.prompt_lens[sample_rows], sampled)

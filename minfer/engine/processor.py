@@ -48,8 +48,6 @@ class Processor:
     SamplingParams) or refused naming the context, the prompt and the request (the server, as vLLM's).
     """
 
-    clamp_max_tokens: bool = True
-
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int,
                  block_size: int, sampling_defaults: dict[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
@@ -58,6 +56,7 @@ class Processor:
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.clamp_max_tokens = True  # the server's copy sets False
         self._max_token_chars: int | None = None
 
     @property

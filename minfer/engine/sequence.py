@@ -106,7 +106,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def samples_this_step(self) -> bool:
-        return self.num_computed_tokens + self.num_scheduled_tokens == self.num_tokens
