@@ -170,7 +170,9 @@ class EngineConfig:
     """Every knob of the engine, with vLLM's names and defaults.
 
     ``num_kv_blocks`` sizes the cache exactly; otherwise ``kv_cache_memory_bytes`` does, and
-    without it the cache takes ``gpu_memory_utilization`` of the GPU (on CPU: 2 GiB).
+    without it the cache takes ``gpu_memory_utilization`` of the GPU (on the CPU: room for max_num_seqs
+    sequences of max_model_len tokens, capped by half the available memory, its pages touched as
+    they fill).
     """
 
     model: str | None = _knob(None, "local HF folder or hub id (default: the built-in model)")
@@ -188,7 +190,7 @@ class EngineConfig:
     block_size: int = _knob(16, "tokens per KV-cache block (a power of two up to 256)")
     gpu_memory_utilization: float = _knob(0.9, "share of the GPU's memory the engine may take, KV cache included")
     kv_cache_memory_bytes: int | None = _knob(None, "KV cache size in bytes (overrides gpu_memory_utilization; "
-                                              "CPU default: 2 GiB)")
+                                              "CPU default: max_num_seqs x max_model_len tokens, at most half the free memory)")
     num_kv_blocks: int | None = _knob(None, "exact number of KV blocks (overrides both KV sizes)")
     enable_prefix_caching: bool = _knob(True, "reuse the KV blocks of a prompt prefix seen before")
     enforce_eager: bool = _knob(False, "no CUDA graphs: every step launches its kernels from Python")

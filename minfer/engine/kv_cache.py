@@ -11,6 +11,7 @@ so the block manager, prefix caching and preemption handle quantized blocks unch
 """
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -62,12 +63,43 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.token_head_bytes
 
 
+def host_available_bytes() -> int:
+    """Memory the host can still give (``MemAvailable``: free plus reclaimable caches)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor whose pages the OS maps only when first written: an anonymous mapping
+    reads as zeros, so a cache sized for the longest run costs resident memory only as it fills
+    (``torch.zeros`` writes, and so commits, every page at once)."""
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+
+
 def allocate_kv_cache(layers: list, spec: KVCacheSpec, num_blocks: int, device: torch.device,
                       zero: bool = True) -> None:
     """Give every attention layer its K/V cache tensors (and scales, for 8-bit caches). Zeroed by
     default: the torch decode path multiplies masked-out (never written) slots by zero weights, and
-    garbage there could be NaN."""
-    make = torch.zeros if zero else torch.empty
+    garbage there could be NaN. On the CPU the zeros are lazily mapped pages (``lazy_zeros``)."""
+    if not zero:
+        make = torch.empty
+    elif device.type == "cpu":
+        make = lambda shape, dtype, device: lazy_zeros(shape, dtype)  # noqa: E731
+    else:
+        make = torch.zeros
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     scale_shape = (num_blocks, spec.num_kv_heads, spec.block_size)
     for attn in layers:

@@ -19,7 +19,7 @@ import torch
 from minfer.config import EngineConfig, ModelConfig, cdiv
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.input_batch import InputBatch
-from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
+from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, host_available_bytes, release_kv_cache
 from minfer.engine.sampler import DeviceSample, Sampler
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.engine.sequence import Sequence
@@ -28,7 +28,7 @@ from minfer.ops import AttentionMetadata, select_ops
 
 logger = logging.getLogger("minfer")
 
-CPU_DEFAULT_KV_BYTES = 2 << 30
+CPU_KV_MEMORY_SHARE = 0.5  # of the host's available memory, at most, for a CPU KV cache
 
 
 def profile_lengths(budget: int, max_model_len: int) -> list[int]:
@@ -119,12 +119,20 @@ class ModelRunner:
         elif self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         else:
-            budget = CPU_DEFAULT_KV_BYTES
+            budget = self._cpu_kv_budget()
         blocks = budget // self.block_bytes
         if blocks < 1:
             raise ValueError(f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no block of "
                              f"{self.block_bytes / 2**20:.2f} MiB; raise gpu_memory_utilization or kv_cache_memory_bytes")
         return int(blocks)
+
+    def _cpu_kv_budget(self) -> int:
+        """On the CPU: room for what the run can hold at once (max_num_seqs sequences of max_model_len
+        tokens), capped by a share of the memory the host has. The pages are touched only as they
+        fill (``lazy_zeros``), so a large cap costs nothing until it is used."""
+        per_seq = cdiv(self.max_model_len, self.block_size) * self.block_bytes
+        cap = int(host_available_bytes() * CPU_KV_MEMORY_SHARE)
+        return min(self.config.max_num_seqs * per_seq, max(cap, per_seq))
 
     @torch.no_grad()
     def _profile_free_gpu_memory(self) -> int:
