@@ -200,7 +200,8 @@ class EngineConfig:
                                    ATTENTION_BACKENDS)
     kv_cache_dtype: str = _knob("auto", "auto: the model dtype; the others are 8-bit with a scale per token "
                                 "and KV head (alias: fp8 = fp8_e4m3)", KV_CACHE_DTYPES)
-    tensor_parallel_size: int = _knob(1, "GPUs the model is sharded over")
+    tensor_parallel_size: int = _knob(1, "GPUs (on the CPU: processes) the model is sharded over; under torchrun, "
+                                      "its WORLD_SIZE")
     generation_config: str = _knob("auto", "auto: the model's generation_config.json supplies the default sampling "
                                    "settings of requests that give none; vllm: SamplingParams' own defaults",
                                    ("auto", "vllm"))
@@ -221,7 +222,7 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.num_kv_blocks is not None:

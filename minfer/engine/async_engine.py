@@ -167,10 +167,13 @@ class AsyncLLMEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._error is None and self._thread is not None and self._thread.is_alive()
+        return (self._error is None and self._thread is not None and self._thread.is_alive()
+                and self.engine.failure is None)  # a dead tensor-parallel worker, also while idle
 
     @property
     def error(self) -> BaseException | None:
+        if self._error is None and self.engine.failure is not None:
+            return EngineDeadError(self.engine.failure)
         return self._error
 
     def stats(self) -> dict[str, Any]:
@@ -191,7 +194,7 @@ class AsyncLLMEngine:
         """Queue a request (checked by ``self.processor``) for the engine thread and return the stream
         its outputs arrive on."""
         if not self.healthy:
-            raise EngineDeadError(f"the engine loop is not running: {self._error!r}")
+            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
         limit = self.max_waiting_requests
         if limit is not None and self._num_waiting >= limit:
             raise QueueFullError(f"{self._num_waiting} requests are already waiting (limit {limit})")

@@ -8,7 +8,8 @@ scatter kernel: ``kernels/stage_inputs.py``). A real batch of ``n`` sequences ru
 bucket ``b >= n``; the ``b - n`` padding rows write their K/V to slot -1 (which the store kernel
 skips) and attend over one token, so they never touch a live sequence's cache. All buckets share
 one memory pool. Only the Triton ops are captured (the torch ops size their work from host integers),
-through the runner's step forward: the batch-1 bucket takes their fused one-token forward.
+through the runner's step forward: the batch-1 bucket takes their fused one-token forward. Under
+tensor parallelism every rank captures the same buckets, the collectives inside them.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
         # The LM head runs in the graph too (eagerly it was three more launches per step, on the host's
         # critical path at small batches), into one logits buffer that every bucket shares.
-        vocab, _ = model.lm_head.weight.shape
-        self.logits = torch.empty(b, vocab, dtype=model.lm_head.weight.dtype, device=dev)
+        # (the whole vocabulary's: under tensor parallelism the graph holds the logits gather)
+        self.logits = torch.empty(b, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 

@@ -32,9 +32,11 @@ class KVCacheSpec:
 
     @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype,
-                  kv_cache_dtype: str = "auto") -> "KVCacheSpec":
-        """``dtype`` is the model's compute dtype, stored as is when ``kv_cache_dtype`` is 'auto'."""
-        layers, heads, dim = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+                  kv_cache_dtype: str = "auto", num_kv_heads: int | None = None) -> "KVCacheSpec":
+        """``dtype`` is the model's compute dtype, stored as is when ``kv_cache_dtype`` is 'auto';
+        ``num_kv_heads``: the heads this rank holds under tensor parallelism (default: all)."""
+        layers, dim = config.num_hidden_layers, config.head_dim
+        heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
         if kv_cache_dtype == "auto":
             return cls(layers, block_size, heads, dim, dtype)
         fmt = KV_QUANT_FORMATS.get(kv_cache_dtype)

@@ -13,13 +13,16 @@ the GPU's work on N, and the GPU never waits for the host. The price: a sequence
 EOS or a stop string at step N has already been given one more (discarded) token of work in
 N+1. Requests with penalties need every past token on the host, so while one runs, each step
 completes its predecessor before it schedules (no overlap).
+
+With ``tensor_parallel_size`` > 1 this process is rank 0: ``tp_workers`` starts the other ranks
+and the runner sends them each step. Any error in a step then stops the engine
+(``TensorParallelError``, naming a failed rank when one died): after a partial step the ranks would
+disagree about what runs next.
 """
 from __future__ import annotations
 
 import random
 import time
-
-from transformers import AutoTokenizer
 
 from minfer.config import EngineConfig, ModelConfig
 from minfer.engine.block_manager import BlockManager
@@ -28,6 +31,7 @@ from minfer.engine.output_processor import OutputProcessor
 from minfer.engine.processor import EngineRequest, Processor, PromptType
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
 from minfer.engine.sequence import Sequence, SequenceStatus
+from minfer.engine.tp_workers import start_tensor_parallel
 from minfer.model.loader import resolve_model_path
 from minfer.outputs import RequestOutput, RequestOutputKind
 from minfer.sampling_params import SamplingParams
@@ -43,11 +47,21 @@ class LLMEngine:
         self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
-        self.tokenizer = None if config.skip_tokenizer_init else AutoTokenizer.from_pretrained(
+        self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(
             str(resolve_model_path(config.tokenizer)) if config.tokenizer else str(self.model_dir))
         tok_eos = getattr(self.tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids or ([tok_eos] if tok_eos is not None else []))
-        self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len)
+        parallel = start_tensor_parallel(config, self.model_config, self.model_dir, self.max_model_len)
+        self.workers = parallel.workers
+        try:
+            self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len,
+                                      parallel.tp, parallel.channel, parallel.device)
+        except Exception as exc:
+            if self.workers is None:
+                raise
+            error = self.workers.explain(exc)
+            self.workers.shutdown()
+            raise error from exc
         defaults = self.model_config.sampling_defaults if config.generation_config == "auto" else {}
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                    self.runner.num_kv_blocks, config.block_size, defaults)
@@ -136,6 +150,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step and complete the previous one (async scheduling), or launch and
         complete one step; return the outputs that the output kind asks for."""
+        if self.workers is None:
+            return self._step()
+        self.workers.check()
+        try:
+            return self._step()
+        except Exception as exc:
+            raise self.workers.explain(exc) from exc
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         if self._inflight is not None and self._penalized and any(
                 s.params.has_penalties for s in self.scheduler.running):
@@ -190,13 +213,25 @@ class LLMEngine:
                 self._penalized.discard(output.request_id)
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device). Also runs at exit."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot run any more (a tensor-parallel worker died), or None."""
+        return self.workers.failure if self.workers is not None else None
+
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | str]:
-        """Cache and scheduler counters. ``kv_cache_dtype`` is the stored format ('int8', 'fp8_e4m3',
+        """Cache and scheduler counters (``num_kv_blocks``: per rank, each holding its KV heads of every
+        block, under tensor parallelism). ``kv_cache_dtype`` is the stored format ('int8', 'fp8_e4m3',
         'fp8_e5m2', or the model dtype for 'auto'); ``kv_block_bytes`` one block's K and V across all
         layers, scales included."""
         bm, sched = self.block_manager, self.scheduler
         return {
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             "kv_cache_dtype": self.runner.kv_spec.format_name,
             "kv_block_bytes": self.runner.block_bytes,
             "num_kv_blocks": bm.num_blocks,
@@ -208,3 +243,11 @@ class LLMEngine:
             "prefix_cache_hit_tokens": bm.hit_tokens,
             "prefix_cache_queried_tokens": bm.queried_tokens,
         }
+
+
+def _load_tokenizer(path: str) -> object:
+    """Imported here: transformers takes most of a second to import, which a run without a tokenizer
+    (``skip_tokenizer_init``, token-id prompts) need not pay."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -6,10 +6,18 @@ the device through pinned memory (a CUDA-graph decode step's in one packed trans
 prepares step N+1 while the GPU runs step N. A token sampled by step N that step N+1 consumes never
 visits the host on the way: it is copied on the device from step N's sampled ids into step N+1's
 input ids.
+
+Under tensor parallelism every rank runs a ModelRunner over its shard. Rank 0's (the engine's)
+builds each step and sends its host arrays down the ``StepChannel``; the others ``follow``: they
+rebuild the same step from those arrays and run the same forward, CUDA-graph replays and one-token
+path included, so the collectives inside pair up. Only rank 0 samples: the sampler and everything
+per request (seeds, penalties, logprobs) stays in one process, and the workers receive just the
+sampled ids (one broadcast on the device), which they need as the next step's pending input tokens.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +25,7 @@ import numpy as np
 import torch
 
 from minfer.config import EngineConfig, ModelConfig, cdiv
+from minfer.distributed import SINGLE, Command, StepChannel, TensorParallel
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.input_batch import InputBatch
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, host_available_bytes, release_kv_cache
@@ -58,6 +67,18 @@ class StepArrays:
     num_tokens: np.ndarray | None = None  # each sequence's tokens, pending ones included
     samples: np.ndarray | None = None  # [S] bool: the sequence reaches its last token and samples
 
+    def message(self, prompt_logprob_rows: np.ndarray) -> list[np.ndarray]:
+        """The arrays a follower needs to run the same forward (``StepChannel``), with the hidden-state
+        row ranges whose logits prompt logprobs read (``[k, 2]``)."""
+        return [self.ids, self.positions, self.slots, self.tables, self.ctx_lens, self.q_lens, self.cu,
+                self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes]), prompt_logprob_rows]
+
+    @classmethod
+    def from_message(cls, arrays: list[np.ndarray]) -> tuple["StepArrays", np.ndarray]:
+        ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp = arrays
+        return cls(ids, positions, slots, tables.astype(np.int32), ctx_lens.astype(np.int32), q_lens, cu,
+                   logit_rows, int(nd[0]), fill_dst, fill_src), plp
+
 
 @dataclass(slots=True)
 class LaunchedStep:
@@ -71,35 +92,65 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int,
+                 tp: TensorParallel = SINGLE, channel: StepChannel | None = None,
+                 device: torch.device | None = None) -> None:
+        """``tp``, ``channel`` and ``device``: this rank's group, the step channel and its GPU under
+        tensor parallelism (every rank constructs its runner at the same time: start-up runs collectives)."""
         self.model_config = model_config
         self.config = config
-        self.device = config.resolved_device()
+        self.tp, self.channel = tp, channel
+        self.device = device or config.resolved_device()
         self.dtype = config.resolved_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.head_dim)
-        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops)
+        started = time.perf_counter()
+        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops, tp)
+        logger.info("start-up: load weights took %.2f s", time.perf_counter() - started)
+        self._rank_min(0)  # every rank has its shard: no collective below waits out a slow load
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
         self.sampler = Sampler(self.device, self.ops)
         self.input_batch = InputBatch(config.max_num_seqs, cdiv(max_model_len, self.block_size), self.device)
-        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype, config.kv_cache_dtype)
-        self.num_kv_blocks = self._count_kv_blocks()
+        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype, config.kv_cache_dtype,
+                                             self.model.attention_layers()[0].num_kv_heads)
+        started = time.perf_counter()
+        self.num_kv_blocks = self._rank_min(self._count_kv_blocks())  # the smallest budget fits every rank
+        logger.info("start-up: memory profile took %.2f s", time.perf_counter() - started)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.num_kv_blocks, self.device)
         spec = self.kv_spec
         scales = f" + {str(spec.scale_dtype).removeprefix('torch.')} scale per token and KV head" if spec.quantized else ""
         logger.info("KV cache: %d blocks of %d tokens, %d bytes each (%.2f GiB, %s%s)", self.num_kv_blocks,
                     self.block_size, self.block_bytes, self.num_kv_blocks * self.block_bytes / 2**30,
                     spec.format_name, scales)
+        started = time.perf_counter()
         self.graphs = self._capture_graphs()
+        if self.graphs is not None:
+            logger.info("start-up: graph capture took %.2f s", time.perf_counter() - started)
         if self.device.type == "cuda" and self.ops.name == "triton":
+            started = time.perf_counter()
             self._warm_up_kernels()
+            logger.info("start-up: kernel warm-up took %.2f s", time.perf_counter() - started)
 
-    @torch.no_grad()
+    def _rank_min(self, value: int) -> int:
+        """The smallest ``value`` over the tensor-parallel ranks, through the channel's group (no time
+        limit: ranks reach this after start-up work of different lengths)."""
+        if self.channel is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.channel.group)
+        return int(t.item())
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (and their scales) src -> dst in every layer: copy on write."""
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        if self.channel is not None:
+            self.channel.send(Command.COPY_BLOCKS, [np.array(pairs, dtype=np.int64).reshape(-1, 2)])
+        self._copy_blocks(pairs)
+
+    @torch.no_grad()
+    def _copy_blocks(self, pairs: list[tuple[int, int]] | np.ndarray) -> None:
+        src = torch.tensor([int(s) for s, _ in pairs], device=self.device)
+        dst = torch.tensor([int(d) for _, d in pairs], device=self.device)
         for attn in self.model.attention_layers():
             for cache in (attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale):
                 if cache is not None:
@@ -272,22 +323,11 @@ class ModelRunner:
         a = self.prepare(batch)
         if len(a.fill_dst) and prev_tokens is None:
             raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
-        rows = None
-        if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
-                                                                                              a.tables.shape[1]):
-            src_rows = np.full(len(a.ids), -1, dtype=np.int64)
-            src_rows[a.fill_dst] = a.fill_src  # a decode's one token is its row
-            hidden, logits = self.graphs.run(a.ids, a.positions, a.slots, src_rows, a.ctx_lens, a.tables, prev_tokens)
-            if len(a.logit_rows) != len(logits):
-                rows, = self._upload(torch.int64, a.logit_rows)
-                logits = logits[rows]
-        else:
-            ids, positions, slots, rows, fill_dst, fill_src = self._upload(
-                torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
-            if len(a.fill_dst):
-                ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
-            hidden = self.forward(ids, positions, self._metadata(a, slots))
-            logits = None
+        chunks = self._prompt_logprob_chunks(batch)
+        if self.channel is not None:
+            rows = np.array([(lo, hi) for _, _, lo, hi in chunks], dtype=np.int64).reshape(-1, 2)
+            self.channel.send(Command.STEP, a.message(rows))
+        hidden, logits, rows = self._forward_step(a, prev_tokens)
         seqs = batch.seqs
         every = len(a.logit_rows) == len(seqs)
         which = slice(None) if every else a.samples
@@ -300,29 +340,84 @@ class ModelRunner:
             meta = self.input_batch.sampling_metadata(
                 sample_rows, a.num_tokens[which] - self.input_batch.prompt_lens[sample_rows], sampled)
             sample = self.sampler(logits, meta)
+            self.tp.broadcast(sample.token_ids)  # the followers' next pending input tokens
             sample.start_copy()
             self.input_batch.sample_row[sample_rows] = np.arange(len(sampled))
-        prompt_lp = self._prompt_logprobs(batch, hidden) if any(
-            s.params.prompt_logprobs is not None for s in batch.seqs) else {}
+        prompt_lp = self._prompt_logprobs(chunks, hidden) if chunks else {}
         return LaunchedStep(batch, sampled, sample, prompt_lp)
 
-    def _prompt_logprobs(self, batch: SchedulerOutput, hidden: torch.Tensor
-                         ) -> dict[Sequence, tuple[int, list[dict[int, float]]]]:
-        """Logprobs of each prompt token this step's rows predict (row at position p → token p+1), as
-        (first position, entries) per sequence. Logits go in slices to bound memory."""
-        result: dict[Sequence, tuple[int, list[dict[int, float]]]] = {}
+    def _forward_step(self, a: StepArrays, prev_tokens: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The step's forward, on every rank alike: (hidden states, the sampling rows' logits when the
+        decode graph made them, else None, the sampling rows on the device when they were uploaded)."""
+        rows = None
+        if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
+                                                                                              a.tables.shape[1]):
+            src_rows = np.full(len(a.ids), -1, dtype=np.int64)
+            src_rows[a.fill_dst] = a.fill_src  # a decode's one token is its row
+            hidden, logits = self.graphs.run(a.ids, a.positions, a.slots, src_rows, a.ctx_lens, a.tables, prev_tokens)
+            if len(a.logit_rows) != len(logits):
+                rows, = self._upload(torch.int64, a.logit_rows)
+                logits = logits[rows]
+            return hidden, logits, rows
+        ids, positions, slots, rows, fill_dst, fill_src = self._upload(
+            torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
+        if len(a.fill_dst):
+            ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
+        return self.forward(ids, positions, self._metadata(a, slots)), None, rows
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """A tensor-parallel worker's loop: run every command rank 0 sends until it says stop."""
+        prev_tokens: torch.Tensor | None = None
+        while True:
+            command, arrays = self.channel.recv()
+            if command is Command.STEP:
+                prev_tokens = self._follow_step(*StepArrays.from_message(arrays), prev_tokens)
+            elif command is Command.COPY_BLOCKS:
+                self._copy_blocks(arrays[0])
+            elif command is Command.SHUTDOWN:
+                return
+
+    def _follow_step(self, a: StepArrays, prompt_logprob_rows: np.ndarray, prev_tokens: torch.Tensor | None
+                     ) -> torch.Tensor | None:
+        """Rank 0's ``launch`` as seen from a worker: the same forward and LM-head gathers, in the same
+        order; returns the sampled ids rank 0 broadcasts."""
+        hidden, logits, rows = self._forward_step(a, prev_tokens)
+        tokens = None
+        if len(a.logit_rows):
+            if logits is None:
+                self.model.compute_logits(hidden[rows], float32=False)
+            tokens = self.tp.broadcast(torch.empty(len(a.logit_rows), dtype=torch.int64, device=self.device))
+        for lo, hi in prompt_logprob_rows.tolist():
+            self.model.compute_logits(hidden[lo:hi])
+        return tokens
+
+    @staticmethod
+    def _prompt_logprob_chunks(batch: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]:
+        """(sequence, first position, hidden row range) of each slice of prompt rows whose logits
+        prompt logprobs need: row at position p predicts token p+1; slices of 1024 bound memory."""
+        chunks = []
         row = 0
         for seq in batch.seqs:
             start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
             if seq.params.prompt_logprobs is not None and seq.index == 0:
                 last = min(start + n, seq.num_prompt_tokens - 1)  # positions [start, last) predict prompt tokens
-                entries: list[dict[int, float]] = []
                 for lo in range(start, last, 1024):
                     hi = min(lo + 1024, last)
-                    logprobs = self.model.compute_logits(hidden[row + lo - start:row + hi - start]).log_softmax(-1)
-                    targets = torch.tensor(seq.token_ids[lo + 1:hi + 1], device=self.device)
-                    entries += self.sampler.gather_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * (hi - lo))
-                if entries:
-                    result[seq] = (start, entries)
+                    chunks.append((seq, lo, row + lo - start, row + hi - start))
             row += n
+        return chunks
+
+    def _prompt_logprobs(self, chunks: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor
+                         ) -> dict[Sequence, tuple[int, list[dict[int, float]]]]:
+        """Logprobs of the prompt tokens that ``chunks`` (``_prompt_logprob_chunks``) cover, as (first
+        position, entries) per sequence."""
+        result: dict[Sequence, tuple[int, list[dict[int, float]]]] = {}
+        for seq, lo, row_lo, row_hi in chunks:
+            logprobs = self.model.compute_logits(hidden[row_lo:row_hi]).log_softmax(-1)
+            targets = torch.tensor(seq.token_ids[lo + 1:lo + 1 + row_hi - row_lo], device=self.device)
+            entries = self.sampler.gather_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * (row_hi - row_lo))
+            first, old = result.get(seq, (lo, []))
+            result[seq] = (first, old + entries)
         return result

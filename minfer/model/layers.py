@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minfer.distributed import SINGLE, TensorParallel
 from minfer.ops import Ops
 
 
@@ -22,24 +23,85 @@ class FusedLinear(nn.Module):
     rows each checkpoint tensor fills; ``load_shard`` copies one of them into its slice. The product
     in ``forward`` is the layer's only arithmetic: the seam where a quantized linear method would
     multiply instead (the layer asks it; it does not know the weights' format).
+
+    Under tensor parallelism a layer holds a slice of each checkpoint matrix and reads only that
+    slice from the file. Column-parallel (``rows_from``: the first checkpoint row of each stacked
+    matrix this rank holds) splits the outputs, and the product needs no communication;
+    row-parallel (``cols_from``: the first input column) splits the inputs, and ``reduce`` sums the
+    partial products across ranks. Only rank 0 keeps a row-parallel bias, so the sum adds it once.
     """
 
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype, *,
+                 rows_from: list[int] | None = None, cols_from: int | None = None,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.shard_sizes = shard_sizes
+        self.rows_from = rows_from or [0] * len(shard_sizes)
+        self.cols_from = cols_from
+        self.tp = tp if cols_from is not None else SINGLE  # only a row-parallel layer communicates
         self.weight = nn.Parameter(torch.empty(sum(shard_sizes), in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(shard_sizes), dtype=dtype), requires_grad=False) if bias else None
 
-    def load_shard(self, name: str, tensor: torch.Tensor, shard: int) -> None:
+    def load_shard(self, name: str, source: Any, shard: int) -> None:
+        """Copy this rank's slice of checkpoint tensor ``shard`` from ``source`` (a safetensors slice,
+        read lazily, or a tensor) into its rows of the fused parameter."""
         param = self.weight if name == "weight" else self.bias
         start = sum(self.shard_sizes[:shard])
         target = param.data.narrow(0, start, self.shard_sizes[shard])
+        rows = slice(self.rows_from[shard], self.rows_from[shard] + self.shard_sizes[shard])
+        if name == "weight" and self.cols_from is not None:
+            tensor = source[rows, self.cols_from:self.cols_from + param.shape[1]]
+        elif name == "bias" and self.cols_from is not None and self.tp.rank > 0:
+            target.zero_()
+            return
+        else:
+            tensor = source[rows]
         if target.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
         target.copy_(tensor)
 
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The full product from this rank's partial one (row-parallel); identity otherwise."""
+        return self.tp.all_reduce(y)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.reduce(F.linear(x, self.weight, self.bias))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding table (also the LM head's weight) split by vocabulary rows: rank r holds rows
+    ``[r*per, (r+1)*per)`` with ``per = ceil(vocab / size)``, the last rank's tail zero-padded, so any
+    size splits any vocabulary. A lookup takes the rows this rank holds (zeros elsewhere) and sums
+    across ranks; ``gather_logits`` joins the ranks' logit columns and drops the padding."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.vocab, self.tp = vocab, tp
+        per = -(-vocab // tp.size)
+        self.start = tp.rank * per
+        self.held = max(0, min(per, vocab - self.start))  # rows of real vocabulary on this rank
+        self.weight = nn.Parameter(torch.zeros(per, hidden, dtype=dtype), requires_grad=False)
+
+    def load_shard(self, name: str, source: Any, shard: int | None) -> None:
+        tensor = source[self.start:self.start + self.held]
+        if tensor.shape[1:] != self.weight.shape[1:] or tensor.shape[0] != self.held:
+            raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != expected ({self.held}, "
+                             f"{self.weight.shape[1]})")
+        self.weight.data[:self.held].copy_(tensor)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        held = (local >= 0) & (local < self.held)
+        x = F.embedding(torch.where(held, local, 0), self.weight) * held.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(x)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[rows, per]`` logits → the whole vocabulary's ``[rows, vocab]``."""
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, :self.vocab]
 
 
 class RMSNorm(nn.Module):
@@ -96,13 +158,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul; under tensor
+    parallelism each rank holds a share of the intermediate features (gate/up by rows, down by
+    columns), and only down's output is summed across ranks."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, ops: Ops) -> None:
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, ops: Ops,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], False, dtype)
-        self.down_proj = FusedLinear(intermediate, [hidden], False, dtype)
+        start, inter = tp.split(intermediate)
+        self.gate_up_proj = FusedLinear(hidden, [inter, inter], False, dtype, rows_from=[start, start])
+        self.down_proj = FusedLinear(inter, [hidden], False, dtype, cols_from=start, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -2,6 +2,11 @@
 
 Every layer but attention sees a ``[num_tokens, hidden]`` matrix; the model differs between
 families only by q/k/v bias (Qwen2) and per-head q/k RMSNorm before rotary (Qwen3).
+
+Under tensor parallelism (``tp``) each rank holds its share of the query heads and KV heads (q/k/v
+column-parallel, o_proj row-parallel), of the MLP's intermediate features, and of the vocabulary;
+q/k norm weights (per head_dim) and the other norms are whole on every rank. The residual stream is
+whole everywhere: the row-parallel products and the embedding are summed across ranks.
 """
 from __future__ import annotations
 
@@ -10,18 +15,23 @@ from torch import nn
 
 from minfer.config import ModelConfig
 from minfer.model.attention import Attention
-from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding
+from minfer.distributed import SINGLE, TensorParallel
+from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from minfer.ops import AttentionMetadata, Ops, RopeInputs
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.head_dim = d = cfg.head_dim
+        q_head, self.num_heads = tp.split(cfg.num_attention_heads)
+        kv_head, self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
-        self.qkv_proj = FusedLinear(cfg.hidden_size, qkv_sizes, cfg.attention_bias, dtype)
-        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, qkv_sizes, cfg.attention_bias, dtype,
+                                    rows_from=[q_head * d, kv_head * d, kv_head * d])
+        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype, cols_from=q_head * d, tp=tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.rotary = rotary
@@ -44,12 +54,13 @@ class LlamaAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,19 +84,18 @@ class LlamaForCausalLM(nn.Module):
         "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0),
     }
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, ops: Ops,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops) for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)  # a weight holder
-            self.lm_head.weight.requires_grad_(False)
+            self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)  # a weight holder
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -97,8 +107,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm + LM head for the selected rows, as float32 logits (or in the model dtype, for a
         consumer that converts as it reads: the cast writes and rereads [rows, vocab] floats).
-        ``out`` (model dtype) receives the model-dtype logits: the decode CUDA graphs' static buffer."""
-        logits = torch.mm(self.norm(hidden), self.lm_head.weight.t(), out=out)
+        ``out`` (model dtype) receives the model-dtype logits: the decode CUDA graphs' static buffer.
+        Under tensor parallelism every rank computes its vocabulary share and all of them receive
+        the whole rows (only rank 0 samples; the others take part in the gather)."""
+        head = self.lm_head
+        if head.tp.size == 1:
+            logits = torch.mm(self.norm(hidden), head.weight.t(), out=out)
+        else:
+            logits = head.gather_logits(torch.mm(self.norm(hidden), head.weight.t()))
+            if out is not None:
+                logits = out.copy_(logits)
         return logits.float() if float32 else logits
 
     def attention_layers(self) -> list[Attention]:

@@ -1,7 +1,9 @@
 """Find a checkpoint (local folder or HF hub id) and load its safetensors into the engine's model.
 
 Shards are read one tensor at a time straight into the (fused) parameters, so host memory never
-holds a second full copy of the weights.
+holds a second full copy of the weights. Each tensor is opened as a memory-mapped slice and a layer
+reads only the rows or columns its tensor-parallel rank holds (``FusedLinear.load_shard``,
+``VocabParallelEmbedding.load_shard``): no rank reads the whole model.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from minfer.config import ModelConfig
+from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.llama import LlamaForCausalLM
 from minfer.ops import Ops
 
@@ -68,14 +71,18 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}")
                 module_name, attr, shard = target
                 module = model.get_submodule(module_name)
-                tensor = f.get_tensor(name)
-                if shard is None:
+                source = f.get_slice(name)  # memory-mapped: indexing reads only the slice
+                if hasattr(module, "load_shard"):
+                    try:
+                        module.load_shard(attr, source, shard)
+                    except ValueError as exc:
+                        raise ValueError(f"{name}: {exc}") from None
+                else:  # replicated (norms)
                     param = getattr(module, attr)
+                    tensor = source[:]
                     if param.shape != tensor.shape:
                         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
                     param.data.copy_(tensor)
-                else:
-                    module.load_shard(attr, tensor, shard)
                 loaded.add(f"{module_name}.{attr}" + ("" if shard is None else f"#{shard}"))
     expected = set()
     for pname, param in params.items():
@@ -107,9 +114,10 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] |
 
 @torch.no_grad()
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
-                ops: Ops) -> LlamaForCausalLM:
-    """The model on ``device``, computing with ``ops`` (``minfer.ops.select_ops``), weights loaded."""
+                ops: Ops, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+    """The model on ``device``, computing with ``ops`` (``minfer.ops.select_ops``), weights loaded;
+    under tensor parallelism, rank ``tp.rank``'s shard of it."""
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype, max_position, ops)
+        model = LlamaForCausalLM(config, dtype, max_position, ops, tp)
     load_weights(model, model_dir)
     return model.eval()

@@ -37,8 +37,9 @@ class OneTokenForward:
         for ln, attn, ln2, mlp in self.layers:
             qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
             x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias)
+            x = attn.o_proj.reduce(x)  # the sum over tensor-parallel ranks (identity on one GPU)
             gate_up, residual = gemv_rms_norm(x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
-            x = gemv_silu_mul(gate_up, mlp.down_proj.weight)
+            x = mlp.down_proj.reduce(gemv_silu_mul(gate_up, mlp.down_proj.weight))
         return x + residual  # the final norm runs in compute_logits, as in the model's forward
 
 

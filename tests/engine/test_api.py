@@ -153,7 +153,7 @@ def test_sharded_half_precision_checkpoint_loads(tmp_path, checkpoints):
     (dict(attention_backend="flash"), "attention_backend"),
     (dict(kv_cache_dtype="int3"), "kv_cache_dtype"),
     (dict(max_num_batched_tokens=4, max_num_seqs=8), "max_num_batched_tokens"),
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size"),
     (dict(num_kv_blocks=-1), "num_kv_blocks"),
     (dict(bogus_arg=1), "bogus_arg"),
 ])

@@ -1,0 +1,187 @@
+"""Tensor parallelism on the CPU (gloo, float32): tp=2 gives tp=1's tokens and logprobs and HF's
+greedy tokens, for every architecture and scheduling path; each rank loads only its shard; bad sizes
+fail at construction; a dead worker fails the engine fast, naming its rank."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from conftest import ARCHS, assert_greedy_match, hf_greedy, make_checkpoint
+from minfer import LLM, SamplingParams
+from minfer.config import ModelConfig
+from minfer.distributed import TensorParallel
+from minfer.engine.tp_workers import TensorParallelError
+from minfer.model.loader import build_model
+from minfer.ops import TorchOps
+
+PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
+SHARED = [(i * 11) % 290 + 3 for i in range(40)]
+NEW = 10
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=2)
+
+SCENARIOS = {
+    "default": dict(num_kv_blocks=64),
+    # prompts in chunks of at most 6 tokens, and 4 blocks: the longest request just fits alone (preemption)
+    "chunked_preempt": dict(num_kv_blocks=4, max_num_batched_tokens=6, max_num_seqs=4),
+}
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _assert_same(a, b, tol: float = 1e-4) -> None:
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            assert max(abs(lx[t] - ly[t]) for t in lx) < tol
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_tp2_matches_tp1_and_hf(checkpoints, arch, scenario):
+    prompts = PROMPTS + ([SHARED + [7, 8], SHARED + [9]] if scenario == "default" else [])
+    one = _run(LLM(str(checkpoints[arch]), **SCENARIOS[scenario]), prompts)
+    llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **SCENARIOS[scenario])
+    try:
+        two = _run(llm, prompts)
+        _assert_same(two, one)
+        for prompt, out in zip(prompts, two):
+            ref, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
+            assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+        stats = llm.get_stats()
+        assert stats["tensor_parallel_size"] == 2
+        if scenario == "default":  # the same prompts again: their blocks come from the prefix cache
+            _assert_same(_run(llm, prompts[-2:]), two[-2:])
+            assert llm.get_stats()["prefix_cache_hit_tokens"] >= 2 * 32
+        else:
+            assert stats["num_preemptions"] > 0
+        assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tp2_sampling_features_match_tp1(checkpoints):
+    """n > 1 with seeds, penalties, prompt logprobs and an 8-bit KV cache: rank 0 samples exactly as on one
+    process, the workers only follow."""
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3, logprobs=1),
+              SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3, repetition_penalty=1.3,
+                             presence_penalty=0.5),
+              SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[1:4]]
+    for kv in ("auto", "int8"):
+        one = LLM(str(checkpoints["qwen2"]), num_kv_blocks=64, kv_cache_dtype=kv).generate(prompts, params,
+                                                                                           use_tqdm=False)
+        llm = LLM(str(checkpoints["qwen2"]), num_kv_blocks=64, kv_cache_dtype=kv, tensor_parallel_size=2)
+        try:
+            two = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+        for x, y in zip(one, two):
+            assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+        plp_one, plp_two = one[2].prompt_logprobs, two[2].prompt_logprobs
+        assert len(plp_one) == len(plp_two) == len(PROMPTS[3])
+        for a, b in zip(plp_one[1:], plp_two[1:]):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+
+
+def test_kv_heads_replicate_when_tp_exceeds_them(tmp_path):
+    """One KV head (multi-query attention) over two ranks: both hold it, each with its query heads."""
+    ckpt = make_checkpoint(tmp_path / "mqa", "llama3", kv_heads=1)
+    one = _run(LLM(str(ckpt), num_kv_blocks=64), PROMPTS)
+    llm = LLM(str(ckpt), num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        _assert_same(_run(llm, PROMPTS), one)
+    finally:
+        llm.llm_engine.shutdown()
+    for out, prompt in zip(one, PROMPTS):
+        ref, ref_logits = hf_greedy(ckpt, prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_each_rank_loads_only_its_shard(checkpoints, arch):
+    """Resident parameter bytes per rank ≈ 1/N of the model (norms, replicated, are the only excess),
+    and the shards together hold every weight."""
+    cfg = ModelConfig.from_pretrained(checkpoints[arch])
+    full = build_model(checkpoints[arch], cfg, torch.float32, torch.device("cpu"), 64, TorchOps())
+    total = sum(p.numel() for p in full.parameters())
+    replicated = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)
+    for size in (2, 4):
+        shards = [build_model(checkpoints[arch], cfg, torch.float32, torch.device("cpu"), 64, TorchOps(),
+                              TensorParallel(rank, size)) for rank in range(size)]
+        for shard in shards:
+            held = sum(p.numel() for p in shard.parameters())
+            if size <= cfg.num_key_value_heads:  # (at 4 ranks, 2 KV heads are replicated: more than 1/4)
+                assert held <= (total - replicated) / size + replicated, (size, held, total)
+            assert held >= (total - replicated) / size, (size, held, total)
+        # rank r's q rows and o_proj columns are the full model's r-th slices
+        q = full.layers[0].self_attn.qkv_proj.weight[:cfg.num_attention_heads * cfg.head_dim]
+        got = torch.cat([s.layers[0].self_attn.qkv_proj.weight[:s.layers[0].self_attn.q_size] for s in shards])
+        assert torch.equal(got, q)
+        o = torch.cat([s.layers[0].self_attn.o_proj.weight for s in shards], dim=1)
+        assert torch.equal(o, full.layers[0].self_attn.o_proj.weight)
+        emb = torch.cat([s.embed_tokens.weight for s in shards])[:cfg.vocab_size]
+        assert torch.equal(emb, full.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("size", [0, 3, 8])
+def test_bad_tensor_parallel_size_names_the_field(checkpoints, size):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(checkpoints["llama3"]), tensor_parallel_size=size)
+
+
+def test_a_dead_worker_fails_the_engine_fast_and_names_its_rank(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=64, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    worker = engine.workers.procs[0]
+    try:
+        _run(llm, PROMPTS[:1])
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        while engine.failure is None and time.monotonic() - started < 5:
+            time.sleep(0.02)
+        assert engine.failure is not None and "rank 1" in engine.failure and "SIGKILL" in engine.failure
+        with pytest.raises(TensorParallelError, match="rank 1"):
+            _run(llm, PROMPTS[:2])
+        assert time.monotonic() - started < 10
+    finally:
+        engine.shutdown()
+    assert not worker.is_alive()
+
+
+def test_shutdown_stops_every_worker(checkpoints):
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=64, tensor_parallel_size=2)
+    procs = list(llm.llm_engine.workers.procs)
+    assert all(p.is_alive() for p in procs)
+    with open(f"/proc/{procs[0].pid}/comm") as f:
+        assert f.read().strip() == "minfer-tp1"
+    llm.llm_engine.shutdown()
+    assert not any(p.is_alive() for p in procs)
+    llm.llm_engine.shutdown()  # idempotent
+
+
+def test_a_stuck_worker_fails_the_engine_within_the_time_limit(checkpoints, monkeypatch):
+    """A worker that stops answering (SIGSTOP) without dying: the next collective on rank 0 gives up after
+    MINFER_TP_TIMEOUT seconds and says so."""
+    import minfer.engine.tp_workers as tp_workers
+
+    monkeypatch.setattr(tp_workers, "TIMEOUT_S", 3.0)
+    llm = LLM(str(checkpoints["llama3"]), num_kv_blocks=64, tensor_parallel_size=2)
+    engine = llm.llm_engine
+    worker = engine.workers.procs[0]
+    try:
+        _run(llm, PROMPTS[:1])
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match="timed out"):
+            _run(llm, PROMPTS[:2])
+        assert time.monotonic() - started < 3.0 + 5.0
+    finally:
+        engine.shutdown()  # kills the stopped worker after its grace period
+    assert not worker.is_alive()
