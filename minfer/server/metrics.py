@@ -3,11 +3,12 @@
 vLLM's names and labels (``model_name``, ``engine``) are those of its v1 ``PrometheusStatLogger``,
 so dashboards and alerts built for vLLM work unchanged; ours stay for the dashboards built on them.
 
-Two sources. Engine state (running/waiting sequences, KV blocks, prefix cache, preemptions) is
-read at scrape time from the engine thread's latest stats snapshot, so it costs nothing per
-step. Per-request timings (TTFT, inter-token latency, end-to-end) and token counters are
-recorded on the engine thread as outputs leave ``step()``: that is when a token exists, before
-any event-loop or network delay, and prometheus-client's types are thread-safe.
+Two sources. Engine state (running/waiting sequences, KV blocks, prefix cache, preemptions, the
+tensor-parallel world size) is read at scrape time from the engine thread's latest stats
+snapshot, so it costs nothing per step. Per-request timings (TTFT, inter-token latency,
+end-to-end) and token counters are recorded on the engine thread as outputs leave ``step()``:
+that is when a token exists, before any event-loop or network delay, and prometheus-client's
+types are thread-safe.
 
 Each app gets its own registry, so several servers (tests) can live in one process.
 """
@@ -64,6 +65,8 @@ class _EngineStateCollector(Collector):
             "minfer_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache / tokens looked up",
                                              s["prefix_cache_hit_rate"]),
             "minfer_engine_healthy": ("1 while the engine loop runs", 1.0 if self.healthy() else 0.0),
+            "minfer_tensor_parallel_size": ("ranks (GPUs; on the CPU, processes) the model is sharded over",
+                                            s.get("tensor_parallel_size", 1)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import logging
+import signal
+import threading
 from typing import Any
 
 DEFAULT_MAX_WAITING = 1024
@@ -39,7 +41,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = DEFAULT_MAX_WAITING,
                log_level: str = "info", access_log: bool = True, api_key: str | None = None,
                chat_template: str | None = None, max_request_bytes: int | None = None) -> None:
-    """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully).
+    """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully); the engine's
+    tensor-parallel workers stop however serving ends.
 
     ``engine_kwargs``: ``EngineConfig`` fields but ``model``; ``model`` None serves the built-in model.
     ``chat_template``: the template's text (``chat_template.load_chat_template`` reads a file).
@@ -70,8 +73,34 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         names = served_model_names or [model]
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
     engine = LLMEngine(config, RequestOutputKind.DELTA)  # the server streams deltas
-    logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
-    limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes or None}  # 0: no cap
-    app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
-                    **limit)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
+    # uvicorn handles SIGTERM while it serves, shuts down gracefully, then restores the handler it found and
+    # raises the signal again: with the default handler the process would end right there, before the
+    # workers are stopped. Ours raises _Terminated instead; the signal is raised again once they are stopped.
+    catching = threading.current_thread() is threading.main_thread()  # handlers can be set there only
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if catching else None
+    terminated = False
+    try:
+        logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
+        limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes or None}  # 0: no cap
+        app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
+                        **limit)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                    timeout_graceful_shutdown=5)
+    except _Terminated:
+        terminated = True
+    finally:  # a normal stop, Ctrl-C, SIGTERM, or a crash in uvicorn or the app: the tensor-parallel workers stop
+        if catching:  # first, so that a second SIGTERM while they stop ends the process at once
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        engine.shutdown()
+        if config.tensor_parallel_size > 1:
+            logger.info("the tensor-parallel workers have stopped")
+    if terminated:  # end as SIGTERM ends the process (its exit status says so), now that the workers are gone
+        signal.raise_signal(signal.SIGTERM)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived (a BaseException, as KeyboardInterrupt is, so no ``except Exception`` swallows it)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
