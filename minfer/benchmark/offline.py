@@ -1,21 +1,28 @@
 """`minfer bench`: offline throughput (workload A or fixed lengths), batch-1 decode latency, and a
-same-process comparison with HF transformers' continuous batching (``generate_batch``)."""
+same-process comparison with HF transformers' continuous batching (``generate_batch``).
+
+Every result is reported against physical lower bounds (BENCHMARKS.md's method), computed here from
+the model's shape and the run's lengths for the ``tensor_parallel_size`` N GPUs it ran on: each GPU
+holds 1/N of every sharded matrix (its query and KV heads, MLP features and vocabulary rows) and
+reads only that, so N GPUs give N x the bandwidth and N x the FLOP/s over the same total work.
+"""
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from minfer.benchmark.workload import (
-    WORKLOAD_A_BOUND, WORKLOAD_A_MAX_TOKEN_ID, WORKLOAD_A_SUM_BOUND, fixed_workload, workload_a,
-)
+from minfer.benchmark.workload import WORKLOAD_A_MAX_TOKEN_ID, fixed_workload, workload_a
+from minfer.config import ModelConfig
 from minfer.llm import LLM
 from minfer.sampling_params import SamplingParams
 
-HBM_BYTES_PER_S = 4.22e12  # measured H200 copy bandwidth (BENCHMARKS.md)
+HBM_BYTES_PER_S = 4.22e12  # measured H200 copy bandwidth, per GPU (BENCHMARKS.md)
+BF16_FLOP_S = 793e12  # measured H200 dense bf16 matmul rate, per GPU (BENCHMARKS.md)
 
 
 def _sync() -> None:
@@ -27,13 +34,92 @@ def _device() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def weight_bytes(llm: LLM) -> int:
-    """Bytes of the model's weights (a tied embedding counted once): what each decode step reads."""
-    model = llm.llm_engine.runner.model
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+@dataclass(frozen=True, slots=True)
+class DecodeCost:
+    """What ONE GPU of a ``tp``-way tensor-parallel group reads and computes; the ranks hold equal
+    shares and run at once, so a bound is one GPU's work over one GPU's bandwidth or FLOP/s (the
+    same as the N GPUs' total work over N x the bandwidth or FLOP/s).
+
+    ``weight_bytes``: read once per forward step: its 1/N of every layer matrix and of the LM head's
+    vocabulary rows, the norms whole (replicated; negligible). An untied input embedding is not
+    counted: a step reads one row of it per token. ``layer_params`` / ``head_params``: multiply-adds
+    per token in the decoder layers / per sampled token in the LM head. ``kv_bytes_per_token``: its KV
+    heads' K and V over all layers (a KV head is replicated when N exceeds their number).
+    ``attn_flops_per_pair``: one query token against one context token (QK and PV) over its query heads.
+    """
+
+    tp: int
+    weight_bytes: float
+    layer_params: float
+    head_params: float
+    kv_bytes_per_token: float
+    attn_flops_per_pair: float
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, tp: int = 1, weight_element_bytes: float = 2.0,
+                  kv_element_bytes: float = 2.0) -> "DecodeCost":
+        """From the shape alone (bf16 weights and KV cache by default), sharded as ``minfer.model`` does."""
+        h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+        heads = cfg.num_attention_heads / tp
+        kv_heads = cfg.num_key_value_heads / tp if cfg.num_key_value_heads >= tp else 1
+        vocab = -(-cfg.vocab_size // tp)  # the last rank's rows are padded to the same count
+        layer = h * heads * d * 2 + 2 * h * kv_heads * d + 3 * h * cfg.intermediate_size / tp
+        bias = (heads + 2 * kv_heads) * d if cfg.attention_bias else 0
+        norms = 2 * h + (2 * d if cfg.qk_norm else 0)
+        weights = layers * (layer + bias + norms) + vocab * h + h
+        return cls(tp, weights * weight_element_bytes, layers * layer, vocab * h,
+                   2 * layers * kv_heads * d * kv_element_bytes, 4 * heads * d * layers)
+
+    @classmethod
+    def of_engine(cls, llm: LLM) -> "DecodeCost":
+        """The running engine's: its tensor-parallel size, the bytes of the weights rank 0 holds (its
+        format, whatever it is) and its KV cache's bytes per token (8-bit scales included)."""
+        engine = llm.llm_engine
+        runner, cfg = engine.runner, engine.model_config
+        tp = engine.config.tensor_parallel_size
+        model = runner.model
+        held = sum(p.numel() * p.element_size() for p in model.parameters())
+        if not cfg.tie_word_embeddings:
+            held -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+        cost = cls.for_model(cfg, tp, runner.dtype.itemsize)
+        return replace(cost, weight_bytes=float(held), kv_bytes_per_token=runner.block_bytes / runner.block_size)
+
+
+def batch1_bound(cost: DecodeCost, bandwidth: float = HBM_BYTES_PER_S) -> float:
+    """Decode tok/s of one request if every step only read the weights: N GPUs, each reading its
+    1/N share at ``bandwidth`` (the context's K and V are left out: small at batch 1)."""
+    return bandwidth / cost.weight_bytes
+
+
+def throughput_bounds(cost: DecodeCost, prompt_lens: list[int], output_lens: list[int],
+                      bandwidth: float = HBM_BYTES_PER_S, flop_s: float = BF16_FLOP_S) -> dict[str, float]:
+    """BENCHMARKS.md's lower bounds on an offline run with every request resident: each of the
+    max(output) steps reads the weights once, each output token reads its whole context's K and V;
+    FLOPs are 2 x layer parameters x all tokens, the LM head on output tokens only, plus attention
+    (decode contexts and causal prefill). Bound = max(byte time, FLOP time) -> output tok/s; the
+    "sum" bound adds the two times. All per GPU (``DecodeCost``), so N GPUs bound N x higher."""
+    n_in, n_out = sum(prompt_lens), sum(output_lens)
+    decode_ctx = sum(p * o + o * (o - 1) / 2 for p, o in zip(prompt_lens, output_lens))
+    prefill_ctx = sum(p * (p + 1) / 2 for p in prompt_lens)
+    kv = decode_ctx * cost.kv_bytes_per_token
+    byte_s = (max(output_lens) * cost.weight_bytes + kv) / bandwidth
+    flops = (2 * cost.layer_params * (n_in + n_out) + 2 * cost.head_params * n_out
+             + cost.attn_flops_per_pair * (decode_ctx + prefill_ctx))
+    compute_s = flops / flop_s
+    kv_share = kv / (kv + max(output_lens) * cost.weight_bytes)
+    return {"gpus": cost.tp, "byte_s": _sig(byte_s), "kv_share_of_bytes": round(kv_share, 3),
+            "flop_s": _sig(compute_s), "bound_tok_s": round(n_out / max(byte_s, compute_s), 1),
+            "sum_bound_tok_s": round(n_out / (byte_s + compute_s), 1)}
+
+
+def _sig(x: float) -> float:
+    return float(f"{x:.4g}")
 
 
 def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], progress: bool) -> dict[str, Any]:
+    """One timed ``generate`` (after a warm-up request). Under tensor parallelism the KV blocks are per GPU
+    (each holds its KV heads of every block, so blocks = cached tokens / block size) and the peak memory
+    is rank 0's."""
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     _sync()
     if torch.cuda.is_available():
@@ -44,18 +130,22 @@ def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], 
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    stats = llm.get_stats()
+    tp = int(stats.get("tensor_parallel_size", 1))
     return {"requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
             "seconds": round(elapsed, 3), "output_tok_s": round(out_tokens / elapsed, 1),
+            "output_tok_s_per_gpu": round(out_tokens / elapsed / tp, 1),
             "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1),
-            "num_preemptions": llm.get_stats()["num_preemptions"] - preempted_before,
-            "num_kv_blocks": llm.get_stats()["num_kv_blocks"],
+            "num_preemptions": stats["num_preemptions"] - preempted_before,
+            "num_kv_blocks": stats["num_kv_blocks"],
+            "kv_cache_tokens": stats["num_kv_blocks"] * llm.llm_engine.config.block_size,
             "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if torch.cuda.is_available() else None}
 
 
 def run_batch1(llm: LLM, input_len: int, output_len: int) -> dict[str, Any]:
-    """Decode speed of one request (first token excluded) against the weights/bandwidth bound
-    (the H200's 4.22 TB/s: the share is only meaningful there)."""
+    """Decode speed of one request (first token excluded) against the weights/bandwidth bound of the
+    engine's N GPUs (``batch1_bound``; the H200's 4.22 TB/s each: the share is only meaningful there)."""
     prompts, _ = fixed_workload(1, input_len, output_len, vocab_size=llm.llm_engine.model_config.vocab_size)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)]  # greedy, unlike the workload
     llm.generate(prompts, [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)], use_tqdm=False)
@@ -64,10 +154,14 @@ def run_batch1(llm: LLM, input_len: int, output_len: int) -> dict[str, Any]:
     m = out.metrics
     decode_s = m.finished_time - m.first_token_time
     tok_s = (len(out.outputs[0].token_ids) - 1) / decode_s
-    weights = weight_bytes(llm)
-    bound = HBM_BYTES_PER_S / weights
-    return {"input_len": input_len, "output_len": output_len, "decode_tok_s": round(tok_s, 1),
-            "ttft_s": round(m.first_token_time - m.arrival_time, 4), "weights_gib": round(weights / 2**30, 3),
+    cost = DecodeCost.of_engine(llm)
+    bound = batch1_bound(cost)
+    return {"input_len": input_len, "output_len": output_len, "tensor_parallel_size": cost.tp,
+            "decode_tok_s": round(tok_s, 1), "decode_tok_s_per_gpu": round(tok_s / cost.tp, 1),
+            "ttft_s": round(m.first_token_time - m.arrival_time, 4),
+            "weights_gib": round(cost.tp * cost.weight_bytes / 2**30, 3),  # read per token, all GPUs together
+            "weights_per_gpu_gib": round(cost.weight_bytes / 2**30, 3),
+            "bandwidth_tb_s": round(cost.tp * HBM_BYTES_PER_S / 1e12, 2),
             "bound_tok_s": round(bound, 1), "share_of_bound": round(tok_s / bound, 6)}
 
 
@@ -109,30 +203,37 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     llm = LLM(model, **(engine_kwargs | {"skip_tokenizer_init": True}))  # the prompts are token ids
-    vocab = llm.llm_engine.model_config.vocab_size
-    if not batch1 and input_len is None and vocab <= WORKLOAD_A_MAX_TOKEN_ID:
-        raise ValueError(f"workload A draws token ids up to {WORKLOAD_A_MAX_TOKEN_ID:,}, but this model's vocabulary "
-                         f"has {vocab:,}; give --input-len/--output-len for a fixed-length workload")
-    result: dict[str, Any] = {"model": shape or model, "device": _device(),
-                              "engine": {k: v for k, v in engine_kwargs.items() if v is not None}}
-    if batch1:
-        result["batch1"] = run_batch1(llm, input_len or 128, output_len)
-        return result
-    if input_len:
-        prompts, params = fixed_workload(num_prompts, input_len, output_len, vocab_size=vocab)
-        result["workload"] = f"fixed: {num_prompts} x {input_len} in / {output_len} out"
-    else:
-        prompts, params = workload_a(num_prompts)
-        result["workload"] = "A" if num_prompts == 256 else f"A (first {num_prompts})"
-    result |= run_throughput(llm, prompts, params, progress)
-    if result["workload"] == "A" and shape in WORKLOAD_A_BOUND:
-        result["share_of_bound"] = round(result["output_tok_s"] / WORKLOAD_A_BOUND[shape], 4)
-        result["share_of_sum_bound"] = round(result["output_tok_s"] / WORKLOAD_A_SUM_BOUND[shape], 4)
+    try:
+        vocab = llm.llm_engine.model_config.vocab_size
+        if not batch1 and input_len is None and vocab <= WORKLOAD_A_MAX_TOKEN_ID:
+            raise ValueError(f"workload A draws token ids up to {WORKLOAD_A_MAX_TOKEN_ID:,}, but this model's "
+                             f"vocabulary has {vocab:,}; give --input-len/--output-len for a fixed-length workload")
+        result: dict[str, Any] = {"model": shape or model, "device": _device(),
+                                  "tensor_parallel_size": llm.get_stats()["tensor_parallel_size"],
+                                  "engine": {k: v for k, v in engine_kwargs.items() if v is not None}}
+        if batch1:
+            result["batch1"] = run_batch1(llm, input_len or 128, output_len)
+            return result
+        if input_len:
+            prompts, params = fixed_workload(num_prompts, input_len, output_len, vocab_size=vocab)
+            result["workload"] = f"fixed: {num_prompts} x {input_len} in / {output_len} out"
+        else:
+            prompts, params = workload_a(num_prompts)
+            result["workload"] = "A" if num_prompts == 256 else f"A (first {num_prompts})"
+        result |= run_throughput(llm, prompts, params, progress)
+        bounds = throughput_bounds(DecodeCost.of_engine(llm), [len(p["prompt_token_ids"]) for p in prompts],
+                                   [p.max_tokens for p in params])
+        result["bounds"] = bounds
+        result["share_of_bound"] = round(result["output_tok_s"] / bounds["bound_tok_s"], 4)
+        result["share_of_sum_bound"] = round(result["output_tok_s"] / bounds["sum_bound_tok_s"], 4)
+        if compare_hf:
+            sub = prompts[:hf_num_prompts]
+            same = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=hf_output_len) for _ in sub]
+            ours = run_throughput(llm, sub, same, progress=False)
+    finally:
+        llm.llm_engine.shutdown()  # tensor-parallel workers (nothing to stop on one GPU)
     if compare_hf:
-        sub = prompts[:hf_num_prompts]
-        same = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=hf_output_len) for _ in sub]
-        ours = run_throughput(llm, sub, same, progress=False)
-        del llm
+        del llm  # HF needs the memory of the engine's weights and KV cache
         theirs = run_hf(model, sub, hf_output_len)
         result["compare_hf"] = {"requests": len(sub), "output_len": hf_output_len, "minfer_output_tok_s":
                                 ours["output_tok_s"], "hf_output_tok_s": theirs["output_tok_s"],
@@ -164,18 +265,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
         c = result["compare_hf"]
         labels += [f"minfer ({c['requests']} req)", f"HF generate_batch ({c['requests']} req)"]
         values += [c["minfer_output_tok_s"], c["hf_output_tok_s"]]
-    shape = result.get("model")
-    if result.get("workload") == "A" and shape in WORKLOAD_A_BOUND:
-        labels += ["sum bound", "bound"]
-        values += [WORKLOAD_A_SUM_BOUND[shape], WORKLOAD_A_BOUND[shape]]
+    shape, tp = result.get("model"), result.get("tensor_parallel_size", 1)
+    gpus = f" ({tp} GPUs)" if tp > 1 else ""
+    if "bounds" in result:
+        labels += [f"sum bound{gpus}", f"bound{gpus}"]
+        values += [result["bounds"]["sum_bound_tok_s"], result["bounds"]["bound_tok_s"]]
     if "batch1" in result:
-        labels += ["batch-1 decode", "weights/bandwidth bound"]
+        labels += ["batch-1 decode", f"weights/bandwidth bound{gpus}"]
         values += [result["batch1"]["decode_tok_s"], result["batch1"]["bound_tok_s"]]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     bars = ax.barh(labels, values, color=["#3b7dd8" if "bound" not in lb else "#bbbbbb" for lb in labels])
     ax.bar_label(bars, fmt="%.0f", padding=3)
     ax.set_xlabel("output tokens / s")
-    ax.set_title(f"{shape} · {result.get('workload', 'batch 1')} · {result['device']}")
+    device = result["device"] + (f" x {tp}" if tp > 1 else "")
+    ax.set_title(f"{shape} · {result.get('workload', 'batch 1')} · {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

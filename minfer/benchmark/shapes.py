@@ -7,9 +7,12 @@ does not depend on their values, only on shapes and sequence lengths.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -31,6 +34,12 @@ SHAPES: dict[str, dict] = {
                          intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
                          rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, bos_token_id=128000, eos_token_id=128001),
+    # 70.6 B parameters, 141 GB in bf16: more than one H200 holds, so it runs with tensor parallelism (tp=4)
+    "llama-3.1-70b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=8192,
+                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128,
+                          intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False,
+                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, bos_token_id=128000, eos_token_id=128001),
 }
 
 
@@ -52,32 +61,103 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16,
-                            shard_bytes: int = 2 << 30, seed: int = 0, device: str = "cpu") -> Path:
-    """Write ``shape`` with N(0, 0.02) weights (norm weights 1) as sharded safetensors + index.
-    ``device="cuda"`` draws them on the GPU (8B weights: seconds instead of a CPU minute; other values)."""
+def shape_config(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | None = None,
+                 overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``shape``, optionally scaled down: ``layers`` decoder layers, and any other
+    config keys in ``overrides`` (e.g. ``hidden_size``) for a small stand-in with the shape's layout."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
-    cfg = dict(SHAPES[shape], torch_dtype=str(dtype).removeprefix("torch."))
+    cfg = dict(SHAPES[shape], **(overrides or {}), torch_dtype=str(dtype).removeprefix("torch."))
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def plan_shards(cfg: dict[str, Any], element_bytes: int, shard_bytes: int) -> list[dict[str, tuple[int, ...]]]:
+    """The checkpoint's tensors (name -> shape, in writing order) grouped into files of at most
+    ``shard_bytes`` (a larger tensor gets a file of its own); nothing is allocated."""
+    shards: list[dict[str, tuple[int, ...]]] = [{}]
+    size = 0
+    for name, shp in _tensor_shapes(cfg).items():
+        nbytes = math.prod(shp) * element_bytes
+        if size and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = shp
+        size += nbytes
+    return shards
+
+
+def _draw(name: str, shp: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype, device: str,
+          to_host: bool = True) -> torch.Tensor | None:
+    if name.endswith("norm.weight"):
+        return torch.ones(shp, dtype=dtype) if to_host else None
+    t = torch.randn(shp, generator=gen, device=device)  # drawn even when not kept: the generator moves on
+    return (t * 0.02).to(dtype).cpu() if to_host else None
+
+
+def _is_whole(path: Path, names: dict[str, tuple[int, ...]], dtype: torch.dtype) -> bool:
+    """Whether ``path`` is a complete safetensors file of exactly these tensors (a cut-off write is not:
+    its header promises more bytes than the file has)."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if set(f.keys()) != set(names):
+                return False
+            for name, shp in names.items():
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != shp or sl.get_dtype() != _SAFETENSORS_DTYPES.get(dtype):
+                    return False
+        return path.stat().st_size >= _data_end(path)
+    except Exception:  # noqa: BLE001 - unreadable header: not whole, write it again
+        return False
+
+
+def _data_end(path: Path) -> int:
+    """The byte where the file's last tensor ends, from its header."""
+    with path.open("rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+
+
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16,
+                            shard_bytes: int = 2 << 30, seed: int = 0, device: str = "cpu",
+                            layers: int | None = None, overrides: dict[str, Any] | None = None) -> Path:
+    """Write ``shape`` with N(0, 0.02) weights (norm weights 1) as sharded safetensors + index.
+    ``device="cuda"`` draws them on the GPU (8B weights: seconds instead of a CPU minute; other values).
+    ``layers`` / ``overrides``: a scaled-down version (``shape_config``).
+
+    The files are written one at a time, each as soon as its tensors are drawn, so host memory holds
+    at most one file's tensors (``shard_bytes``, 2 GiB) whatever the model's size (llama-3.1-70b: 141 GB).
+    ``config.json`` is written last: a folder that has it is complete, and is reused when it matches. A write
+    that was cut off resumes: a file of this plan that is already whole is kept (its tensors are still
+    drawn, unsaved, so the later files get the same values as in one uninterrupted write)."""
+    cfg = shape_config(shape, dtype, layers, overrides)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").is_file() and json.loads((out / "config.json").read_text()) == cfg:
         return out  # already written
+    (out / "config.json").unlink(missing_ok=True)  # incomplete until the end
     gen = torch.Generator(device=device).manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, shp in _tensor_shapes(cfg).items():
-        t = torch.ones(shp) if name.endswith("norm.weight") else torch.randn(shp, generator=gen, device=device) * 0.02
-        t = t.to(dtype).cpu()
-        if size and size + t.numel() * t.element_size() > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += t.numel() * t.element_size()
+    plan = plan_shards(cfg, torch.empty((), dtype=dtype).element_size(), shard_bytes)
+    fnames = [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
+    for old in out.glob("model-*-of-*.safetensors"):  # another plan's files (another size): disk space
+        if old.name not in fnames:
+            old.unlink()
     weight_map = {}
-    for k, tensors in enumerate(shards):
-        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-        weight_map |= {name: fname for name in tensors}
+    for fname, names in zip(fnames, plan):
+        whole = _is_whole(out / fname, names, dtype)
+        tensors = {name: _draw(name, shp, gen, dtype, device, to_host=not whole) for name, shp in names.items()}
+        if not whole:
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+        weight_map |= {name: fname for name in names}
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

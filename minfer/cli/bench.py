@@ -11,14 +11,19 @@ from minfer.engine_args import add_engine_args, engine_config, engine_kwargs
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="offline throughput (workload A of BENCHMARKS.md by default)")
-    p.add_argument("--shape", default=None, help="qwen3-0.6b | llama-3.2-1b | llama-3.1-8b (random weights)")
+    p.add_argument("--shape", default=None, help="qwen3-0.6b | llama-3.2-1b | llama-3.1-8b | llama-3.1-70b (random "
+                   "weights, written under --checkpoint-dir; on a GPU when there is one)")
+    p.add_argument("--shape-layers", type=int, default=None,
+                   help="with --shape: only this many decoder layers (a scaled-down stand-in, e.g. the 70B's layers "
+                        "on fewer GPUs; written to <shape>-<N>l)")
     p.add_argument("--checkpoint-dir", default="/tmp/minfer-shapes")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len", type=int, default=None)
     p.add_argument("--output-len", type=int, default=None,
                    help="with --input-len (default 128) or --batch1 (default 512: 128 tokens at batch 1 last "
                         "~0.1 s on an H200, and such runs spread by up to 15%%; 512 repeat within 0.3%%)")
-    p.add_argument("--batch1", action="store_true", help="decode speed of one request vs weights/bandwidth")
+    p.add_argument("--batch1", action="store_true", help="decode speed of one request vs weights/bandwidth (of all "
+                   "--tensor-parallel-size GPUs)")
     p.add_argument("--compare-hf", action="store_true",
                    help="also run HF transformers' generate_batch on a subset, in the same process")
     p.add_argument("--hf-num-prompts", type=int, default=64)
@@ -55,14 +60,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from minfer.benchmark.shapes import write_random_checkpoint
 
     engine_config(args)  # a bad flag fails before a shape's checkpoint is written
-    model = args.model
-    if args.shape:
-        model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape))
+    model, shape = args.model, args.shape
+    if args.shape_layers is not None and not shape:
+        raise ValueError("--shape-layers needs --shape")
+    if shape:
+        import torch
+
+        name = shape if args.shape_layers is None else f"{shape}-{args.shape_layers}l"
+        model = str(write_random_checkpoint(shape, Path(args.checkpoint_dir) / name, layers=args.shape_layers,
+                                            device="cuda" if torch.cuda.is_available() else "cpu"))
+        shape = shape if args.shape_layers is None else f"{shape} ({args.shape_layers} layers)"
     if model is None:
         raise ValueError("bench needs --model or --shape")
     kwargs = engine_kwargs(args)
     kwargs["max_model_len"] = kwargs["max_model_len"] or needed_model_len(args, model)
-    result = offline.bench(model, args.shape, kwargs, num_prompts=args.num_prompts, input_len=args.input_len,
+    result = offline.bench(model, shape, kwargs, num_prompts=args.num_prompts, input_len=args.input_len,
                            output_len=output_len(args), batch1=args.batch1, compare_hf=args.compare_hf,
                            hf_num_prompts=args.hf_num_prompts, hf_output_len=args.hf_output_len,
                            progress=not args.quiet)
