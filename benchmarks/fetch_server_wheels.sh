@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 rm -rf .whl && mkdir -p .whl
 plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 pkgs=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn h11 click anyio
-      sniffio prometheus-client annotated-doc opentelemetry-api typing-extensions idna)
+      sniffio prometheus-client annotated-doc opentelemetry-api typing-extensions idna fastapi-offline)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
     -d .whl "${pkgs[@]}"
 # Every requirement of every wheel (extras aside) must be in the set: the device has no network.
