@@ -67,6 +67,8 @@ class ModelConfig:
     # Sampling settings the checkpoint's generation_config.json recommends (SamplingParams names), used
     # where a request gives none (vLLM's generation_config="auto").
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    # config.json's quantization_config as written (FP8 checkpoints; minfer.model.quant reads it)
+    quantization_config: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -116,6 +118,7 @@ class ModelConfig:
             torch_dtype=torch_dtype(dtype_name if dtype_name in DTYPE_NAMES else "float32"),
             eos_token_ids=_as_ids(eos),
             bos_token_id=cfg.get("bos_token_id"),
+            quantization_config=cfg.get("quantization_config"),
         )
 
     @classmethod
@@ -159,6 +162,9 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
 
 
+QUANTIZATION_METHODS = ("fp8",)
+
+
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A field whose metadata holds its flag's help text and allowed values (see minfer.engine_args)."""
     metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
@@ -200,6 +206,9 @@ class EngineConfig:
                                    ATTENTION_BACKENDS)
     kv_cache_dtype: str = _knob("auto", "auto: the model dtype; the others are 8-bit with a scale per token "
                                 "and KV head (alias: fp8 = fp8_e4m3)", KV_CACHE_DTYPES)
+    quantization: str | None = _knob(None, "fp8: quantize a bf16/fp16 checkpoint's linear layers to FP8 while it loads "
+                                     "(a scale per output channel); FP8 checkpoints (compressed-tensors, block FP8) "
+                                     "are detected from config.json without it", QUANTIZATION_METHODS)
     tensor_parallel_size: int = _knob(1, "GPUs (on the CPU: processes) the model is sharded over; under torchrun, "
                                       "its WORLD_SIZE")
     generation_config: str = _knob("auto", "auto: the model's generation_config.json supplies the default sampling "
@@ -215,6 +224,8 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("generation_config", self.generation_config, ("auto", "vllm"))
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_int("seed", self.seed, 0)

@@ -61,12 +61,13 @@ def make_tokenizer(out: Path) -> None:
 
 
 def make_checkpoint(out: Path, name: str, *, scale: float = 2.0, layers: int = 2, seed: int = 0,
-                    dtype: torch.dtype = torch.float32, max_positions: int = 512, kv_heads: int = 2) -> Path:
+                    dtype: torch.dtype = torch.float32, max_positions: int = 512, kv_heads: int = 2,
+                    hidden: int = 64, intermediate: int = 128) -> Path:
     """Write a tiny random-weight checkpoint of architecture ``name`` (see ARCHS) with a tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = ARCHS[name]
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    kw = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
               tie_word_embeddings=spec["tie"], bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
     for key in ("rope_parameters", "head_dim", "sliding_window"):

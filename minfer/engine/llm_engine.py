@@ -225,13 +225,16 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | str]:
-        """Cache and scheduler counters (``num_kv_blocks``: per rank, each holding its KV heads of every
+        """Weights, cache and scheduler counters (``weight_bytes`` and ``num_kv_blocks``: per rank, each holding its KV heads of every
         block, under tensor parallelism). ``kv_cache_dtype`` is the stored format ('int8', 'fp8_e4m3',
         'fp8_e5m2', or the model dtype for 'auto'); ``kv_block_bytes`` one block's K and V across all
         layers, scales included."""
         bm, sched = self.block_manager, self.scheduler
+        model = self.runner.model
         return {
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "weight_dtype": model.quant.name if model.quant is not None else str(self.runner.dtype).removeprefix("torch."),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # this rank's
             "kv_cache_dtype": self.runner.kv_spec.format_name,
             "kv_block_bytes": self.runner.block_bytes,
             "num_kv_blocks": bm.num_blocks,

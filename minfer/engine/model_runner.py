@@ -106,7 +106,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.head_dim)
         started = time.perf_counter()
-        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops, tp)
+        self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops, tp,
+                                 config.quantization)
         logger.info("start-up: load weights took %.2f s", time.perf_counter() - started)
         self._rank_min(0)  # every rank has its shard: no collective below waits out a slow load
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops

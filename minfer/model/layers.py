@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minfer.distributed import SINGLE, TensorParallel
+from minfer.model.quant import BLOCK, Fp8Format, quantize_rows
 from minfer.ops import Ops
 
 
@@ -29,22 +30,48 @@ class FusedLinear(nn.Module):
     matrix this rank holds) splits the outputs, and the product needs no communication;
     row-parallel (``cols_from``: the first input column) splits the inputs, and ``reduce`` sums the
     partial products across ranks. Only rank 0 keeps a row-parallel bias, so the sum adds it once.
+
+    With ``quant`` (``model/quant.py``) the weight is e4m3 with float32 ``weight_scale`` (one per row,
+    or per row and 128-column block) and optionally a static ``input_scale``; ``ops.fp8_linear``
+    multiplies. An online format quantizes each float checkpoint slice as it loads.
     """
 
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype, *,
                  rows_from: list[int] | None = None, cols_from: int | None = None,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None, ops: Ops | None = None) -> None:
         super().__init__()
         self.shard_sizes = shard_sizes
         self.rows_from = rows_from or [0] * len(shard_sizes)
         self.cols_from = cols_from
         self.tp = tp if cols_from is not None else SINGLE  # only a row-parallel layer communicates
-        self.weight = nn.Parameter(torch.empty(sum(shard_sizes), in_features, dtype=dtype), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(sum(shard_sizes), dtype=dtype), requires_grad=False) if bias else None
+        self.quant, self.ops = quant, ops
+        n = sum(shard_sizes)
+        self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(n, in_features, dtype=dtype), requires_grad=False)
+            return
+        if quant.block and (cols_from or 0) % BLOCK:
+            raise ValueError(f"block FP8 needs each tensor-parallel rank's share of the input features ({in_features}) "
+                             f"to start on a {BLOCK}-column block: use a smaller tensor_parallel_size")
+        self.weight = nn.Parameter(torch.empty(n, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
+        scale_shape = (n, -(-in_features // BLOCK)) if quant.block else (n,)
+        self.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False)
+        self.input_scale = nn.Parameter(torch.zeros(1), requires_grad=False) if quant.static_input_scale else None
 
-    def load_shard(self, name: str, source: Any, shard: int) -> None:
+    def checkpoint_tensors(self) -> list[str]:
+        """The attributes every stacked checkpoint matrix must supply."""
+        names = ["weight"] + (["bias"] if self.bias is not None else [])
+        if self.quant is not None and not self.quant.online:
+            names.append("weight_scale")
+            if self.quant.static_input_scale:
+                names.append("input_scale")
+        return names
+
+    def load_shard(self, name: str, source: Any, shard: int) -> str | None:
         """Copy this rank's slice of checkpoint tensor ``shard`` from ``source`` (a safetensors slice,
-        read lazily, or a tensor) into its rows of the fused parameter."""
+        read lazily, or a tensor) into its rows of the fused parameter; returns the attribute filled."""
+        if self.quant is not None and name != "weight" and name != "bias":
+            return self._load_quant_tensor(name, source, shard)
         param = self.weight if name == "weight" else self.bias
         start = sum(self.shard_sizes[:shard])
         target = param.data.narrow(0, start, self.shard_sizes[shard])
@@ -53,19 +80,49 @@ class FusedLinear(nn.Module):
             tensor = source[rows, self.cols_from:self.cols_from + param.shape[1]]
         elif name == "bias" and self.cols_from is not None and self.tp.rank > 0:
             target.zero_()
-            return
+            return name
         else:
             tensor = source[rows]
         if target.shape != tensor.shape:
             raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+        if name == "weight" and self.quant is not None and self.quant.online:
+            tensor, scale = quantize_rows(tensor)
+            self.weight_scale.data.narrow(0, start, len(scale)).copy_(scale)
         target.copy_(tensor)
+        return name
+
+    def _load_quant_tensor(self, name: str, source: Any, shard: int) -> str | None:
+        """A scale of a pre-quantized checkpoint: per tensor, per row ([n] or [n, 1]) or per 128x128 block,
+        into this rank's rows (block scales repeated down the rows of their block)."""
+        if name == "weight_zero_point":  # symmetric FP8 stores none, or zeros
+            return None
+        tensor = source[:].float()
+        if name == "input_scale":  # q, k and v share their input: the largest scale covers all three
+            self.input_scale.data.copy_(torch.maximum(self.input_scale.data, tensor.reshape(-1)[:1]))
+            return name
+        if name not in ("weight_scale", "weight_scale_inv"):
+            raise ValueError(f"unexpected quantization tensor {name!r}")
+        start, size, first = sum(self.shard_sizes[:shard]), self.shard_sizes[shard], self.rows_from[shard]
+        target = self.weight_scale.data.narrow(0, start, size)
+        rows = torch.arange(first, first + size)
+        if self.quant.block:
+            col_block = (self.cols_from or 0) // BLOCK
+            target.copy_(tensor[rows // BLOCK][:, col_block:col_block + target.shape[1]])
+        elif tensor.numel() == 1:  # per tensor
+            target.fill_(float(tensor.reshape(-1)[0]))
+        else:
+            target.copy_(tensor.reshape(-1)[rows])
+        return "weight_scale"
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """The full product from this rank's partial one (row-parallel); identity otherwise."""
         return self.tp.all_reduce(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reduce(F.linear(x, self.weight, self.bias))
+        if self.quant is None:
+            return self.reduce(F.linear(x, self.weight, self.bias))
+        y = self.ops.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias, self.quant.block)
+        return self.reduce(y)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -163,12 +220,15 @@ class GatedMLP(nn.Module):
     columns), and only down's output is summed across ranks."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, ops: Ops,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None, prefix: str = "mlp") -> None:
         super().__init__()
         self.ops = ops
         start, inter = tp.split(intermediate)
-        self.gate_up_proj = FusedLinear(hidden, [inter, inter], False, dtype, rows_from=[start, start])
-        self.down_proj = FusedLinear(inter, [hidden], False, dtype, cols_from=start, tp=tp)
+        gate_up = quant if quant and quant.quantizes([f"{prefix}.gate_proj", f"{prefix}.up_proj"]) else None
+        down = quant if quant and quant.quantizes([f"{prefix}.down_proj"]) else None
+        self.gate_up_proj = FusedLinear(hidden, [inter, inter], False, dtype, rows_from=[start, start],
+                                        quant=gate_up, ops=ops)
+        self.down_proj = FusedLinear(inter, [hidden], False, dtype, cols_from=start, tp=tp, quant=down, ops=ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -17,21 +17,25 @@ from minfer.config import ModelConfig
 from minfer.model.attention import Attention
 from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from minfer.model.quant import Fp8Format
 from minfer.ops import AttentionMetadata, Ops, RopeInputs
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None, prefix: str = "self_attn") -> None:
         super().__init__()
         self.head_dim = d = cfg.head_dim
         q_head, self.num_heads = tp.split(cfg.num_attention_heads)
         kv_head, self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
+        qkv_quant = quant if quant and quant.quantizes([f"{prefix}.{p}_proj" for p in "qkv"]) else None
+        o_quant = quant if quant and quant.quantizes([f"{prefix}.o_proj"]) else None
         self.qkv_proj = FusedLinear(cfg.hidden_size, qkv_sizes, cfg.attention_bias, dtype,
-                                    rows_from=[q_head * d, kv_head * d, kv_head * d])
-        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype, cols_from=q_head * d, tp=tp)
+                                    rows_from=[q_head * d, kv_head * d, kv_head * d], quant=qkv_quant, ops=ops)
+        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype, cols_from=q_head * d, tp=tp,
+                                  quant=o_quant, ops=ops)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.rotary = rotary
@@ -55,12 +59,12 @@ class LlamaAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp)
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, quant, f"layers.{index}.mlp")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,12 +89,14 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, ops: Ops,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops, tp) for _ in range(cfg.num_hidden_layers))
+        self.quant = quant  # the linear layers' FP8 format (None: the model dtype); embeddings stay unquantized
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops, tp, quant, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from minfer.config import ModelConfig
 from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.llama import LlamaForCausalLM
+from minfer.model.quant import resolve_quantization
 from minfer.ops import Ops
 
 
@@ -74,7 +75,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                 source = f.get_slice(name)  # memory-mapped: indexing reads only the slice
                 if hasattr(module, "load_shard"):
                     try:
-                        module.load_shard(attr, source, shard)
+                        attr = module.load_shard(attr, source, shard) or attr
                     except ValueError as exc:
                         raise ValueError(f"{name}: {exc}") from None
                 else:  # replicated (norms)
@@ -87,8 +88,13 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     expected = set()
     for pname, param in params.items():
         module_name, attr = pname.rsplit(".", 1)
-        shards = getattr(model.get_submodule(module_name), "shard_sizes", None)
-        expected |= {pname} if shards is None else {f"{pname}#{i}" for i in range(len(shards))}
+        module = model.get_submodule(module_name)
+        if hasattr(module, "checkpoint_tensors"):  # fused: every stacked matrix, and its scales when FP8
+            if attr == "weight":
+                expected |= {f"{module_name}.{a}#{i}" for a in module.checkpoint_tensors()
+                             for i in range(len(module.shard_sizes))}
+        else:
+            expected.add(pname)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -114,10 +120,12 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] |
 
 @torch.no_grad()
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
-                ops: Ops, tp: TensorParallel = SINGLE) -> LlamaForCausalLM:
+                ops: Ops, tp: TensorParallel = SINGLE, quantization: str | None = None) -> LlamaForCausalLM:
     """The model on ``device``, computing with ``ops`` (``minfer.ops.select_ops``), weights loaded;
-    under tensor parallelism, rank ``tp.rank``'s shard of it."""
+    under tensor parallelism, rank ``tp.rank``'s shard of it. ``quantization``: the engine's request
+    ('fp8' quantizes a float checkpoint online); an FP8 checkpoint says so in its config."""
+    quant = resolve_quantization(config, quantization)
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype, max_position, ops, tp)
+        model = LlamaForCausalLM(config, dtype, max_position, ops, tp, quant)
     load_weights(model, model_dir)
     return model.eval()

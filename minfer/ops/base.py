@@ -61,6 +61,27 @@ class Ops(ABC):
         """One draw per row from softmax(logits / T) as ``argmax(logits / T + g)``, Gumbel noise g from
         the rows' hashes (int64 ``[rows]``, values in [0, 2^32)); ``inv_temperature`` float32 ``[rows]``."""
 
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:
+        """``x @ dequantize(weight)ᵀ (+ bias)`` for an e4m3 ``weight`` [N, K] with float32 scales per row
+        ([N]) or per row and 128-column block ([N, ceil(K/128)]); ``input_scale``: a static per-tensor
+        activation scale, where the checkpoint has one. This reference rounds the activations to e4m3 as
+        the fast path does (per token, per 128-column group for blocks, or by ``input_scale``), then
+        multiplies the dequantized operands in float32 (compressed-tensors' own forward does the same)."""
+        w = weight.float()
+        w = w * (weight_scale.repeat_interleave(128, dim=1)[:, :w.shape[1]] if block else weight_scale[:, None])
+        xs = x.float()
+        if input_scale is not None:
+            scale = input_scale.float()
+        elif block:
+            groups = xs.split(128, dim=-1)
+            scale = torch.cat([g.abs().amax(-1, keepdim=True).expand_as(g) for g in groups], -1) / 448.0
+        else:
+            scale = xs.abs().amax(-1, keepdim=True) / 448.0
+        scale = scale.clamp(min=1e-12)
+        xs = (xs / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+        return torch.nn.functional.linear(xs, w, None if bias is None else bias.float()).to(x.dtype)
+
     def model_forward(self, model: nn.Module) -> ModelForward:
         """The forward the runner runs steps through (and CUDA graphs capture): the model itself,
         unless these ops have a faster forward for some steps (the Triton ops' one-token forward)."""

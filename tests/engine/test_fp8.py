@@ -1,0 +1,134 @@
+"""FP8 weights on the CPU reference path: checkpoints in the formats people download load and give
+the tokens and logprobs of their references; online quantization; bad formats fail at load."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import assert_greedy_match, hf_greedy, make_checkpoint
+from fp8_checkpoints import (
+    fake_quant_reference, greedy, write_block_fp8, write_compressed_tensors, write_dequantized,
+)
+from minfer import LLM, SamplingParams
+
+PROMPTS = [[5], list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
+NEW = 8
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=3)
+# Both sides round each activation to e4m3. Where float32 noise (a different order of summation)
+# puts a value on the other side of a rounding boundary, that element moves by a whole e4m3 step
+# (up to 6%), and these small random models pass that on to the steps after it: most steps agree to
+# ~1e-5; measured, one sequence in ~20 differs by up to ~0.13 nats from the step of a flip on.
+TOL, MOST, WORST = 2e-3, 0.75, 0.25
+
+
+@pytest.fixture(scope="module")
+def float_ckpts(tmp_path_factory):
+    """Float checkpoints whose dimensions are multiples of 128 (FP8 blocks and activation groups)."""
+    root = tmp_path_factory.mktemp("fp8src")
+    return {arch: make_checkpoint(root / arch, arch, hidden=128, intermediate=256, scale=1.0)
+            for arch in ("llama3", "qwen2", "qwen3")}
+
+
+def _generate(model_dir, **kwargs):
+    llm = LLM(str(model_dir), num_kv_blocks=64, **kwargs)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+
+
+def _logprob_errors(out, ref_logits) -> list[float]:
+    """Per step, the largest |ours - reference| over the logprobs ours reports."""
+    errors = []
+    for step, entries in enumerate(out.logprobs):
+        ref = torch.log_softmax(ref_logits[step], -1)
+        errors.append(max(abs(v - float(ref[t])) for t, v in entries.items()))
+    return errors
+
+
+def _check_against(outs, references) -> None:
+    """Greedy tokens equal where the reference has no near-tie; logprobs within TOL at MOST of the steps
+    of the sequences whose tokens agree, and within WORST everywhere."""
+    errors = []
+    for out, (ref, ref_logits) in zip(outs, references):
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+        if out.outputs[0].token_ids == ref:
+            errors += _logprob_errors(out.outputs[0], ref_logits)
+    assert errors, "no sequence agreed token for token"
+    assert sum(e < TOL for e in errors) >= MOST * len(errors) and max(errors) < WORST, sorted(errors)[-5:]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("strategy,static", [("channel", False), ("tensor", True), ("block", False)])
+def test_compressed_tensors_checkpoint_matches_hf(float_ckpts, tmp_path, arch, strategy, static):
+    """Written by compressed-tensors itself; HF's forward of it rounds the activations to e4m3 as we do,
+    so the logprobs agree to float32 rounding."""
+    ckpt = write_compressed_tensors(float_ckpts[arch], tmp_path / "ct", strategy, static)
+    llm, outs = _generate(ckpt)
+    quant = llm.llm_engine.runner.model.quant
+    assert quant.block == (strategy == "block") and quant.static_input_scale == static
+    _check_against(outs, [hf_greedy(ckpt, prompt, NEW) for prompt in PROMPTS])
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_block_fp8_checkpoint_matches_its_dequantized_reference(float_ckpts, tmp_path, arch):
+    """The Qwen3-FP8 layout (weight_scale_inv per 128x128 block): HF's float model on the exactly
+    dequantized weights, with its linear inputs rounded per 128-column group as the FP8 kernels do."""
+    ckpt = write_block_fp8(float_ckpts[arch], tmp_path / "fp8")
+    reference = fake_quant_reference(write_dequantized(ckpt, tmp_path / "deq"), block=True)
+    llm, outs = _generate(ckpt)
+    assert llm.llm_engine.runner.model.quant.block
+    assert llm.get_stats()["weight_dtype"].startswith("fp8_e4m3")
+    _check_against(outs, [greedy(reference, prompt, NEW) for prompt in PROMPTS])
+
+
+def test_online_fp8_matches_its_reference_and_halves_the_weights(float_ckpts):
+    ckpt = float_ckpts["qwen3"]
+    llm, outs = _generate(ckpt, quantization="fp8")
+    reference = fake_quant_reference(ckpt, block=False, quantize_weights=True)
+    _check_against(outs, [greedy(reference, prompt, NEW) for prompt in PROMPTS])
+    fp8, plain = llm.get_stats(), LLM(str(ckpt), num_kv_blocks=64).get_stats()
+    assert fp8["weight_dtype"] == "fp8_e4m3 per channel (online)" and plain["weight_dtype"] == "float32"
+    linear = sum(p.numel() for n, p in llm.llm_engine.runner.model.named_parameters() if n.endswith("proj.weight"))
+    assert plain["weight_bytes"] - fp8["weight_bytes"] >= 3 * linear - 4 * linear // 100  # 4 -> 1 byte, + scales
+
+
+def test_fp8_under_tensor_parallelism_equals_one_process(tmp_path):
+    """Block scales shard with their rows and columns (each rank's share of o_proj's and down's inputs
+    starts on a 128-column block: 4 heads of 64, MLP 512, over 2 ranks)."""
+    src = make_checkpoint(tmp_path / "src", "qwen2", hidden=256, intermediate=512, scale=1.0)
+    ckpt = write_block_fp8(src, tmp_path / "fp8")
+    _, one = _generate(ckpt)
+    llm = LLM(str(ckpt), num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        two = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert max(abs(x[t] - y[t]) for t in x) < 1e-4
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "awq", "bits": 4}, "awq"),
+    ({"quant_method": "gptq", "bits": 4}, "gptq"),
+    ({"quant_method": "bitsandbytes"}, "bitsandbytes"),
+    ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "weight_block_size"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}, "pack-quantized"),
+])
+def test_unsupported_quantization_fails_at_load_naming_it(float_ckpts, tmp_path, qc, match):
+    ckpt = tmp_path / "q"
+    shutil.copytree(float_ckpts["llama3"], ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = qc
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match) as info:
+        LLM(str(ckpt))
+    assert "minfer loads" in str(info.value) or "not supported" in str(info.value)
+
+
+def test_bad_quantization_argument_names_the_field(float_ckpts):
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(str(float_ckpts["llama3"]), quantization="int4")
