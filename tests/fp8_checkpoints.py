@@ -63,6 +63,27 @@ def write_compressed_tensors(src: Path, out: Path, strategy: str = "channel", st
     return out
 
 
+def write_tensor_fp8(src: Path, out: Path) -> Path:
+    """vLLM's plain ``quant_method: fp8`` layout: e4m3 ``weight`` with one float32 ``weight_scale`` per
+    tensor, activations dynamic."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    written = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not name.endswith("_proj.weight"):
+            written[name] = w
+            continue
+        scale = (w.float().abs().amax() / E4M3_MAX).clamp(min=1e-8)
+        written[name] = (w.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        written[name.replace(".weight", ".weight_scale")] = scale.reshape(1)
+    save_file(written, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def write_block_fp8(src: Path, out: Path) -> Path:
     """The Qwen3-*-FP8 / DeepSeek layout: e4m3 ``weight`` and float32 ``weight_scale_inv`` per 128×128
     block (the dequantization factor), ``quant_method: fp8``, ``weight_block_size: [128, 128]``."""
@@ -108,20 +129,24 @@ def _calibrate(model: torch.nn.Module) -> dict[torch.nn.Module, float]:
 
 
 def write_dequantized(src: Path, out: Path) -> Path:
-    """A float32 copy of a block-FP8 checkpoint with every weight dequantized (w = q * scale, exactly):
-    HF transformers' float model on it is the reference an FP8 engine is measured against."""
+    """A float32 copy of a block-FP8 or per-tensor FP8 checkpoint with every weight dequantized
+    (w = q * scale, exactly): HF transformers' float model on it is the reference an FP8 engine is
+    measured against."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, out)
     state = load_file(str(src / "model.safetensors"))
     plain = {}
     for name, t in state.items():
-        if name.endswith("weight_scale_inv"):
+        if name.endswith(("weight_scale_inv", "weight_scale")):
             continue
-        scale = state.get(name[:-len(".weight")] + ".weight_scale_inv") if name.endswith(".weight") else None
-        if scale is not None:
+        stem = name[:-len(".weight")] if name.endswith(".weight") else None
+        block, per_tensor = state.get(f"{stem}.weight_scale_inv"), state.get(f"{stem}.weight_scale")
+        if block is not None:
             n, k = t.shape
-            t = t.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+            t = t.float() * block.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+        elif per_tensor is not None:
+            t = t.float() * per_tensor.float()
         plain[name] = t.float()
     save_file(plain, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())

@@ -23,6 +23,7 @@ from minfer.sampling_params import SamplingParams
 
 HBM_BYTES_PER_S = 4.22e12  # measured H200 copy bandwidth, per GPU (BENCHMARKS.md)
 BF16_FLOP_S = 793e12  # measured H200 dense bf16 matmul rate, per GPU (BENCHMARKS.md)
+FP8_FLOP_S = 1.2e15  # measured H200 FP8 matmul rate (torch._scaled_mm, M >= 1024), per GPU
 
 
 def _sync() -> None:
@@ -46,6 +47,7 @@ class DecodeCost:
     per token in the decoder layers / per sampled token in the LM head. ``kv_bytes_per_token``: its KV
     heads' K and V over all layers (a KV head is replicated when N exceeds their number).
     ``attn_flops_per_pair``: one query token against one context token (QK and PV) over its query heads.
+    ``matmul_flop_s``: the decoder layers' products' rate; the LM head and attention stay at bf16's.
     """
 
     tp: int
@@ -54,6 +56,7 @@ class DecodeCost:
     head_params: float
     kv_bytes_per_token: float
     attn_flops_per_pair: float
+    matmul_flop_s: float = BF16_FLOP_S  # one GPU's rate for the weight products (FP8 tensor cores for FP8 weights)
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, tp: int = 1, weight_element_bytes: float = 2.0,
@@ -82,7 +85,8 @@ class DecodeCost:
         if not cfg.tie_word_embeddings:
             held -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
         cost = cls.for_model(cfg, tp, runner.dtype.itemsize)
-        return replace(cost, weight_bytes=float(held), kv_bytes_per_token=runner.block_bytes / runner.block_size)
+        return replace(cost, weight_bytes=float(held), kv_bytes_per_token=runner.block_bytes / runner.block_size,
+                       matmul_flop_s=FP8_FLOP_S if model.quant is not None else BF16_FLOP_S)
 
 
 def batch1_bound(cost: DecodeCost, bandwidth: float = HBM_BYTES_PER_S) -> float:
@@ -103,9 +107,9 @@ def throughput_bounds(cost: DecodeCost, prompt_lens: list[int], output_lens: lis
     prefill_ctx = sum(p * (p + 1) / 2 for p in prompt_lens)
     kv = decode_ctx * cost.kv_bytes_per_token
     byte_s = (max(output_lens) * cost.weight_bytes + kv) / bandwidth
-    flops = (2 * cost.layer_params * (n_in + n_out) + 2 * cost.head_params * n_out
-             + cost.attn_flops_per_pair * (decode_ctx + prefill_ctx))
-    compute_s = flops / flop_s
+    layer_flops = 2 * cost.layer_params * (n_in + n_out)  # at the layers' rate (FP8 tensor cores for FP8)
+    other_flops = 2 * cost.head_params * n_out + cost.attn_flops_per_pair * (decode_ctx + prefill_ctx)
+    compute_s = layer_flops / (cost.matmul_flop_s * flop_s / BF16_FLOP_S) + other_flops / flop_s
     kv_share = kv / (kv + max(output_lens) * cost.weight_bytes)
     return {"gpus": cost.tp, "byte_s": _sig(byte_s), "kv_share_of_bytes": round(kv_share, 3),
             "flop_s": _sig(compute_s), "bound_tok_s": round(n_out / max(byte_s, compute_s), 1),

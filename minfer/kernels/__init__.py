@@ -27,6 +27,11 @@ _EXPORTS = {
     "paged_prefill_attention": "prefill_attention", "paged_prefill_attention_ref": "prefill_attention",
     "fused_add_rms_norm": "rmsnorm", "fused_add_rms_norm_ref": "rmsnorm", "rms_norm": "rmsnorm",
     "rms_norm_ref": "rmsnorm",
+    "quantize_fp8": "fp8_quant", "quantize_fp8_ref": "fp8_quant", "dequantize_fp8": "fp8_quant",
+    "add_rms_norm_fp8": "fp8_quant", "add_rms_norm_fp8_ref": "fp8_quant", "rms_norm_fp8": "fp8_quant",
+    "rms_norm_fp8_ref": "fp8_quant", "silu_and_mul_fp8": "fp8_quant", "silu_and_mul_fp8_ref": "fp8_quant",
+    "fp8_gemm_block": "fp8_gemm", "fp8_gemm_block_ref": "fp8_gemm", "fp8_gemm_channel": "fp8_gemm",
+    "fp8_gemm_channel_ref": "fp8_gemm",
 }
 __all__ = sorted(_EXPORTS)
 

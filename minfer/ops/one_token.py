@@ -35,12 +35,21 @@ class OneTokenForward:
         x = self.embed_tokens(input_ids)
         residual = None
         for ln, attn, ln2, mlp in self.layers:
-            qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias)
-            x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias)
+            qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                          weight_scale=_scale(attn.qkv_proj))
+            x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
+                     weight_scale=_scale(attn.o_proj))
             x = attn.o_proj.reduce(x)  # the sum over tensor-parallel ranks (identity on one GPU)
-            gate_up, residual = gemv_rms_norm(x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight)
-            x = mlp.down_proj.reduce(gemv_silu_mul(gate_up, mlp.down_proj.weight))
+            gate_up, residual = gemv_rms_norm(x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight,
+                                              weight_scale=_scale(mlp.gate_up_proj))
+            x = mlp.down_proj.reduce(gemv_silu_mul(gate_up, mlp.down_proj.weight, weight_scale=_scale(mlp.down_proj)))
         return x + residual  # the final norm runs in compute_logits, as in the model's forward
+
+
+def _scale(linear: nn.Module) -> torch.Tensor | None:
+    """An FP8 layer's weight scales (the matrix-vector kernels dequantize its e4m3 weights in registers;
+    activations stay in the model dtype at one token)."""
+    return getattr(linear, "weight_scale", None) if linear.quant is not None else None
 
 
 class OneTokenFusedForward:

@@ -9,6 +9,8 @@ from torch import nn
 
 from minfer.kernels.activation import silu_and_mul
 from minfer.kernels.decode_attention import paged_decode_attention
+from minfer.kernels.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
+from minfer.kernels.fp8_quant import quantize_fp8
 from minfer.kernels.prefill_attention import paged_prefill_attention
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
@@ -59,6 +61,26 @@ class TritonOps(Ops):
     def gumbel_argmax(self, logits: torch.Tensor, row_hash: torch.Tensor,
                       inv_temperature: torch.Tensor) -> torch.Tensor:
         return gumbel_argmax(logits.contiguous(), row_hash, inv_temperature)
+
+    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:
+        """Activations quantized per token (per 128-column group for blocks; by the static scale where the
+        checkpoint has one), then the product on FP8 tensor cores: cuBLASLt's row-wise scaled GEMM for the
+        channel format, the Triton block-scaled GEMM for blocks. On the CPU (the interpreter), the reference."""
+        if x.device.type != "cuda":
+            return super().fp8_linear(x, weight, weight_scale, input_scale, bias, block)
+        x2 = x.reshape(-1, x.shape[-1])
+        if block:
+            xq, xs = quantize_fp8(x2, 128)
+            y = fp8_gemm_block(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
+        else:
+            if input_scale is None:
+                xq, xs = quantize_fp8(x2)
+            else:
+                xq = (x2.float() / input_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+                xs = input_scale.expand(x2.shape[0]).contiguous()
+            y = fp8_gemm_channel(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model."""

@@ -10,7 +10,7 @@ import torch
 
 from conftest import assert_greedy_match, hf_greedy, make_checkpoint
 from fp8_checkpoints import (
-    fake_quant_reference, greedy, write_block_fp8, write_compressed_tensors, write_dequantized,
+    fake_quant_reference, greedy, write_block_fp8, write_compressed_tensors, write_dequantized, write_tensor_fp8,
 )
 from minfer import LLM, SamplingParams
 
@@ -79,6 +79,15 @@ def test_block_fp8_checkpoint_matches_its_dequantized_reference(float_ckpts, tmp
     llm, outs = _generate(ckpt)
     assert llm.llm_engine.runner.model.quant.block
     assert llm.get_stats()["weight_dtype"].startswith("fp8_e4m3")
+    _check_against(outs, [greedy(reference, prompt, NEW) for prompt in PROMPTS])
+
+
+def test_per_tensor_fp8_checkpoint_matches_its_dequantized_reference(float_ckpts, tmp_path):
+    """``quant_method: fp8`` without blocks: one weight scale per tensor (q, k and v each their own)."""
+    ckpt = write_tensor_fp8(float_ckpts["qwen2"], tmp_path / "fp8")
+    reference = fake_quant_reference(write_dequantized(ckpt, tmp_path / "deq"), block=False)
+    llm, outs = _generate(ckpt)
+    assert not llm.llm_engine.runner.model.quant.block
     _check_against(outs, [greedy(reference, prompt, NEW) for prompt in PROMPTS])
 
 
