@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Callable
 
 import torch
@@ -31,10 +30,9 @@ import torch
 if not torch.cuda.is_available():  # --smoke on a CPU machine: the interpreter, set before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from triton.testing import do_bench  # noqa: E402
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench_kernels import bench_graph  # noqa: E402
 from minfer.kernels import fp8_gemm as fg  # noqa: E402
 from minfer.kernels import fp8_quant as fq  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
@@ -51,29 +49,9 @@ HIDDEN, INTER = 4096, 14336
 
 
 def bench(fn: Callable[[], object], rep: int = 100) -> float:
-    """Median µs of a CUDA-graph replay of ``fn`` (a graph: a short kernel is not timed as Python launch overhead);
-    on a CPU (``--smoke``) one host-timed call, only to exercise the script."""
-    if DEV == "cpu":
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as e:
-        print(f"  graph capture failed ({str(e)[:80]}); timing eagerly", flush=True)
-        torch.cuda.synchronize()
-        return do_bench(fn, warmup=10, rep=rep, return_mode="median") * 1e3
-    us = do_bench(graph.replay, warmup=10, rep=rep, return_mode="median") * 1e3
-    del graph
-    return us
+    """Median µs of a CUDA-graph replay of ``fn`` (``bench_kernels.bench_graph``: a short kernel is not timed
+    as Python launch overhead); on a CPU (``--smoke``) a host-timed call, only to exercise the script."""
+    return bench_graph(fn, rep) * 1e3
 
 
 def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
