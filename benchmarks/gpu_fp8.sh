@@ -31,7 +31,7 @@ PY
 }
 case " ${PARTS:-kernels} " in *" kernels "*)
   timeout 240 python3 benchmarks/bench_fp8.py | tee "$OUT/bench_fp8.md"
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_fp8_gpu.py tests/kernels/test_fp8.py -rs \
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_fp8_gpu.py tests/kernels/test_kernel_fp8.py -rs \
     > "$OUT/fp8_gpu_tests.log" 2>&1; echo "fp8 gpu tests: exit $?; $(tail -1 "$OUT/fp8_gpu_tests.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/fp8_gpu_tests.log" | head -20 ;;
 esac

@@ -14,7 +14,7 @@ from torch import nn
 
 from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.quant import BLOCK, Fp8Format, quantize_rows
-from minfer.ops import Ops
+from minfer.ops import Fp8Activation, Ops
 
 
 class FusedLinear(nn.Module):
@@ -118,7 +118,16 @@ class FusedLinear(nn.Module):
         """The full product from this rank's partial one (row-parallel); identity otherwise."""
         return self.tp.all_reduce(y)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def fp8_input(self) -> str | None:
+        """How the layer before should hand its output over: 'token' / 'block' when this layer takes
+        activations the producing kernel already rounded to e4m3 (per token / per 128-column group),
+        None for the model dtype (float weights, or a static input scale to apply here)."""
+        if self.quant is None or self.quant.static_input_scale:
+            return None
+        return "block" if self.quant.block else "token"
+
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if self.quant is None:
             return self.reduce(F.linear(x, self.weight, self.bias))
         y = self.ops.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias, self.quant.block)
@@ -171,7 +180,14 @@ class RMSNorm(nn.Module):
         self.ops = ops
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: str | None = None) -> Any:
+        """``fp8`` ('token' / 'block', from the next layer's ``FusedLinear.fp8_input``): emit the normed
+        output already rounded to e4m3 (an ``Fp8Activation``)."""
+        if fp8 is not None:
+            block = fp8 == "block"
+            if residual is None:
+                return self.ops.rms_norm_fp8(x, self.weight, self.eps, block)
+            return self.ops.add_rms_norm_fp8(x, residual, self.weight, self.eps, block)
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
@@ -230,5 +246,8 @@ class GatedMLP(nn.Module):
                                         quant=gate_up, ops=ops)
         self.down_proj = FusedLinear(inter, [hidden], False, dtype, cols_from=start, tp=tp, quant=down, ops=ops)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        fp8 = self.down_proj.fp8_input
+        act = self.ops.silu_and_mul(gate_up) if fp8 is None else self.ops.silu_and_mul_fp8(gate_up, fp8 == "block")
+        return self.down_proj(act)

@@ -68,12 +68,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        fp8 = self.self_attn.qkv_proj.fp8_input  # FP8 layers take their input rounded by the norm's kernel
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, fp8=fp8)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, fp8=fp8)
         x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, fp8=self.mlp.gate_up_proj.fp8_input)
         return self.mlp(x), residual
 
 

@@ -11,7 +11,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minfer.ops.metadata import AttentionMetadata, PagedKVCache, RopeInputs
+from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
+
+E4M3_MAX = 448.0
+FP8_GROUP = 128
 
 # (input_ids [T], positions [T], metadata) -> final hidden states [T, hidden] (before the final norm)
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -61,28 +64,59 @@ class Ops(ABC):
         """One draw per row from softmax(logits / T) as ``argmax(logits / T + g)``, Gumbel noise g from
         the rows' hashes (int64 ``[rows]``, values in [0, 2^32)); ``inv_temperature`` float32 ``[rows]``."""
 
-    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:
-        """``x @ dequantize(weight)ᵀ (+ bias)`` for an e4m3 ``weight`` [N, K] with float32 scales per row
-        ([N]) or per row and 128-column block ([N, ceil(K/128)]); ``input_scale``: a static per-tensor
-        activation scale, where the checkpoint has one. This reference rounds the activations to e4m3 as
-        the fast path does (per token, per 128-column group for blocks, or by ``input_scale``), then
-        multiplies the dequantized operands in float32 (compressed-tensors' own forward does the same)."""
-        w = weight.float()
-        w = w * (weight_scale.repeat_interleave(128, dim=1)[:, :w.shape[1]] if block else weight_scale[:, None])
+    # ---- FP8 weights: the reference below rounds exactly as the kernels do (per token, or per token and
+    # 128-column group for block weights; by a static per-tensor scale where the checkpoint has one),
+    # and multiplies the dequantized operands in float32, as compressed-tensors' own forward does.
+    def quantize_activation(self, x: torch.Tensor, input_scale: torch.Tensor | None, block: bool) -> Fp8Activation:
+        """``x`` [T, K] → e4m3 codes and float32 scales."""
         xs = x.float()
         if input_scale is not None:
-            scale = input_scale.float()
-        elif block:
-            groups = xs.split(128, dim=-1)
-            scale = torch.cat([g.abs().amax(-1, keepdim=True).expand_as(g) for g in groups], -1) / 448.0
-        else:
-            scale = xs.abs().amax(-1, keepdim=True) / 448.0
-        scale = scale.clamp(min=1e-12)
-        xs = (xs / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
-        return torch.nn.functional.linear(xs, w, None if bias is None else bias.float()).to(x.dtype)
+            scale = input_scale.float().expand(xs.shape[0]).contiguous()
+            return Fp8Activation(_to_e4m3(xs / scale[:, None]), scale, x.dtype)
+        if block:
+            groups = [g.abs().amax(-1) for g in xs.split(FP8_GROUP, dim=-1)]
+            scale = (torch.stack(groups, -1) / E4M3_MAX).clamp(min=1e-12)
+            expanded = scale.repeat_interleave(FP8_GROUP, dim=-1)[:, :xs.shape[1]]
+            return Fp8Activation(_to_e4m3(xs / expanded), scale, x.dtype)
+        scale = (xs.abs().amax(-1) / E4M3_MAX).clamp(min=1e-12)
+        return Fp8Activation(_to_e4m3(xs / scale[:, None]), scale, x.dtype)
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float, block: bool) -> Fp8Activation:
+        """``rms_norm`` emitting the next FP8 layer's input (the Triton ops fuse the two)."""
+        return self.quantize_activation(self.rms_norm(x, weight, eps), None, block)
+
+    def add_rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         block: bool) -> tuple[Fp8Activation, torch.Tensor]:
+        """``add_rms_norm`` emitting the next FP8 layer's input, and the new residual."""
+        normed, residual = self.add_rms_norm(x, residual, weight, eps)
+        return self.quantize_activation(normed, None, block), residual
+
+    def silu_and_mul_fp8(self, x: torch.Tensor, block: bool) -> Fp8Activation:
+        """``silu_and_mul`` emitting the down projection's FP8 input."""
+        return self.quantize_activation(self.silu_and_mul(x), None, block)
+
+    def fp8_linear(self, x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:
+        """``x @ dequantize(weight)ᵀ (+ bias)`` for an e4m3 ``weight`` [N, K] with float32 scales per row
+        ([N]) or per row and 128-column block ([N, ceil(K/128)]); ``x`` in the model dtype (quantized
+        here) or already an ``Fp8Activation``."""
+        a = x if isinstance(x, Fp8Activation) else self.quantize_activation(x, input_scale, block)
+        xs = _dequantize(a.q, a.scale)
+        w = _dequantize(weight, weight_scale)
+        return torch.nn.functional.linear(xs, w, None if bias is None else bias.float()).to(a.dtype)
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """The forward the runner runs steps through (and CUDA graphs capture): the model itself,
         unless these ops have a faster forward for some steps (the Triton ops' one-token forward)."""
         return model
+
+
+def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 values of e4m3 rows with a scale per row ([R]) or per row and 128-column group ([R, G])."""
+    if scale.dim() == 1:
+        return q.float() * scale[:, None]
+    return q.float() * scale.repeat_interleave(FP8_GROUP, dim=1)[:, :q.shape[1]]

@@ -57,3 +57,14 @@ class PagedKVCache(Protocol):
     v_cache: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class Fp8Activation:
+    """An activation already rounded to e4m3 by the kernel that produced it (add+RMSNorm, SwiGLU), on its
+    way to an FP8 linear layer: ``q`` [T, K] e4m3 and float32 ``scale`` [T] (per token) or [T, ceil(K/128)]
+    (per token and 128-column group, for block weights); ``dtype`` is the model dtype of the product."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype

@@ -10,13 +10,13 @@ from torch import nn
 from minfer.kernels.activation import silu_and_mul
 from minfer.kernels.decode_attention import paged_decode_attention
 from minfer.kernels.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.fp8_quant import quantize_fp8
+from minfer.kernels.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
 from minfer.kernels.prefill_attention import paged_prefill_attention
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
 from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
-from minfer.ops.base import ModelForward, Ops
-from minfer.ops.metadata import AttentionMetadata, PagedKVCache, RopeInputs
+from minfer.ops.base import FP8_GROUP, ModelForward, Ops
+from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
 from minfer.ops.one_token import OneTokenFusedForward
 
 
@@ -62,25 +62,30 @@ class TritonOps(Ops):
                       inv_temperature: torch.Tensor) -> torch.Tensor:
         return gumbel_argmax(logits.contiguous(), row_hash, inv_temperature)
 
-    def fp8_linear(self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    # ---- FP8: the norms and SwiGLU emit e4m3 for the next layer themselves (an extra quantization launch
+    # per product is as long as the product at small M); the products run on FP8 tensor cores:
+    # cuBLASLt's row-wise scaled GEMM for per-channel scales, the Triton block-scaled GEMM for blocks.
+    def quantize_activation(self, x: torch.Tensor, input_scale: torch.Tensor | None, block: bool) -> Fp8Activation:
+        if input_scale is not None:  # static per-tensor scale: no reduction to fuse
+            return super().quantize_activation(x, input_scale, block)
+        return Fp8Activation(*quantize_fp8(x, FP8_GROUP if block else None), x.dtype)
+
+    def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float, block: bool) -> Fp8Activation:
+        return Fp8Activation(*rms_norm_fp8(x, weight, eps, FP8_GROUP if block else None), x.dtype)
+
+    def add_rms_norm_fp8(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         block: bool) -> tuple[Fp8Activation, torch.Tensor]:
+        q, scale, residual = add_rms_norm_fp8(x, residual, weight, eps, FP8_GROUP if block else None)
+        return Fp8Activation(q, scale, x.dtype), residual
+
+    def silu_and_mul_fp8(self, x: torch.Tensor, block: bool) -> Fp8Activation:
+        return Fp8Activation(*silu_and_mul_fp8(x, FP8_GROUP if block else None), x.dtype)
+
+    def fp8_linear(self, x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:
-        """Activations quantized per token (per 128-column group for blocks; by the static scale where the
-        checkpoint has one), then the product on FP8 tensor cores: cuBLASLt's row-wise scaled GEMM for the
-        channel format, the Triton block-scaled GEMM for blocks. On the CPU (the interpreter), the reference."""
-        if x.device.type != "cuda":
-            return super().fp8_linear(x, weight, weight_scale, input_scale, bias, block)
-        x2 = x.reshape(-1, x.shape[-1])
-        if block:
-            xq, xs = quantize_fp8(x2, 128)
-            y = fp8_gemm_block(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
-        else:
-            if input_scale is None:
-                xq, xs = quantize_fp8(x2)
-            else:
-                xq = (x2.float() / input_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-                xs = input_scale.expand(x2.shape[0]).contiguous()
-            y = fp8_gemm_channel(xq, xs, weight, weight_scale, bias, out_dtype=x.dtype)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        a = x if isinstance(x, Fp8Activation) else self.quantize_activation(x, input_scale, block)
+        gemm = fp8_gemm_block if block else fp8_gemm_channel
+        return gemm(a.q, a.scale, weight, weight_scale, bias, out_dtype=a.dtype)
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model."""

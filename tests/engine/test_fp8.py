@@ -10,7 +10,8 @@ import torch
 
 from conftest import assert_greedy_match, hf_greedy, make_checkpoint
 from fp8_checkpoints import (
-    fake_quant_reference, greedy, write_block_fp8, write_compressed_tensors, write_dequantized, write_tensor_fp8,
+    assert_same_distributions, fake_quant_reference, greedy, write_block_fp8, write_compressed_tensors,
+    write_dequantized, write_tensor_fp8,
 )
 from minfer import LLM, SamplingParams
 
@@ -141,3 +142,22 @@ def test_unsupported_quantization_fails_at_load_naming_it(float_ckpts, tmp_path,
 def test_bad_quantization_argument_names_the_field(float_ckpts):
     with pytest.raises(ValueError, match="quantization"):
         LLM(str(float_ckpts["llama3"]), quantization="int4")
+
+
+@pytest.mark.parametrize("fmt", ["online", "block", "static"])
+def test_triton_fp8_path_matches_the_reference(float_ckpts, tmp_path, fmt):
+    """The Triton ops in the interpreter: the norms and SwiGLU emit e4m3 themselves, the products run
+    through ``_scaled_mm`` / the block-scaled GEMM, batch 1 through the e4m3 matrix-vector kernels; the
+    same distributions as the reference ops (``assert_same_distributions``: e4m3 rounding aside)."""
+    kwargs = {"quantization": "fp8"} if fmt == "online" else {}
+    ckpt = float_ckpts["qwen3"] if fmt == "online" else (
+        write_block_fp8(float_ckpts["qwen3"], tmp_path / "fp8") if fmt == "block" else
+        write_compressed_tensors(float_ckpts["qwen3"], tmp_path / "ct", "tensor", static_acts=True))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[1:]]
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(ckpt), num_kv_blocks=16, attention_backend=backend, **kwargs)
+        outs[backend] = llm.generate(prompts, params, use_tqdm=False)
+        outs[backend] += llm.generate(prompts[:1], params, use_tqdm=False)  # alone: the one-token path
+    assert_same_distributions(outs["triton"], outs["torch"])
