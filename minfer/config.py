@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
@@ -69,6 +71,13 @@ class ModelConfig:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     # config.json's quantization_config as written (FP8 checkpoints; minfer.model.quant reads it)
     quantization_config: dict[str, Any] | None = None
+    # Mixture of experts (Qwen3-MoE, Mixtral): experts per MoE layer, experts per token, each expert's
+    # MLP width, whether the top-k weights are renormalised to sum to one, and which layers are MoE.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -113,12 +122,13 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=int(window) if window else None,
             torch_dtype=torch_dtype(dtype_name if dtype_name in DTYPE_NAMES else "float32"),
             eos_token_ids=_as_ids(eos),
             bos_token_id=cfg.get("bos_token_id"),
             quantization_config=cfg.get("quantization_config"),
+            **_moe_fields(arch, cfg),
         )
 
     @classmethod
@@ -163,6 +173,25 @@ _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
 
 
 QUANTIZATION_METHODS = ("fp8",)
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE or Mixtral config (HF's rules for which layers are sparse)."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        experts = int(cfg.get("num_local_experts", 8))
+        return dict(num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                    moe_layers=tuple(range(layers)))
+    if arch == "Qwen3MoeForCausalLM":
+        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))  # transformers 5 writes the latter
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
+        return dict(num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
+                    moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)
+    return {}
 
 
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:

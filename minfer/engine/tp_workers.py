@@ -47,7 +47,9 @@ class TensorParallelError(RuntimeError):
 
 def shardable(config: ModelConfig, size: int) -> bool:
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    return heads % size == 0 and (kv % size == 0 or size % kv == 0) and config.intermediate_size % size == 0
+    mlps = [config.intermediate_size] if len(config.moe_layers) < config.num_hidden_layers else []
+    mlps += [config.moe_intermediate_size] if config.moe_layers else []
+    return heads % size == 0 and (kv % size == 0 or size % kv == 0) and all(i % size == 0 for i in mlps)
 
 
 def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) -> None:
@@ -56,7 +58,8 @@ def check_tensor_parallel(config: ModelConfig, size: int, device: torch.device) 
         allowed = [n for n in range(1, 65) if shardable(config, n)]
         raise ValueError(
             f"tensor_parallel_size={size} does not shard this model ({config.num_attention_heads} attention heads, "
-            f"{config.num_key_value_heads} KV heads, MLP {config.intermediate_size}): it must divide the attention "
+            f"{config.num_key_value_heads} KV heads, MLP {config.intermediate_size}, expert MLP "
+            f"{config.moe_intermediate_size}): it must divide the attention "
             f"heads and the MLP width, and divide or be a multiple of the KV heads; allowed: {allowed}")
     if device.type == "cuda" and "WORLD_SIZE" not in os.environ and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs; {torch.cuda.device_count()} are visible "

@@ -58,14 +58,14 @@ class FusedLinear(nn.Module):
         self.weight_scale = nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False)
         self.input_scale = nn.Parameter(torch.zeros(1), requires_grad=False) if quant.static_input_scale else None
 
-    def checkpoint_tensors(self) -> list[str]:
-        """The attributes every stacked checkpoint matrix must supply."""
+    def checkpoint_keys(self) -> list[tuple[str, int]]:
+        """(attribute, stacked matrix) for every tensor the checkpoint must supply."""
         names = ["weight"] + (["bias"] if self.bias is not None else [])
         if self.quant is not None and not self.quant.online:
             names.append("weight_scale")
             if self.quant.static_input_scale:
                 names.append("input_scale")
-        return names
+        return [(name, i) for name in names for i in range(len(self.shard_sizes))]
 
     def load_shard(self, name: str, source: Any, shard: int) -> str | None:
         """Copy this rank's slice of checkpoint tensor ``shard`` from ``source`` (a safetensors slice,

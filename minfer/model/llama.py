@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with a sparse MoE
+block, ``model/moe.py``, in place of the MLP) over a flat batch of tokens.
 
 Every layer but attention sees a ``[num_tokens, hidden]`` matrix; the model differs between
 families only by q/k/v bias (Qwen2) and per-head q/k RMSNorm before rotary (Qwen3).
@@ -17,6 +18,7 @@ from minfer.config import ModelConfig
 from minfer.model.attention import Attention
 from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
+from minfer.model.moe import SparseMoeBlock
 from minfer.model.quant import Fp8Format
 from minfer.ops import AttentionMetadata, Ops, RopeInputs
 
@@ -64,7 +66,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, quant, f"layers.{index}.mlp")
+        if index in cfg.moe_layers:
+            if quant is not None:
+                raise ValueError("FP8 mixture-of-experts checkpoints are not supported yet (the expert weights "
+                                 "load in bf16/fp16/fp32 only)")
+            self.mlp: nn.Module = SparseMoeBlock(cfg, dtype, ops, tp)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, quant, f"layers.{index}.mlp")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,7 +82,8 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual, fp8=fp8)
         x = self.self_attn(x, positions, meta)
-        x, residual = self.post_attention_layernorm(x, residual, fp8=self.mlp.gate_up_proj.fp8_input)
+        mlp_in = self.mlp.gate_up_proj.fp8_input if isinstance(self.mlp, GatedMLP) else None
+        x, residual = self.post_attention_layernorm(x, residual, fp8=mlp_in)
         return self.mlp(x), residual
 
 

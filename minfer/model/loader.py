@@ -17,6 +17,7 @@ from safetensors import safe_open
 from minfer.config import ModelConfig
 from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.llama import LlamaForCausalLM
+from minfer.model.moe import EXPERT_MATRICES
 from minfer.model.quant import resolve_quantization
 from minfer.ops import Ops
 
@@ -89,10 +90,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     for pname, param in params.items():
         module_name, attr = pname.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        if hasattr(module, "checkpoint_tensors"):  # fused: every stacked matrix, and its scales when FP8
-            if attr == "weight":
-                expected |= {f"{module_name}.{a}#{i}" for a in module.checkpoint_tensors()
-                             for i in range(len(module.shard_sizes))}
+        if hasattr(module, "checkpoint_keys"):  # stacked: every checkpoint matrix (and its scales when FP8)
+            expected |= {f"{module_name}.{a}#{i}" for a, i in module.checkpoint_keys()}
         else:
             expected.add(pname)
     missing = sorted(expected - loaded)
@@ -107,7 +106,10 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] |
     elif name == "lm_head.weight":
         return None if model.config.tie_word_embeddings else ("lm_head", "weight", None)
     module_name, attr = name.rsplit(".", 1)
-    parts = module_name.split(".")
+    parts = module_name.replace("block_sparse_moe", "mlp").split(".")  # Mixtral's name for the MoE block
+    if len(parts) >= 3 and parts[-3] == "experts" and parts[-1] in EXPERT_MATRICES:  # an expert's matrix
+        return ".".join(parts[:-3]), EXPERT_MATRICES[parts[-1]], int(parts[-2])
+    module_name = ".".join(parts)
     if parts[-1] in LlamaForCausalLM.packed_modules:
         fused, shard = LlamaForCausalLM.packed_modules[parts[-1]]
         return ".".join(parts[:-1] + [fused]), attr, shard

@@ -40,6 +40,10 @@ class OneTokenForward:
             x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
                      weight_scale=_scale(attn.o_proj))
             x = attn.o_proj.reduce(x)  # the sum over tensor-parallel ranks (identity on one GPU)
+            if not hasattr(mlp, "gate_up_proj"):  # a sparse MoE block: its own forward reads only the chosen experts
+                x, residual = ln2(x, residual)
+                x = mlp(x)
+                continue
             gate_up, residual = gemv_rms_norm(x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight,
                                               weight_scale=_scale(mlp.gate_up_proj))
             x = mlp.down_proj.reduce(gemv_silu_mul(gate_up, mlp.down_proj.weight, weight_scale=_scale(mlp.down_proj)))
