@@ -41,7 +41,8 @@ class DecodeCost:
     shares and run at once, so a bound is one GPU's work over one GPU's bandwidth or FLOP/s (the
     same as the N GPUs' total work over N x the bandwidth or FLOP/s).
 
-    ``weight_bytes``: read once per forward step: its 1/N of every layer matrix and of the LM head's
+    ``weight_bytes``: read once per forward step (of a mixture of experts: one token's top-k experts;
+    ``step_weight_bytes`` counts what a batch touches): its 1/N of every layer matrix and of the LM head's
     vocabulary rows, the norms whole (replicated; negligible). An untied input embedding is not
     counted: a step reads one row of it per token. ``layer_params`` / ``head_params``: multiply-adds
     per token in the decoder layers / per sampled token in the LM head. ``kv_bytes_per_token``: its KV
@@ -57,6 +58,18 @@ class DecodeCost:
     kv_bytes_per_token: float
     attn_flops_per_pair: float
     matmul_flop_s: float = BF16_FLOP_S  # one GPU's rate for the weight products (FP8 tensor cores for FP8 weights)
+    # mixtures of experts: one expert's bytes over all MoE layers (its 1/N share), experts per layer, per token
+    expert_bytes: float = 0.0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def step_weight_bytes(self, batch: int) -> float:
+        """Weight bytes one decode step of ``batch`` sequences reads: ``weight_bytes`` counts a token's own
+        top-k experts; a batch touches E * (1 - (1 - k/E)^batch) of them on average (uniform routing)."""
+        if not self.num_experts:
+            return self.weight_bytes
+        touched = self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** batch)
+        return self.weight_bytes + (touched - self.top_k) * self.expert_bytes
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, tp: int = 1, weight_element_bytes: float = 2.0,
@@ -66,12 +79,18 @@ class DecodeCost:
         heads = cfg.num_attention_heads / tp
         kv_heads = cfg.num_key_value_heads / tp if cfg.num_key_value_heads >= tp else 1
         vocab = -(-cfg.vocab_size // tp)  # the last rank's rows are padded to the same count
-        layer = h * heads * d * 2 + 2 * h * kv_heads * d + 3 * h * cfg.intermediate_size / tp
+        attn = h * heads * d * 2 + 2 * h * kv_heads * d
+        moe, dense = len(cfg.moe_layers), layers - len(cfg.moe_layers)
+        expert = 3 * h * cfg.moe_intermediate_size / tp  # one expert's matrices in one layer
+        active = layers * attn + dense * 3 * h * cfg.intermediate_size / tp + moe * cfg.num_experts_per_tok * expert
+        router = moe * cfg.num_experts * h
         bias = (heads + 2 * kv_heads) * d if cfg.attention_bias else 0
         norms = 2 * h + (2 * d if cfg.qk_norm else 0)
-        weights = layers * (layer + bias + norms) + vocab * h + h
-        return cls(tp, weights * weight_element_bytes, layers * layer, vocab * h,
-                   2 * layers * kv_heads * d * kv_element_bytes, 4 * heads * d * layers)
+        weights = active + router + layers * (bias + norms) + vocab * h + h  # a token's own experts only
+        return cls(tp, weights * weight_element_bytes, active, vocab * h,
+                   2 * layers * kv_heads * d * kv_element_bytes, 4 * heads * d * layers,
+                   expert_bytes=moe * expert * weight_element_bytes, num_experts=cfg.num_experts,
+                   top_k=cfg.num_experts_per_tok)
 
     @classmethod
     def of_engine(cls, llm: LLM) -> "DecodeCost":
@@ -85,6 +104,7 @@ class DecodeCost:
         if not cfg.tie_word_embeddings:
             held -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
         cost = cls.for_model(cfg, tp, runner.dtype.itemsize)
+        held -= (cost.num_experts - cost.top_k) * cost.expert_bytes  # a token reads its top-k experts only
         return replace(cost, weight_bytes=float(held), kv_bytes_per_token=runner.block_bytes / runner.block_size,
                        matmul_flop_s=FP8_FLOP_S if model.quant is not None else BF16_FLOP_S)
 
@@ -106,11 +126,11 @@ def throughput_bounds(cost: DecodeCost, prompt_lens: list[int], output_lens: lis
     decode_ctx = sum(p * o + o * (o - 1) / 2 for p, o in zip(prompt_lens, output_lens))
     prefill_ctx = sum(p * (p + 1) / 2 for p in prompt_lens)
     kv = decode_ctx * cost.kv_bytes_per_token
-    byte_s = (max(output_lens) * cost.weight_bytes + kv) / bandwidth
+    byte_s = (max(output_lens) * cost.step_weight_bytes(len(prompt_lens)) + kv) / bandwidth
     layer_flops = 2 * cost.layer_params * (n_in + n_out)  # at the layers' rate (FP8 tensor cores for FP8)
     other_flops = 2 * cost.head_params * n_out + cost.attn_flops_per_pair * (decode_ctx + prefill_ctx)
     compute_s = layer_flops / (cost.matmul_flop_s * flop_s / BF16_FLOP_S) + other_flops / flop_s
-    kv_share = kv / (kv + max(output_lens) * cost.weight_bytes)
+    kv_share = kv / (kv + max(output_lens) * cost.step_weight_bytes(len(prompt_lens)))
     return {"gpus": cost.tp, "byte_s": _sig(byte_s), "kv_share_of_bytes": round(kv_share, 3),
             "flop_s": _sig(compute_s), "bound_tok_s": round(n_out / max(byte_s, compute_s), 1),
             "sum_bound_tok_s": round(n_out / (byte_s + compute_s), 1)}

@@ -40,6 +40,18 @@ SHAPES: dict[str, dict] = {
                           intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False,
                           max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
                           rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}, bos_token_id=128000, eos_token_id=128001),
+    # mixtures of experts: 30.5 B parameters (3.3 B active per token), and 46.7 B (12.9 B active)
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                          tie_word_embeddings=False, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                         tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-5, sliding_window=None, bos_token_id=1, eos_token_id=2),
 }
 
 
@@ -53,11 +65,28 @@ def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{n}."
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                   p + "post_attention_layernorm.weight": (h,)}
-        if cfg["model_type"] == "qwen3":
+                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        shapes |= _mlp_shapes(cfg, p)
+        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+def _mlp_shapes(cfg: dict, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A layer's MLP tensors: dense, or a MoE block's router and experts under the checkpoint's names."""
+    h = cfg["hidden_size"]
+    if cfg["model_type"] == "mixtral":
+        e, i, block, names = cfg["num_local_experts"], cfg["intermediate_size"], "block_sparse_moe", ("w1", "w3", "w2")
+    elif cfg["model_type"] == "qwen3_moe":
+        e, i, block, names = cfg["num_experts"], cfg["moe_intermediate_size"], "mlp", ("gate_proj", "up_proj", "down_proj")
+    else:
+        i = cfg["intermediate_size"]
+        return {prefix + "mlp.gate_proj.weight": (i, h), prefix + "mlp.up_proj.weight": (i, h),
+                prefix + "mlp.down_proj.weight": (h, i)}
+    shapes = {f"{prefix}{block}.gate.weight": (e, h)}
+    for x in range(e):
+        gate, up, down = (f"{prefix}{block}.experts.{x}.{n}.weight" for n in names)
+        shapes |= {gate: (i, h), up: (i, h), down: (h, i)}
     return shapes
 
 
