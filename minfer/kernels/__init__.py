@@ -32,6 +32,7 @@ _EXPORTS = {
     "rms_norm_fp8_ref": "fp8_quant", "silu_and_mul_fp8": "fp8_quant", "silu_and_mul_fp8_ref": "fp8_quant",
     "fp8_gemm_block": "fp8_gemm", "fp8_gemm_block_ref": "fp8_gemm", "fp8_gemm_channel": "fp8_gemm",
     "fp8_gemm_channel_ref": "fp8_gemm",
+    "fused_moe": "moe", "fused_moe_ref": "moe", "moe_route": "moe", "moe_route_ref": "moe",
 }
 __all__ = sorted(_EXPORTS)
 

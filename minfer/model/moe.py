@@ -30,6 +30,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.ops, self.tp = ops, tp
         self.num_experts, self.top_k, self.renormalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        # Mixtral's router keeps the top-k weights in float32, Qwen3-MoE's rounds them to the model dtype
+        self.weights_dtype = torch.float32 if cfg.architecture == "MixtralForCausalLM" else None
         self.start, self.inter = tp.split(cfg.moe_intermediate_size)
         e, h, i = cfg.num_experts, cfg.hidden_size, self.inter
         self.gate = nn.Module()  # the router: [E, H], whole on every rank
@@ -56,5 +58,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate.weight)
-        y = self.ops.fused_moe(x, router_logits, self.w_gate_up, self.w_down, self.top_k, self.renormalize)
+        y = self.ops.fused_moe(x, router_logits, self.w_gate_up, self.w_down, self.top_k, self.renormalize,
+                               self.weights_dtype)
         return self.tp.all_reduce(y)

@@ -106,16 +106,17 @@ class Ops(ABC):
         return torch.nn.functional.linear(xs, w, None if bias is None else bias.float()).to(a.dtype)
 
     def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  top_k: int, renormalize: bool) -> torch.Tensor:
+                  top_k: int, renormalize: bool, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
         """A sparse MoE block after its router: softmax over the experts (float32), each token's top-k
         (renormalised to sum to one when ``renormalize``), and the weighted sum of those experts'
-        SwiGLU MLPs (``w_gate_up`` [E, 2I, H]: gate rows then up rows; ``w_down`` [E, H, I]). This
-        reference follows HF transformers' loop over the experts that any token chose."""
+        SwiGLU MLPs (``w_gate_up`` [E, 2I, H]: gate rows then up rows; ``w_down`` [E, H, I]). The
+        weights are rounded to ``weights_dtype`` (default: the logits' dtype, as Qwen3-MoE; Mixtral keeps
+        float32). This reference follows HF transformers' loop over the experts that any token chose."""
         probs = torch.softmax(router_logits.float(), dim=-1)
         weights, experts = torch.topk(probs, top_k, dim=-1)
         if renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(router_logits.dtype)
+        weights = weights.to(weights_dtype or router_logits.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             token, k = torch.where(experts == e)

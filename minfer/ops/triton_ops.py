@@ -11,6 +11,7 @@ from minfer.kernels.activation import silu_and_mul
 from minfer.kernels.decode_attention import paged_decode_attention
 from minfer.kernels.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
 from minfer.kernels.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
+from minfer.kernels.moe import fused_moe
 from minfer.kernels.prefill_attention import paged_prefill_attention
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
@@ -86,6 +87,12 @@ class TritonOps(Ops):
         a = x if isinstance(x, Fp8Activation) else self.quantize_activation(x, input_scale, block)
         gemm = fp8_gemm_block if block else fp8_gemm_channel
         return gemm(a.q, a.scale, weight, weight_scale, bias, out_dtype=a.dtype)
+
+    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  top_k: int, renormalize: bool, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Routing, tokens grouped by expert on the device, and two grouped GEMMs (SwiGLU fused into the
+        first, the routing weights into the second) that read only the experts some token chose."""
+        return fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize, weights_dtype=weights_dtype)
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model."""

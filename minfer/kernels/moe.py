@@ -1,0 +1,391 @@
+"""Fused mixture-of-experts: route each token to its top-k experts and sum their SwiGLU MLPs, weighted.
+
+``fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize)`` is one memset and four kernels (three
+at top-k 1), with no host sync and every grid sized from shapes alone, so a CUDA graph captures it:
+
+1. ``_moe_route_kernel``, one program per token: softmax of the logits in float32, the top-k by k rounds
+   of argmax (largest first; an exact tie goes to the lower expert index), renormalisation, the weights
+   rounded to their dtype. Pick j is the token's slot j, as ``torch.topk`` orders them. Each pick takes
+   its rank within its expert from one ``atomic_add`` on that expert's counter and stores its row
+   (``token * top_k + slot``) at ``expert_rows[expert, rank]``: the grouping by expert happens here. A
+   kernel rather than torch ops because torch would need about six launches (softmax, topk, sum, div, a
+   sort and a histogram for the grouping), each a few microseconds at batch 1, against one.
+2. ``_moe_gate_up_kernel``, the grouped GEMM for gate/up: program (m-block, n-tile) finds its expert from
+   the counters (the m-blocks are each expert's ``ceil(count / BLOCK_M)`` blocks laid end to end: a
+   cumulative sum over E counters, in registers), gathers its block's x rows through ``expert_rows``,
+   multiplies them by the expert's gate and up rows (two dots sharing the A tile) and stores
+   ``silu(gate) * up`` from the epilogue, rounded as HF rounds (``activation.py``), at the rows' own
+   positions of ``inter [T*top_k, I]``.
+3. ``_moe_down_kernel``, the grouped GEMM for down, same blocks: ``inter`` rows times the expert's down
+   matrix, rounded to x's dtype, times the routing weight, stored at the row's position of ``contrib
+   [T*top_k, H]`` (in x's dtype, or float32 for float32 weights: HF's type promotion). At top-k 1 it
+   writes the output itself.
+4. ``_moe_sum_kernel``: each token's top_k rows summed in float32 in slot order and rounded once, as
+   HF's ``view(T, top_k, H).sum(1)``. No atomics in the sum: the summation order is the reference's and the
+   output deterministic (within an expert the atomic ranks order rows arbitrarily, but a row's products do
+   not depend on its place in a tile, and every row lands at its own (token, slot) position).
+
+This is vLLM's ``moe_align_block_size`` + ``fused_moe`` with the alignment folded into the routing: each
+expert's row list has capacity T (a token picks an expert at most once) and its padding to BLOCK_M is
+implicit, so no sorted, padded copy is built. The padded rows number at most ``T*top_k + min(E, T*top_k) *
+(BLOCK_M - 1)`` (only experts with rows are padded); the grids take that bound, and blocks past the real
+total exit at once. An expert no token chose has no blocks: at batch 1 only the top_k chosen experts'
+weights are read (qwen3-30b-a3b: 8 of 128), which is what bounds a decode step.
+
+Launch configs come from a small table by mean rows per expert (``MOE_CONFIGS``), not autotuning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import check_dtype, dot_mode, next_pow2
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tile of both grouped GEMMs: ``block_m`` rows of one expert (the padding unit), ``block_n`` output
+    columns (gate/up: ``block_n // 2`` gate columns and the same up columns, two dots), ``block_k`` deep;
+    ``group_m`` m-blocks swept together per n-tile (L2 reuse of a weight tile when an expert has several
+    blocks), warps, pipelining depth."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (largest mean rows per expert = T * top_k / E, config), first match wins. The key is rows per expert, not
+# tokens, because that is what sizes the m-tile: qwen3-30b-a3b (top 8 of 128) has 1 row per expert at
+# T=16, mixtral-8x7b (top 2 of 8) has 4. FIRST GUESSES, to be measured on the H200 with
+# ``benchmarks/bench_moe.py``: up to 16 rows an expert is one 16-row block (a weight stream, narrow n-tiles
+# for enough programs); past that the tiles grow toward compute-bound GEMM shapes.
+MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
+    (16, MoeConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)),
+    (64, MoeConfig(32, 64, 128, group_m=4, num_warps=4, num_stages=4)),
+    (256, MoeConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+    (float("inf"), MoeConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+)
+
+
+def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """The launch config for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts``: the first
+    ``MOE_CONFIGS`` bucket holding the mean rows per expert."""
+    rows = num_tokens * top_k / num_experts
+    return next(cfg for max_rows, cfg in MOE_CONFIGS if rows <= max_rows)
+
+
+def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the m-blocks of the grouped GEMMs: ``sum_e ceil(count_e / block_m)`` over the experts
+    with rows, at most ``(T*top_k + min(E, T*top_k) * (block_m - 1)) // block_m``."""
+    rows = num_tokens * top_k
+    return (rows + min(num_experts, rows) * (block_m - 1)) // block_m
+
+
+class MoeRouting(NamedTuple):
+    """The routing kernel's outputs. ``topk_ids``/``topk_weights`` ``[T, top_k]``: each token's experts,
+    largest probability first, with their weights (in the weights dtype); ``expert_counts [E]`` int32: rows per
+    expert; ``expert_rows [E, T]`` int32: expert e's rows (``token * top_k + slot``) in its first
+    ``expert_counts[e]`` entries, in no particular order (the rest is unwritten)."""
+
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    expert_counts: torch.Tensor
+    expert_rows: torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------ triton
+@triton.jit
+def _moe_route_kernel(L, IDS, WTS, COUNTS, ROWS, E, T, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
+                      E_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.arange(0, E_PAD)
+    logits = tl.load(L + t.to(tl.int64) * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    probs = tl.math.div_rn(p, tl.sum(p, axis=0))
+    # k rounds of argmax, largest first; a tie goes to the lower index. A taken (or padding) lane is -1.
+    left = tl.where(e < E, probs, -1.0)
+    slot = tl.full([E_PAD], -1, tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.min(tl.where(left == tl.max(left, axis=0), e, E_PAD), axis=0)
+        slot = tl.where(e == best, j, slot)
+        left = tl.where(e == best, -1.0, left)
+    sel = slot >= 0
+    w = tl.where(sel, probs, 0.0)
+    if RENORM:
+        w = tl.math.div_rn(w, tl.sum(w, axis=0))
+    row = t * TOP_K + slot
+    tl.store(IDS + row, e, mask=sel)
+    tl.store(WTS + row, w, mask=sel)  # rounded to the weights dtype here, as HF rounds them
+    rank = tl.atomic_add(COUNTS + e, 1, mask=sel)
+    tl.store(ROWS + e.to(tl.int64) * T + rank, row, mask=sel)
+
+
+@triton.jit
+def _expert_block(COUNTS, pid_m, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert, its first rank in this block, rows left from there) of m-block ``pid_m``; expert >= E past
+    the last block. Each expert owns ``ceil(count / BLOCK_M)`` consecutive blocks, in expert order."""
+    e = tl.arange(0, E_PAD)
+    count = tl.load(COUNTS + e, mask=e < E, other=0)
+    blocks = (count + BLOCK_M - 1) // BLOCK_M
+    end = tl.cumsum(blocks, axis=0)
+    expert = tl.sum((end <= pid_m).to(tl.int32), axis=0)
+    first_block = tl.sum(tl.where(e < expert, blocks, 0), axis=0)
+    rank0 = (pid_m - first_block) * BLOCK_M
+    rows_left = tl.sum(tl.where(e == expert, count, 0), axis=0) - rank0
+    return expert, rank0, rows_left
+
+
+@triton.jit
+def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(m-block, n-tile) of program ``pid``: GROUP_M m-blocks walk the n-tiles together (fp8_gemm.py's order)."""
+    width = GROUP_M * num_pid_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % group_rows, (pid % width) // group_rows
+
+
+@triton.jit
+def _moe_gate_up_kernel(X, W, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_x, stride_we, stride_wn, stride_o,
+                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr, E_PAD: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    """OUT[row, c] = silu(x[token] · W[e, c]) * (x[token] · W[e, I + c]) for the rows of each expert block."""
+    HALF: tl.constexpr = BLOCK_N // 2
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(I, HALF), GROUP_M)
+    expert, rank0, rows_left = _expert_block(COUNTS, pid_m, E, BLOCK_M, E_PAD)
+    if expert >= E:
+        return
+    rm = tl.arange(0, BLOCK_M)
+    valid = rm < rows_left
+    # Rows past the expert's count read row 0 (a valid address; their results are not stored).
+    rows = tl.load(ROWS + expert.to(tl.int64) * T + rank0 + rm, mask=valid, other=0)
+    tokens = rows // TOP_K
+    cols = pid_n * HALF + tl.arange(0, HALF)
+    wcols = (cols % I).to(tl.int64)  # columns past I wrap around (valid addresses, not stored)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = X + tokens.to(tl.int64)[:, None] * stride_x + rk[None, :]
+    w_base = W + expert.to(tl.int64) * stride_we
+    g_ptrs = w_base + wcols[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, HALF], K-major: wgmma's B
+    u_ptrs = w_base + (wcols + I)[None, :] * stride_wn + rk[:, None]
+    acc_g = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(u_ptrs)
+        else:
+            k_left = H - k0
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            bg = tl.load(g_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            bu = tl.load(u_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # HF's roundings: gate and up projections to the dtype, silu in float32 rounded, the product rounded.
+    dtype = OUT.dtype.element_ty
+    g = acc_g.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    h = (act.to(tl.float32) * acc_u.to(dtype).to(tl.float32)).to(dtype)
+    o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(o_ptrs, h, mask=valid[:, None] & (cols < I)[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(A, W, WTS, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_a, stride_we, stride_wn, stride_o,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """OUT[row, n] = weight[row] * (A[row] · W[e, n]) for the rows of each expert block."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    expert, rank0, rows_left = _expert_block(COUNTS, pid_m, E, BLOCK_M, E_PAD)
+    if expert >= E:
+        return
+    rm = tl.arange(0, BLOCK_M)
+    valid = rm < rows_left
+    rows = tl.load(ROWS + expert.to(tl.int64) * T + rank0 + rm, mask=valid, other=0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rows.to(tl.int64)[:, None] * stride_a + rk[None, :]
+    b_ptrs = W + expert.to(tl.int64) * stride_we + (cols % H).to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = I - k0
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    # HF's roundings: the projection to A's dtype, times the weight, rounded to OUT's dtype (x's, or float32
+    # for float32 weights: torch's type promotion of ``proj_out * weight``).
+    wt = tl.load(WTS + rows).to(tl.float32)
+    y = acc.to(A.dtype.element_ty).to(tl.float32) * wt[:, None]
+    o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
+    tl.store(o_ptrs, y.to(OUT.dtype.element_ty), mask=valid[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(C, OUT, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """OUT[t] = C[t, 0] + C[t, 1] + ... in slot order (largest weight first), in float32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.load(C + t * TOP_K * H + cols, mask=mask, other=0.0).to(tl.float32)
+    for k in tl.static_range(1, TOP_K):
+        acc += tl.load(C + (t * TOP_K + k) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+def _check_moe_args(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                    top_k: int) -> tuple[int, int, int, int]:
+    check_dtype("x", x)
+    if x.dim() != 2 or router_logits.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"expected x [T, H], router_logits [T, E], w_gate_up [E, 2I, H], w_down [E, H, I], got "
+                         f"{list(x.shape)}, {list(router_logits.shape)}, {list(w_gate_up.shape)}, "
+                         f"{list(w_down.shape)}")
+    t, h = x.shape
+    e, two_i, _ = w_gate_up.shape
+    i = two_i // 2
+    if (router_logits.shape != (t, e) or w_gate_up.shape != (e, 2 * i, h) or w_down.shape != (e, h, i)
+            or two_i % 2):
+        raise ValueError(f"inconsistent MoE shapes: x {list(x.shape)}, router_logits {list(router_logits.shape)}, "
+                         f"w_gate_up {list(w_gate_up.shape)}, w_down {list(w_down.shape)}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise TypeError(f"expert weights must be x's dtype {x.dtype}, got {w_gate_up.dtype} and {w_down.dtype}")
+    if not router_logits.is_floating_point():
+        raise TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
+    if not x.is_contiguous() or not w_gate_up.is_contiguous() or not w_down.is_contiguous():
+        raise ValueError("x, w_gate_up and w_down must be contiguous")
+    if router_logits.stride(1) != 1:
+        raise ValueError(f"router_logits must have a contiguous last dimension, got strides {router_logits.stride()}")
+    return t, h, e, i
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+              weights_dtype: torch.dtype | None = None) -> MoeRouting:
+    """Route ``router_logits [T, E]``: each token's top_k experts (float32 softmax; ties to the lower index),
+    their weights (renormalised to sum to one when ``renormalize``, then rounded to ``weights_dtype``,
+    default ``router_logits.dtype``), and the per-expert row lists the grouped GEMMs read (see
+    :class:`MoeRouting`). One memset and one kernel; nothing is read back to the host."""
+    t, e = router_logits.shape
+    dev = router_logits.device
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
+    wts = torch.empty(t, top_k, dtype=weights_dtype or router_logits.dtype, device=dev)
+    counts = torch.zeros(e, dtype=torch.int32, device=dev)
+    rows = torch.empty(e, t, dtype=torch.int32, device=dev)
+    if t:
+        e_pad = next_pow2(e)
+        _moe_route_kernel[(t,)](router_logits, ids, wts, counts, rows, e, t, router_logits.stride(0), TOP_K=top_k,
+                                RENORM=renormalize, E_PAD=e_pad, num_warps=4 if e_pad > 256 else 1)
+    return MoeRouting(ids, wts, counts, rows)
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+              renormalize: bool, config: MoeConfig | None = None, *,
+              weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A sparse MoE block after its router -> ``[T, H]`` in x's dtype: ``sum_k weight_k *
+    down_e(silu(gate_e(x)) * up_e(x))`` over each token's top_k experts e.
+
+    ``x [T, H]`` float32/bfloat16/float16, ``router_logits [T, E]`` (any float dtype, softmax in float32),
+    ``w_gate_up [E, 2I, H]`` (gate rows, then up rows) and ``w_down [E, H, I]`` in x's dtype, all
+    contiguous. Routing as HF's routers: top-k of the softmax, renormalised when ``renormalize`` (Qwen3-MoE's
+    ``norm_topk_prob``; Mixtral always), weights rounded to ``weights_dtype``: by default
+    ``router_logits.dtype``, Qwen3-MoE's rule (``router_top_value.to(router_logits.dtype)``); Mixtral keeps
+    them float32 (pass ``torch.float32``; the same thing when the logits are float32). An exact tie at the
+    k-th place goes to the lower expert index (``torch.topk`` promises no order there). Every intermediate
+    is rounded where a loaded HF model's block rounds it (:func:`fused_moe_ref`), and each token's weighted
+    rows are summed in float32 in slot order, so only the order of the dot products' sums differs.
+
+    Only the experts some token chose are read: at batch 1, top_k experts' weights. No host sync, grids
+    from shapes only (CUDA-graph capturable). ``config`` overrides the ``MOE_CONFIGS`` table (sweeps, tests).
+    """
+    t, h, e, i = _check_moe_args(x, router_logits, w_gate_up, w_down, top_k)
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    cfg = config or moe_config(t, top_k, e)
+    if cfg.block_n % 32 or cfg.block_m < 16 or cfg.block_k < 16:
+        raise ValueError(f"block_n must be a multiple of 32 and block_m, block_k at least 16, got {cfg}")
+    routing = moe_route(router_logits, top_k, renormalize, weights_dtype)
+    upcast, precision = dot_mode(x.dtype)
+    e_pad = next_pow2(e)
+    num_pid_m = max_blocks(t, top_k, e, cfg.block_m)
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_PAD=e_pad,
+                  UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    inter = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)
+    grid = (num_pid_m * triton.cdiv(i, cfg.block_n // 2),)
+    _moe_gate_up_kernel[grid](x, w_gate_up, inter, routing.expert_counts, routing.expert_rows, e, t, h, i, num_pid_m,
+                              x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter.stride(0), TOP_K=top_k,
+                              EVEN_K=h % cfg.block_k == 0, **common)
+    # Each (token, slot)'s weighted output, in HF's product dtype; with one slot, the output itself (the same
+    # single rounding).
+    contrib_dtype = torch.promote_types(x.dtype, routing.topk_weights.dtype)
+    contrib = out if top_k == 1 else torch.empty(t * top_k, h, dtype=contrib_dtype, device=x.device)
+    grid = (num_pid_m * triton.cdiv(h, cfg.block_n),)
+    _moe_down_kernel[grid](inter, w_down, routing.topk_weights, contrib, routing.expert_counts, routing.expert_rows,
+                           e, t, h, i, num_pid_m, inter.stride(0), w_down.stride(0), w_down.stride(1),
+                           contrib.stride(0), EVEN_K=i % cfg.block_k == 0, **common)
+    if top_k > 1:
+        block = min(1024, next_pow2(h))
+        _moe_sum_kernel[(t, triton.cdiv(h, block))](contrib, out, h, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- torch reference
+def moe_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                  weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k], expert ids [T, top_k] int64) as HF's Qwen3-MoE / Mixtral routers compute them:
+    float32 softmax, ``torch.topk`` (largest first), in-place renormalisation, the cast to ``weights_dtype``
+    (default ``router_logits.dtype``: Qwen3-MoE's cast; Mixtral's router has none, i.e. float32)."""
+    probs = torch.nn.functional.softmax(router_logits, dtype=torch.float, dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype or router_logits.dtype), ids
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """The experts as a loaded HF model runs them (``grouped_mm_experts_forward``, transformers' default
+    ``experts_implementation``): each (token, slot) row through its expert's SwiGLU MLP in x's dtype, times its
+    weight (in the promoted dtype: float32 for Mixtral's float32 weights), then ``view(T, top_k, H).sum(1)``
+    (float32 accumulation in slot order), rounded once to x's dtype. The eager loop of the experts' classes
+    (what a block built on its own runs) instead rounds each weighted row to x's dtype and ``index_add_``-s
+    them in expert order: in float32 the two differ only in the order of each k-term sum."""
+    t, top_k = ids.shape
+    flat_ids, flat_w = ids.reshape(-1), weights.reshape(-1)
+    rows = torch.empty(t * top_k, x.shape[1], dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    for expert in torch.unique(flat_ids).tolist():
+        r = torch.nonzero(flat_ids == expert).squeeze(1)
+        gate, up = torch.nn.functional.linear(x[r // top_k], w_gate_up[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w_down[expert])
+        rows[r] = y * flat_w[r, None]
+    return rows.view(t, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  top_k: int, renormalize: bool, *, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch reference of :func:`fused_moe`: HF's router (:func:`moe_route_ref`) and experts
+    (:func:`moe_experts_ref`), op for op, so it is a loaded HF model's MoE block to the rounding (float32 and
+    bfloat16 alike). It loops over the chosen experts on the host: the CPU path, not for CUDA graphs."""
+    weights, ids = moe_route_ref(router_logits, top_k, renormalize, weights_dtype)
+    return moe_experts_ref(x, weights, ids, w_gate_up, w_down)
