@@ -67,10 +67,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         if index in cfg.moe_layers:
-            if quant is not None:
-                raise ValueError("FP8 mixture-of-experts checkpoints are not supported yet (the expert weights "
-                                 "load in bf16/fp16/fp32 only)")
-            self.mlp: nn.Module = SparseMoeBlock(cfg, dtype, ops, tp)
+            self.mlp: nn.Module = SparseMoeBlock(cfg, dtype, ops, tp, quant)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, quant, f"layers.{index}.mlp")
 

@@ -108,7 +108,8 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] |
     module_name, attr = name.rsplit(".", 1)
     parts = module_name.replace("block_sparse_moe", "mlp").split(".")  # Mixtral's name for the MoE block
     if len(parts) >= 3 and parts[-3] == "experts" and parts[-1] in EXPERT_MATRICES:  # an expert's matrix
-        return ".".join(parts[:-3]), EXPERT_MATRICES[parts[-1]], int(parts[-2])
+        matrix = EXPERT_MATRICES[parts[-1]] + ("" if attr == "weight" else f".{attr}")  # FP8: '.weight_scale...'
+        return ".".join(parts[:-3]), matrix, int(parts[-2])
     module_name = ".".join(parts)
     if parts[-1] in LlamaForCausalLM.packed_modules:
         fused, shard = LlamaForCausalLM.packed_modules[parts[-1]]
