@@ -398,6 +398,8 @@ class ModelRunner:
     def _prompt_logprob_chunks(batch: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]:
         """(sequence, first position, hidden row range) of each slice of prompt rows whose logits
         prompt logprobs need: row at position p predicts token p+1; slices of 1024 bound memory."""
+        if all(s.params.prompt_logprobs is None for s in batch.seqs):  # the common step: one pass, nothing to plan
+            return []
         chunks = []
         row = 0
         for seq in batch.seqs:

@@ -8,8 +8,8 @@ eager attention does (matmuls in the model dtype).
 On a machine without a CUDA GPU we switch Triton to its interpreter before any kernel is
 decorated (Triton reads TRITON_INTERPRET when ``@triton.jit`` runs), so the kernels stay callable
 on CPU tensors, slowly, for tests. An explicit TRITON_INTERPRET in the environment always wins.
-The names below load their module on first use, so a torch-only caller (``kv_quant``) never
-loads Triton.
+The names below load their module on first use, so a torch-only caller (``kv_quant``, ``fp8_ref``,
+``moe_ref``) never loads Triton.
 """
 
 import importlib
@@ -27,12 +27,12 @@ _EXPORTS = {
     "paged_prefill_attention": "prefill_attention", "paged_prefill_attention_ref": "prefill_attention",
     "fused_add_rms_norm": "rmsnorm", "fused_add_rms_norm_ref": "rmsnorm", "rms_norm": "rmsnorm",
     "rms_norm_ref": "rmsnorm",
-    "quantize_fp8": "fp8_quant", "quantize_fp8_ref": "fp8_quant", "dequantize_fp8": "fp8_quant",
+    "quantize_fp8": "fp8_quant", "quantize_fp8_ref": "fp8_ref", "dequantize_fp8": "fp8_ref",
     "add_rms_norm_fp8": "fp8_quant", "add_rms_norm_fp8_ref": "fp8_quant", "rms_norm_fp8": "fp8_quant",
     "rms_norm_fp8_ref": "fp8_quant", "silu_and_mul_fp8": "fp8_quant", "silu_and_mul_fp8_ref": "fp8_quant",
     "fp8_gemm_block": "fp8_gemm", "fp8_gemm_block_ref": "fp8_gemm", "fp8_gemm_channel": "fp8_gemm",
     "fp8_gemm_channel_ref": "fp8_gemm",
-    "fused_moe": "moe", "fused_moe_ref": "moe", "moe_route": "moe", "moe_route_ref": "moe",
+    "fused_moe": "moe", "fused_moe_ref": "moe_ref", "moe_route": "moe", "moe_route_ref": "moe_ref",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -11,10 +11,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from minfer.kernels.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8
+from minfer.kernels.moe_ref import fused_moe_ref
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
-
-E4M3_MAX = 448.0
-FP8_GROUP = 128
 
 # (input_ids [T], positions [T], metadata) -> final hidden states [T, hidden] (before the final norm)
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -64,22 +63,25 @@ class Ops(ABC):
         """One draw per row from softmax(logits / T) as ``argmax(logits / T + g)``, Gumbel noise g from
         the rows' hashes (int64 ``[rows]``, values in [0, 2^32)); ``inv_temperature`` float32 ``[rows]``."""
 
-    # ---- FP8 weights: the reference below rounds exactly as the kernels do (per token, or per token and
-    # 128-column group for block weights; by a static per-tensor scale where the checkpoint has one),
-    # and multiplies the dequantized operands in float32, as compressed-tensors' own forward does.
+    # ---- FP8 weights: the reference below rounds activations to e4m3 per token, or per token and 128-column
+    # group for block weights (by a static per-tensor scale where the checkpoint has one), and multiplies
+    # the dequantized operands in float32, as compressed-tensors' own forward does.
     def quantize_activation(self, x: torch.Tensor, input_scale: torch.Tensor | None, block: bool) -> Fp8Activation:
-        """``x`` [T, K] → e4m3 codes and float32 scales."""
+        """``x`` [T, K] → e4m3 codes and float32 scales. The codes are ``x / scale``, as compressed-tensors
+        (HF's reference for its checkpoints) divides; the kernels multiply by ``1 / scale``
+        (``kernels/fp8_ref.py``), which may put a value one e4m3 step away."""
         xs = x.float()
         if input_scale is not None:
             scale = input_scale.float().expand(xs.shape[0]).contiguous()
-            return Fp8Activation(_to_e4m3(xs / scale[:, None]), scale, x.dtype)
-        if block:
+            expanded = scale[:, None]
+        elif block:
             groups = [g.abs().amax(-1) for g in xs.split(FP8_GROUP, dim=-1)]
-            scale = (torch.stack(groups, -1) / E4M3_MAX).clamp(min=1e-12)
+            scale = (torch.stack(groups, -1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
             expanded = scale.repeat_interleave(FP8_GROUP, dim=-1)[:, :xs.shape[1]]
-            return Fp8Activation(_to_e4m3(xs / expanded), scale, x.dtype)
-        scale = (xs.abs().amax(-1) / E4M3_MAX).clamp(min=1e-12)
-        return Fp8Activation(_to_e4m3(xs / scale[:, None]), scale, x.dtype)
+        else:
+            scale = (xs.abs().amax(-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+            expanded = scale[:, None]
+        return Fp8Activation((xs / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale, x.dtype)
 
     def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float, block: bool) -> Fp8Activation:
         """``rms_norm`` emitting the next FP8 layer's input (the Triton ops fuse the two)."""
@@ -101,8 +103,8 @@ class Ops(ABC):
         ([N]) or per row and 128-column block ([N, ceil(K/128)]); ``x`` in the model dtype (quantized
         here) or already an ``Fp8Activation``."""
         a = x if isinstance(x, Fp8Activation) else self.quantize_activation(x, input_scale, block)
-        xs = _dequantize(a.q, a.scale)
-        w = _dequantize(weight, weight_scale)
+        xs = dequantize_fp8(a.q, a.scale)
+        w = dequantize_fp8(weight, weight_scale)
         return torch.nn.functional.linear(xs, w, None if bias is None else bias.float()).to(a.dtype)
 
     def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
@@ -111,32 +113,11 @@ class Ops(ABC):
         (renormalised to sum to one when ``renormalize``), and the weighted sum of those experts'
         SwiGLU MLPs (``w_gate_up`` [E, 2I, H]: gate rows then up rows; ``w_down`` [E, H, I]). The
         weights are rounded to ``weights_dtype`` (default: the logits' dtype, as Qwen3-MoE; Mixtral keeps
-        float32). This reference follows HF transformers' loop over the experts that any token chose."""
-        probs = torch.softmax(router_logits.float(), dim=-1)
-        weights, experts = torch.topk(probs, top_k, dim=-1)
-        if renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(weights_dtype or router_logits.dtype)
-        out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            token, k = torch.where(experts == e)
-            act = self.silu_and_mul(torch.nn.functional.linear(x[token], w_gate_up[e]))
-            y = torch.nn.functional.linear(act, w_down[e]) * weights[token, k, None]
-            out.index_add_(0, token, y.to(out.dtype))
-        return out
+        float32). The reference is a loaded HF model's block op for op (``kernels/moe_ref.py``)."""
+        return fused_moe_ref(x, router_logits, w_gate_up, w_down, top_k, renormalize, weights_dtype=weights_dtype)
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """The forward the runner runs steps through (and CUDA graphs capture): the model itself,
         unless these ops have a faster forward for some steps (the Triton ops' one-token forward)."""
         return model
 
-
-def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 values of e4m3 rows with a scale per row ([R]) or per row and 128-column group ([R, G])."""
-    if scale.dim() == 1:
-        return q.float() * scale[:, None]
-    return q.float() * scale.repeat_interleave(FP8_GROUP, dim=1)[:, :q.shape[1]]

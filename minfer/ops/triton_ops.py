@@ -10,13 +10,13 @@ from torch import nn
 from minfer.kernels.activation import silu_and_mul
 from minfer.kernels.decode_attention import paged_decode_attention
 from minfer.kernels.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
+from minfer.kernels.fp8_quant import FP8_GROUP, add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
 from minfer.kernels.moe import fused_moe
 from minfer.kernels.prefill_attention import paged_prefill_attention
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
 from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
-from minfer.ops.base import FP8_GROUP, ModelForward, Ops
+from minfer.ops.base import ModelForward, Ops
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
 from minfer.ops.one_token import OneTokenFusedForward
 
