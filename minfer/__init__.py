@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from minfer.outputs import CompletionOutput, RequestOutput
 from minfer.sampling_params import SamplingParams
+from minfer.structured_outputs import StructuredOutputsParams
 from minfer.version import __version__  # noqa: F401 - minfer.__version__
 
 if TYPE_CHECKING:
     from minfer.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from minfer.structured_outputs import StructuredOutputsParams
+
 MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
 
 
@@ -36,6 +38,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_strings: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +79,9 @@ class SamplingParams:
                                                          for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -21,11 +21,14 @@ disagree about what runs next.
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from minfer.config import EngineConfig, ModelConfig
 from minfer.engine.block_manager import BlockManager
+from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance, compile_histogram, new_matcher
 from minfer.engine.model_runner import LaunchedStep, ModelRunner
 from minfer.engine.output_processor import OutputProcessor
 from minfer.engine.processor import EngineRequest, Processor, PromptType
@@ -35,6 +38,8 @@ from minfer.engine.tp_workers import start_tensor_parallel
 from minfer.model.loader import resolve_model_path
 from minfer.outputs import RequestOutput, RequestOutputKind
 from minfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("minfer")
 
 
 class LLMEngine:
@@ -73,6 +78,10 @@ class LLMEngine:
         self._next_seq_id = 0
         self._inflight: LaunchedStep | None = None  # launched, not yet completed
         self._penalized: set[str] = set()  # live requests with penalties (skips a per-step scan when empty)
+        self._grammars: GrammarCompiler | None = None  # structured outputs: built on the first such request
+        self._bitmask: BitmaskFiller | None = None
+        self._compiling: dict[str, tuple[Future, list[Sequence]]] = {}  # waiting for their grammar
+        self._constrained: set[str] = set()  # live requests with structured outputs
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -114,7 +123,16 @@ class LLMEngine:
         self.output_processor.add_request(request, seqs)
         if params.has_penalties:
             self._penalized.add(request.request_id)
-        self.scheduler.add_request(seqs)
+        if params.structured_outputs is None:
+            self.scheduler.add_request(seqs)
+            return
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            self._bitmask = BitmaskFiller(self.model_config.vocab_size, self.runner.device.type == "cuda")
+        self._constrained.add(request.request_id)
+        self._compiling[request.request_id] = (self._grammars.submit(params.structured_outputs), seqs)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
@@ -122,7 +140,12 @@ class LLMEngine:
         if seqs is None:
             return
         self._penalized.discard(request_id)
-        self.scheduler.abort_request(seqs)
+        self._constrained.discard(request_id)
+        if self._compiling.pop(request_id, None) is not None:  # never queued: nothing to free
+            for seq in seqs:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        else:
+            self.scheduler.abort_request(seqs)
         self.output_processor.abort_request(request_id)
 
     def abort_all(self) -> list[str]:
@@ -159,7 +182,7 @@ class LLMEngine:
             raise self.workers.explain(exc) from exc
 
     def _step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
         if self._inflight is not None and self._penalized and any(
                 s.params.has_penalties for s in self.scheduler.running):
             outputs += self._complete(self._inflight)  # penalties read every token: no overlap
@@ -169,6 +192,10 @@ class LLMEngine:
         launched = self._launch(batch) if batch.seqs else None
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
+        if launched is not None and launched.deferred is not None:  # every matcher is now up to date
+            self.runner.sample(launched, self._bitmask.fill(launched.sampled))
+        elif launched is None and self._inflight is None and self._compiling:
+            wait([f for f, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
         self._inflight = launched
         if launched is not None and not self.config.async_scheduling:
             outputs += self._complete(launched)
@@ -181,7 +208,8 @@ class LLMEngine:
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies = []
         prev = self._inflight.sample if self._inflight is not None else None
-        launched = self.runner.launch(batch, prev.token_ids if prev is not None else None)
+        defer = bool(self._constrained) and any(s.grammar is not None for s in batch.seqs)
+        launched = self.runner.launch(batch, prev.token_ids if prev is not None else None, defer)
         for seq, (first, entries) in launched.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(seq, first, entries)
         self.scheduler.on_launched(batch, launched.sampled)
@@ -200,6 +228,8 @@ class LLMEngine:
                 continue
             token = out.token_ids[i]
             stop = accept(seq, seq.fill_pending(token), token, out.logprobs[i] if out.logprobs is not None else None)
+            if seq.grammar is not None and advance(seq, token) and stop is None:
+                stop = "stop", None  # the grammar ended (its stop token need not be one of the request's)
             if stop is None:
                 cache_full_blocks(seq)  # a block its token completed
             else:
@@ -211,10 +241,42 @@ class LLMEngine:
             if output.finished:
                 del self.requests[output.request_id]
                 self._penalized.discard(output.request_id)
+                self._constrained.discard(output.request_id)
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Queue the requests whose grammar has compiled, each sample with its own matcher; a compile
+        that failed finishes its request ("abort") with the error logged."""
+        failed: list[str] = []
+        for request_id, (future, seqs) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            error = future.exception()
+            if error is None:
+                compiled = future.result()
+                for seq in seqs:
+                    seq.grammar = new_matcher(compiled)
+                self.scheduler.add_request(seqs)
+                continue
+            logger.error("request %s: its structured_outputs failed to compile: %s", request_id, error)
+            for seq in seqs:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            failed.append(request_id)
+        if not failed:
+            return []
+        now = time.time()
+        outputs = self.output_processor.make_outputs(failed, set(failed), now, now)
+        for request_id in failed:
+            del self.requests[request_id]
+            self._penalized.discard(request_id)
+            self._constrained.discard(request_id)
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device). Also runs at exit."""
+        """Stop the tensor-parallel workers and the grammar threads. Also runs at exit."""
+        if self._grammars is not None:
+            self._grammars.shutdown()
         if self.workers is not None:
             self.workers.shutdown()
 
@@ -245,6 +307,9 @@ class LLMEngine:
             "num_preemptions": sched.num_preemptions,
             "prefix_cache_hit_tokens": bm.hit_tokens,
             "prefix_cache_queried_tokens": bm.queried_tokens,
+            "num_constrained_running": sum(s.grammar is not None for s in sched.running) if self._constrained else 0,
+            "num_grammars_compiling": len(self._compiling),
+            "grammar_compile_seconds": self._grammars.stats() if self._grammars is not None else compile_histogram(),
         }
 
 

@@ -27,7 +27,7 @@ import torch
 from minfer.config import EngineConfig, ModelConfig, cdiv
 from minfer.distributed import SINGLE, Command, StepChannel, TensorParallel
 from minfer.engine.cuda_graphs import DecodeGraphs
-from minfer.engine.input_batch import InputBatch
+from minfer.engine.input_batch import InputBatch, SamplingMetadata
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, host_available_bytes, release_kv_cache
 from minfer.engine.sampler import DeviceSample, Sampler
 from minfer.engine.scheduler import SchedulerOutput
@@ -89,6 +89,7 @@ class LaunchedStep:
     sampled: list[Sequence]
     sample: DeviceSample | None
     prompt_logprobs: dict[Sequence, tuple[int, list[dict[int, float]]]]  # (first position, entries)
+    deferred: tuple[torch.Tensor, SamplingMetadata] | None = None  # logits and metadata not yet sampled
 
 
 class ModelRunner:
@@ -107,7 +108,7 @@ class ModelRunner:
         self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.head_dim)
         started = time.perf_counter()
         self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops, tp,
-                                 config.quantization)
+                                 config.quantization, config.load_format)
         logger.info("start-up: load weights took %.2f s", time.perf_counter() - started)
         self._rank_min(0)  # every rank has its shard: no collective below waits out a slow load
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
@@ -317,10 +318,13 @@ class ModelRunner:
             context_lens_host=a.ctx_lens.tolist(), query_lens_host=a.q_lens.tolist())
 
     @torch.no_grad()
-    def launch(self, batch: SchedulerOutput, prev_tokens: torch.Tensor | None) -> LaunchedStep:
+    def launch(self, batch: SchedulerOutput, prev_tokens: torch.Tensor | None,
+               defer_sampling: bool = False) -> LaunchedStep:
         """Queue one forward over the step's tokens (a graph replay for pure decodes) and the draws of
         the sequences that reach their end; ``prev_tokens`` are the previous step's sampled ids, the
-        source of this step's pending input tokens. Waits for the device only for prompt logprobs."""
+        source of this step's pending input tokens. Waits for the device only for prompt logprobs.
+        ``defer_sampling``: queue the forward only; ``sample`` queues the draws later (structured
+        outputs fill their token masks while the forward runs)."""
         a = self.prepare(batch)
         if len(a.fill_dst) and prev_tokens is None:
             raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
@@ -333,19 +337,28 @@ class ModelRunner:
         every = len(a.logit_rows) == len(seqs)
         which = slice(None) if every else a.samples
         sampled = list(seqs) if every else [s for s, m in zip(seqs, a.samples.tolist()) if m]
-        sample = None
+        step = LaunchedStep(batch, sampled, None, {})
         if sampled:
             if logits is None:
                 logits = self.model.compute_logits(hidden[rows], float32=False)
             sample_rows = a.batch_rows[which]
             meta = self.input_batch.sampling_metadata(
                 sample_rows, a.num_tokens[which] - self.input_batch.prompt_lens[sample_rows], sampled)
-            sample = self.sampler(logits, meta)
-            self.tp.broadcast(sample.token_ids)  # the followers' next pending input tokens
-            sample.start_copy()
             self.input_batch.sample_row[sample_rows] = np.arange(len(sampled))
-        prompt_lp = self._prompt_logprobs(chunks, hidden) if chunks else {}
-        return LaunchedStep(batch, sampled, sample, prompt_lp)
+            step.deferred = (logits, meta)
+            if not defer_sampling:
+                self.sample(step)
+        step.prompt_logprobs = self._prompt_logprobs(chunks, hidden) if chunks else {}
+        return step
+
+    @torch.no_grad()
+    def sample(self, step: LaunchedStep, bitmask: torch.Tensor | None = None) -> None:
+        """Queue the draws of a launched step (``bitmask``: structured outputs' allowed tokens per row)."""
+        logits, meta = step.deferred
+        step.deferred = None
+        sample = step.sample = self.sampler(logits, meta, bitmask)
+        self.tp.broadcast(sample.token_ids)  # the followers' next pending input tokens
+        sample.start_copy()
 
     def _forward_step(self, a: StepArrays, prev_tokens: torch.Tensor | None
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -95,8 +95,11 @@ class Sampler:
         self.ops = ops
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSample:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None = None
+                 ) -> DeviceSample:
         """logits: [R, vocab] of the rows that sample this step (float32, or the model dtype).
+        ``bitmask``: structured outputs' allowed tokens per row (``grammar.BitmaskFiller``, on the host),
+        applied after the raw logprobs (which stay the model's) and before penalties and draws.
         Nothing here waits for the device: per-row parameters go up through pinned memory, the draws
         stay down."""
         facts = meta.rows
@@ -105,6 +108,8 @@ class Sampler:
             logits = logits.float()  # else the argmax kernels read the model dtype and convert exactly
         want_logprobs = facts.want_logprobs
         raw_logprobs = logits.log_softmax(-1) if facts.any_logprobs else None
+        if bitmask is not None:
+            logits = apply_token_bitmask(logits, bitmask.to(self.device, non_blocking=True))
         if facts.any_penalties:
             logits = self._apply_penalties(logits, meta)
         if facts.any_min_tokens and any(c < p.min_tokens for c, p in zip(meta.output_counts.tolist(), facts.params)):
@@ -192,7 +197,7 @@ class Sampler:
         logits = logits.clone()
         facts = meta.rows
         for r, (p, count) in enumerate(zip(facts.params, meta.output_counts.tolist())):
-            if count < p.min_tokens:
+            if count < p.min_tokens and p.structured_outputs is None:  # a grammar decides when its output ends
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(facts.eos_token_ids[r]))
                 ids = [i for i in ids if i < logits.shape[-1]]
                 if ids:
@@ -207,3 +212,11 @@ class Sampler:
         k = max(w or 0 for w in want)
         sample.top_vals, sample.top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
         return sample.result().logprobs
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token the bitmask (device, int32 [R, W]) disallows set to -inf."""
+    rows, vocab = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(rows, -1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))

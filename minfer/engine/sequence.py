@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from minfer.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    grammar: Any = None  # structured outputs: this sample's xgrammar matcher (see engine/grammar.py)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,154 @@
+"""Structured outputs in the engine: grammars compiled off the step loop, one matcher per sample, and
+each step's token bitmask.
+
+The flow of one constrained request:
+
+1. ``GrammarCompiler.submit`` hands its ``StructuredOutputsParams`` to a thread pool (xgrammar's compile
+   precomputes, for every grammar state, which of the vocabulary's tokens fit: tens of milliseconds
+   to seconds for a large schema and a 128k vocabulary). Equal constraints share one compile (``key``).
+   The engine keeps the request out of the scheduler until the compile is done, so it never blocks the
+   requests behind it.
+2. Each sample gets its own ``xgrammar.GrammarMatcher`` (``Sequence.grammar``).
+3. A step that samples a constrained row launches its forward first; while the GPU runs it the host
+   completes the previous step (so every matcher has accepted every known token), fills the rows'
+   bitmasks (``fill_bitmask``, on xgrammar's threads), and only then queues the sampling, which masks
+   the logits (``sampler.apply_token_bitmask``) before anything else draws from them.
+4. Each sampled token advances its sample's matcher (``advance``); a matcher that accepts a stop token
+   terminates, which finishes the sample with reason "stop".
+
+A matcher accepts exactly the tokens that end up in its sequence's ``token_ids``: tokens are accepted when
+a step completes, and a token dropped in flight (its sequence stopped a step earlier) is never accepted,
+so preemption (recompute keeps the tokens) and async scheduling need no rollback.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from minfer.engine.sequence import Sequence
+from minfer.structured_outputs import MAX_WHITESPACE, StructuredOutputsParams
+
+logger = logging.getLogger("minfer")
+
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+CACHE_SIZE = 256  # compiled grammars kept (least recently used goes first)
+
+
+class GrammarCompiler:
+    """Compiles constraints on a thread pool and caches the results by key.
+
+    The tokenizer's xgrammar view (``TokenizerInfo``, a pass over the vocabulary) is built on the pool too,
+    on the first constrained request: an engine that never sees one pays nothing, not even the import."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int], threads: int = 2) -> None:
+        self.vocab_size = vocab_size
+        self._tokenizer, self._stop = tokenizer, sorted(stop_token_ids)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer-grammar")
+        self._compiler: Future | None = None
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()  # the histogram is written from the pool's threads
+        self.compile_counts = [0] * (len(COMPILE_BUCKETS) + 1)
+        self.compile_seconds = 0.0
+
+    def submit(self, params: StructuredOutputsParams) -> Future:
+        """The compiled grammar of ``params``, as a future (an already compiled key returns its own)."""
+        key = params.key
+        future = self._cache.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(key)
+            return future
+        if self._compiler is None:
+            self._compiler = self._pool.submit(self._make_compiler)
+        future = self._pool.submit(self._compile, key)
+        self._cache[key] = future
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _make_compiler(self) -> Any:
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self._stop or None)
+        return xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)  # the cache is ours
+
+    def _compile(self, key: tuple[str, str]) -> Any:
+        compiler = self._compiler.result()
+        started = time.perf_counter()
+        kind, text = key
+        if kind in ("json", "json_compact"):
+            compiled = compiler.compile_json_schema(text, strict_mode=True, any_whitespace=kind == "json",
+                                                    max_whitespace_cnt=MAX_WHITESPACE if kind == "json" else None)
+        elif kind == "regex":
+            compiled = compiler.compile_regex(text)
+        elif kind == "grammar":
+            compiled = compiler.compile_grammar(text)
+        else:
+            compiled = compiler.compile_builtin_json_grammar()
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self.compile_counts[bisect.bisect_left(COMPILE_BUCKETS, seconds)] += 1
+            self.compile_seconds += seconds
+        return compiled
+
+    def stats(self) -> dict[str, Any]:
+        """The compile-time histogram (``compile_histogram``)."""
+        with self._lock:
+            return compile_histogram(list(self.compile_counts), self.compile_seconds)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def compile_histogram(counts: list[int] | None = None, total: float = 0.0) -> dict[str, Any]:
+    """Compile times as Prometheus reads a histogram: cumulative counts per upper bound (the last is
+    +inf), their sum and count (compiles only: a cached grammar costs none)."""
+    cumulative, running = [], 0
+    for bound, n in zip((*COMPILE_BUCKETS, float("inf")), counts or [0] * (len(COMPILE_BUCKETS) + 1)):
+        running += n
+        cumulative.append((bound, running))
+    return {"buckets": cumulative, "sum": total, "count": running}
+
+
+def new_matcher(compiled: Any) -> Any:
+    import xgrammar
+
+    return xgrammar.GrammarMatcher(compiled)
+
+
+class BitmaskFiller:
+    """Fills the token bitmask of a step's sampling rows: a constrained row allows what its matcher
+    allows, every other row (unconstrained, or finished while the step was in flight) allows all."""
+
+    def __init__(self, vocab_size: int, pin: bool) -> None:
+        import xgrammar
+
+        self.width = (vocab_size + 31) // 32
+        self.pin = pin
+        self._batch = xgrammar.BatchGrammarMatcher()
+
+    def fill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), ceil(vocab / 32)] int32 on the host (bit j of word w: token 32 w + j allowed)."""
+        bitmask = torch.full((len(seqs), self.width), -1, dtype=torch.int32, pin_memory=self.pin)
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished
+                and not s.grammar.is_terminated()]
+        if rows:
+            self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask, rows)
+        return bitmask
+
+
+def advance(seq: Sequence, token: int) -> bool:
+    """Feed a sampled token to the sample's matcher; True when the grammar has ended (a stop token)."""
+    matcher = seq.grammar
+    if not matcher.accept_token(token):  # the mask made this impossible: a bug, but not the caller's
+        logger.error("sequence %d: token %d does not fit its grammar; ending it", seq.seq_id, token)
+        return True
+    return matcher.is_terminated()
+

@@ -1,0 +1,162 @@
+"""StructuredOutputsParams: the shape a request's output must take (vLLM's names), checked at construction.
+
+The engine forces the output through xgrammar (``minfer.engine.grammar``); this module only decides
+whether a request's constraint is acceptable, so a bad one is an error naming its field before it is
+queued. xgrammar compiles JSON Schema by itself but silently ignores keywords it does not implement
+(``uniqueItems``, ``not``, ``if``/``then``/``else``, unknown ``format`` values, ...): an output that
+"followed" such a schema could still fail to validate, so those are refused here, by an allow-list.
+"""
+from __future__ import annotations
+
+import json as jsonlib
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+MAX_WHITESPACE = 16  # characters of whitespace in a row that JSON output may carry (room for indentation)
+
+# Keywords whose meaning xgrammar's JSON-Schema converter implements (checked by compiling schemas with
+# and without each), and annotations that constrain nothing.
+_SUPPORTED_KEYWORDS = frozenset({
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+    "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
+    "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "minLength", "maxLength", "pattern", "format",
+})
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
+                          "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding"})
+_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+                      "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
+# keywords whose value is a schema, a list of schemas, or a name -> schema map
+_SUB_SCHEMA = ("items", "additionalProperties", "propertyNames")
+_SUB_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUB_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Exactly one of: ``json`` (a JSON Schema, as a dict or its JSON text), ``regex`` (the whole output
+    matches it), ``choice`` (the output is one of these strings), ``grammar`` (an EBNF grammar in
+    xgrammar's syntax, ``root ::= ...``), ``json_object=True`` (any JSON object).
+
+    JSON may carry whitespace between tokens (at most ``MAX_WHITESPACE`` characters in a row: models,
+    weak ones especially, can otherwise emit whitespace until ``max_tokens``); ``disable_any_whitespace``
+    forces compact JSON (vLLM's name).
+
+    ``key`` (kind, canonical text) identifies the compiled grammar: requests with equal keys share one."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    key: tuple[str, str] = field(default=("", ""), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: set exactly one of {', '.join(KINDS)} (got "
+                             f"{', '.join(given) if given else 'none'})")
+        kind = given[0]
+        if kind == "json":
+            self.key = ("json_compact" if self.disable_any_whitespace else "json", _canonical_schema(self.json))
+        elif kind == "regex":
+            if not isinstance(self.regex, str) or not self.regex:
+                raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+            self.key = ("regex", self.regex)
+        elif kind == "choice":
+            c = self.choice
+            if not isinstance(c, (list, tuple)) or not c or not all(isinstance(s, str) and s for s in c):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {c!r}")
+            self.choice = list(c)
+            self.key = ("grammar", choice_grammar(self.choice))
+        elif kind == "grammar":
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF string, got {self.grammar!r}")
+            self.key = ("grammar", self.grammar)
+        else:
+            if self.json_object is not True:
+                raise ValueError(f"structured_outputs.json_object must be true or unset, got {self.json_object!r}")
+            self.key = ("json_object", "")
+        _check_compiles(kind, *self.key)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are valid EBNF literals)."""
+    return "root ::= " + " | ".join(jsonlib.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _canonical_schema(schema: object) -> str:
+    """The schema as compact JSON text, after checking it is JSON Schema minfer can enforce."""
+    if isinstance(schema, str):
+        try:
+            schema = jsonlib.loads(schema)
+        except ValueError as exc:
+            raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
+    _check_meta_schema(schema)
+    if isinstance(schema, dict):
+        _check_keywords(schema, "#")
+    return jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)  # property order kept: it is the output's
+
+
+def _check_meta_schema(schema: dict | bool) -> None:
+    """Validity as JSON Schema (the draft its ``$schema`` names, else 2020-12), with the ``jsonschema``
+    library's meta-schemas."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path)
+        raise ValueError(f"structured_outputs.json: not a valid JSON Schema at #/{where}: {exc.message}") from None
+
+
+def _check_keywords(schema: dict[str, Any], path: str) -> None:
+    for key, value in schema.items():
+        if key in _ANNOTATIONS:
+            continue
+        if key not in _SUPPORTED_KEYWORDS:
+            raise ValueError(f"structured_outputs.json: the keyword {key!r} at {path} is not supported "
+                             f"(supported: {', '.join(sorted(_SUPPORTED_KEYWORDS))})")
+        if key == "format" and value not in _FORMATS:
+            raise ValueError(f"structured_outputs.json: format {value!r} at {path} is not supported "
+                             f"(supported: {', '.join(sorted(_FORMATS))})")
+        if key in _SUB_SCHEMA and isinstance(value, dict):
+            _check_keywords(value, f"{path}/{key}")
+        elif key in _SUB_SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                if isinstance(sub, dict):
+                    _check_keywords(sub, f"{path}/{key}/{i}")
+        elif key in _SUB_SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                if isinstance(sub, dict):
+                    _check_keywords(sub, f"{path}/{key}/{name}")
+
+
+def _check_compiles(kind: str, grammar_kind: str, text: str) -> None:
+    """Build the grammar (tokenizer-independent, milliseconds): a regex or EBNF that does not parse, or a
+    schema xgrammar cannot convert (an unresolvable ``$ref``), is the caller's error now, not a failed
+    compile later. The tokenizer-dependent compile runs in the engine, off its step loop."""
+    import xgrammar
+
+    try:
+        if grammar_kind in ("json", "json_compact"):
+            xgrammar.Grammar.from_json_schema(text, strict_mode=True)
+        elif grammar_kind == "regex":
+            xgrammar.Grammar.from_regex(text)
+        elif grammar_kind == "grammar":
+            xgrammar.Grammar.from_ebnf(text)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "]" in message and message.startswith("["):  # "[hh:mm:ss] /path/file.cc:123: what" -> what
+            message = message.split(": ", 1)[-1]
+        raise ValueError(f"structured_outputs.{kind}: {message}") from None
