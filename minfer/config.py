@@ -173,6 +173,7 @@ _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
 
 
 QUANTIZATION_METHODS = ("fp8",)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -246,6 +247,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = _knob(False, "no tokenizer: prompts must be token ids (e.g. random-weight shapes)")
     revision: str | None = _knob(None, "branch, tag or commit of a hub model")
     download_dir: str | None = _knob(None, "where hub models are downloaded (default: the HF cache)")
+    load_format: str = _knob("auto", "auto: the checkpoint's safetensors; dummy: random weights drawn on the device "
+                             "as the model loads (normal x 0.02, norm weights 1, as minfer bench --shape writes "
+                             "them), so the folder needs only config.json (and the tokenizer's files unless "
+                             "skipped): benchmarks of shapes too big for the disk", LOAD_FORMATS)
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -253,6 +258,7 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("generation_config", self.generation_config, ("auto", "vllm"))
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)

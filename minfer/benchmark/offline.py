@@ -226,6 +226,8 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
                         ("hf_num_prompts", hf_num_prompts), ("hf_output_len", hf_output_len)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if compare_hf and engine_kwargs.get("load_format") == "dummy":
+        raise ValueError("compare_hf needs the weights on disk (HF loads them), not load_format='dummy'")
     llm = LLM(model, **(engine_kwargs | {"skip_tokenizer_init": True}))  # the prompts are token ids
     try:
         vocab = llm.llm_engine.model_config.vocab_size

@@ -2,7 +2,9 @@
 
 Benchmarks load them through the normal loader, so they measure exactly what a user's
 checkpoint would run. The weights are random (no weights can be downloaded here): throughput
-does not depend on their values, only on shapes and sequence lengths.
+does not depend on their values, only on shapes and sequence lengths. The tensor names, shapes and
+draws come from ``minfer.model.random_weights``. With ``load_format="dummy"`` the loader draws the same
+tensors on the device itself, and only ``config.json`` is written (``write_shape_config``).
 """
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from minfer.config import ModelConfig
+from minfer.model.random_weights import draw, tensor_shapes
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -55,41 +60,6 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def _tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
-    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    for n in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        shapes |= _mlp_shapes(cfg, p)
-        if cfg["model_type"] in ("qwen3", "qwen3_moe"):
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-    return shapes
-
-
-def _mlp_shapes(cfg: dict, prefix: str) -> dict[str, tuple[int, ...]]:
-    """A layer's MLP tensors: dense, or a MoE block's router and experts under the checkpoint's names."""
-    h = cfg["hidden_size"]
-    if cfg["model_type"] == "mixtral":
-        e, i, block, names = cfg["num_local_experts"], cfg["intermediate_size"], "block_sparse_moe", ("w1", "w3", "w2")
-    elif cfg["model_type"] == "qwen3_moe":
-        e, i, block, names = cfg["num_experts"], cfg["moe_intermediate_size"], "mlp", ("gate_proj", "up_proj", "down_proj")
-    else:
-        i = cfg["intermediate_size"]
-        return {prefix + "mlp.gate_proj.weight": (i, h), prefix + "mlp.up_proj.weight": (i, h),
-                prefix + "mlp.down_proj.weight": (h, i)}
-    shapes = {f"{prefix}{block}.gate.weight": (e, h)}
-    for x in range(e):
-        gate, up, down = (f"{prefix}{block}.experts.{x}.{n}.weight" for n in names)
-        shapes |= {gate: (i, h), up: (i, h), down: (h, i)}
-    return shapes
-
-
 def shape_config(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | None = None,
                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``shape``, optionally scaled down: ``layers`` decoder layers, and any other
@@ -109,7 +79,7 @@ def plan_shards(cfg: dict[str, Any], element_bytes: int, shard_bytes: int) -> li
     ``shard_bytes`` (a larger tensor gets a file of its own); nothing is allocated."""
     shards: list[dict[str, tuple[int, ...]]] = [{}]
     size = 0
-    for name, shp in _tensor_shapes(cfg).items():
+    for name, shp in tensor_shapes(ModelConfig.from_dict(cfg)).items():
         nbytes = math.prod(shp) * element_bytes
         if size and size + nbytes > shard_bytes:
             shards.append({})
@@ -121,10 +91,8 @@ def plan_shards(cfg: dict[str, Any], element_bytes: int, shard_bytes: int) -> li
 
 def _draw(name: str, shp: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype, device: str,
           to_host: bool = True) -> torch.Tensor | None:
-    if name.endswith("norm.weight"):
-        return torch.ones(shp, dtype=dtype) if to_host else None
-    t = torch.randn(shp, generator=gen, device=device)  # drawn even when not kept: the generator moves on
-    return (t * 0.02).to(dtype).cpu() if to_host else None
+    t = draw(name, shp, gen, dtype, device)  # drawn even when not kept: the generator moves on
+    return t.cpu() if to_host else None
 
 
 def _is_whole(path: Path, names: dict[str, tuple[int, ...]], dtype: torch.dtype) -> bool:
@@ -154,6 +122,19 @@ def _data_end(path: Path) -> int:
 
 
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def write_shape_config(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16, layers: int | None = None,
+                       overrides: dict[str, Any] | None = None) -> Path:
+    """Write only ``shape``'s ``config.json`` (``shape_config``) into ``out``: a folder for
+    ``load_format="dummy"``, which draws the weights on the device while the model loads, so shapes
+    larger than the disk can run (qwen3-30b-a3b: 61 GB, mixtral-8x7b: 93 GB). The shapes have no
+    tokenizer; ``minfer bench`` sends token ids. Keep ``out`` apart from a full checkpoint's folder: a
+    matching config.json marks that folder as complete."""
+    cfg = shape_config(shape, dtype, layers, overrides)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
 
 
 def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16,

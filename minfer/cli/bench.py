@@ -11,8 +11,10 @@ from minfer.engine_args import add_engine_args, engine_config, engine_kwargs
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="offline throughput (workload A of BENCHMARKS.md by default)")
-    p.add_argument("--shape", default=None, help="qwen3-0.6b | llama-3.2-1b | llama-3.1-8b | llama-3.1-70b (random "
-                   "weights, written under --checkpoint-dir; on a GPU when there is one)")
+    p.add_argument("--shape", default=None, help="qwen3-0.6b | llama-3.2-1b | llama-3.1-8b | llama-3.1-70b | "
+                   "qwen3-30b-a3b | mixtral-8x7b (random weights, normal x 0.02 with norm weights 1, written under "
+                   "--checkpoint-dir; on a GPU when there is one; with --load-format dummy only config.json is "
+                   "written, to <shape>-dummy, and the engine draws the same kind of weights on the device)")
     p.add_argument("--shape-layers", type=int, default=None,
                    help="with --shape: only this many decoder layers (a scaled-down stand-in, e.g. the 70B's layers "
                         "on fewer GPUs; written to <shape>-<N>l)")
@@ -57,18 +59,23 @@ def needed_model_len(args: argparse.Namespace, model: str) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from minfer.benchmark import offline
-    from minfer.benchmark.shapes import write_random_checkpoint
+    from minfer.benchmark.shapes import write_random_checkpoint, write_shape_config
 
     engine_config(args)  # a bad flag fails before a shape's checkpoint is written
     model, shape = args.model, args.shape
     if args.shape_layers is not None and not shape:
         raise ValueError("--shape-layers needs --shape")
     if shape:
-        import torch
-
         name = shape if args.shape_layers is None else f"{shape}-{args.shape_layers}l"
-        model = str(write_random_checkpoint(shape, Path(args.checkpoint_dir) / name, layers=args.shape_layers,
-                                            device="cuda" if torch.cuda.is_available() else "cpu"))
+        if args.load_format == "dummy":
+            # a folder of its own: a matching config.json marks a full checkpoint's folder as complete
+            out = Path(args.checkpoint_dir) / f"{name}-dummy"
+            model = str(write_shape_config(shape, out, layers=args.shape_layers))
+        else:
+            import torch
+
+            model = str(write_random_checkpoint(shape, Path(args.checkpoint_dir) / name, layers=args.shape_layers,
+                                                device="cuda" if torch.cuda.is_available() else "cpu"))
         shape = shape if args.shape_layers is None else f"{shape} ({args.shape_layers} layers)"
     if model is None:
         raise ValueError("bench needs --model or --shape")

@@ -98,7 +98,7 @@ class FusedLinear(nn.Module):
             return None
         tensor = source[:].float()
         if name == "input_scale":  # q, k and v share their input: the largest scale covers all three
-            self.input_scale.data.copy_(torch.maximum(self.input_scale.data, tensor.reshape(-1)[:1]))
+            self.input_scale.data.copy_(torch.maximum(self.input_scale.data, tensor.reshape(-1)[:1].to(self.input_scale.device)))
             return name
         if name not in ("weight_scale", "weight_scale_inv"):
             raise ValueError(f"unexpected quantization tensor {name!r}")

@@ -3,13 +3,16 @@
 Shards are read one tensor at a time straight into the (fused) parameters, so host memory never
 holds a second full copy of the weights. Each tensor is opened as a memory-mapped slice and a layer
 reads only the rows or columns its tensor-parallel rank holds (``FusedLinear.load_shard``,
-``VocabParallelEmbedding.load_shard``): no rank reads the whole model.
+``VocabParallelEmbedding.load_shard``): no rank reads the whole model. ``load_format="dummy"`` feeds
+random tensors drawn on the device (``random_weights``) down the same path instead.
 """
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,6 +22,7 @@ from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.llama import LlamaForCausalLM
 from minfer.model.moe import EXPERT_MATRICES
 from minfer.model.quant import resolve_quantization
+from minfer.model.random_weights import random_tensors
 from minfer.ops import Ops
 
 
@@ -57,37 +61,39 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its parameter; fail if any parameter stays unloaded."""
-    params = dict(model.named_parameters())
+def load_weights(model: LlamaForCausalLM, model_dir: Path, load_format: str = "auto") -> None:
+    """Copy every checkpoint tensor into its parameter; fail if any parameter stays unloaded.
+
+    ``load_format="dummy"`` skips the safetensors. It takes the tensors a checkpoint of the model's config
+    would hold (``random_weights``), drawn on the model's device, and feeds them down the same path as
+    a file's tensors. So tensor-parallel slicing, online FP8 quantization, expert stacking and the
+    missing-tensor check all run as they would for a real checkpoint."""
     loaded: set[str] = set()
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if "rotary_emb" in name:
-                    continue
-                target = _target(model, name)
-                if target is None:
-                    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                        continue  # some tied checkpoints still store it
-                    raise ValueError(f"unexpected tensor {name!r} in {file.name}")
-                module_name, attr, shard = target
-                module = model.get_submodule(module_name)
-                source = f.get_slice(name)  # memory-mapped: indexing reads only the slice
-                if hasattr(module, "load_shard"):
-                    try:
-                        attr = module.load_shard(attr, source, shard) or attr
-                    except ValueError as exc:
-                        raise ValueError(f"{name}: {exc}") from None
-                else:  # replicated (norms)
-                    param = getattr(module, attr)
-                    tensor = source[:]
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-                loaded.add(f"{module_name}.{attr}" + ("" if shard is None else f"#{shard}"))
+    tensors = _dummy_tensors(model) if load_format == "dummy" else _checkpoint_tensors(model_dir)
+    for name, source, where in tensors:
+        if "rotary_emb" in name:
+            continue
+        target = _target(model, name)
+        if target is None:
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue  # some tied checkpoints still store it
+            raise ValueError(f"unexpected tensor {name!r} in {where}")
+        module_name, attr, shard = target
+        module = model.get_submodule(module_name)
+        if hasattr(module, "load_shard"):
+            try:
+                attr = module.load_shard(attr, source, shard) or attr
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        else:  # replicated (norms)
+            param = getattr(module, attr)
+            tensor = source[:]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        loaded.add(f"{module_name}.{attr}" + ("" if shard is None else f"#{shard}"))
     expected = set()
-    for pname, param in params.items():
+    for pname, param in model.named_parameters():
         module_name, attr = pname.rsplit(".", 1)
         module = model.get_submodule(module_name)
         if hasattr(module, "checkpoint_keys"):  # stacked: every checkpoint matrix (and its scales when FP8)
@@ -97,6 +103,24 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any, str]]:
+    """(name, memory-mapped slice, file name) of every tensor in the folder's safetensors: indexing a
+    slice reads only that part of the file."""
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name), file.name
+
+
+def _dummy_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, "dummy weights") of random weights drawn on the model's device. A tensor slices
+    like a safetensors slice (``source[rows]``, ``source[:, cols]``), so ``load_shard`` takes it as it is.
+    Every tensor-parallel rank draws the same whole tensors from the same seed and keeps its own slice."""
+    device = next(model.parameters()).device
+    for name, tensor in random_tensors(model.config, device):
+        yield name, tensor, "dummy weights"
 
 
 def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] | None:
@@ -123,12 +147,18 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] |
 
 @torch.no_grad()
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
-                ops: Ops, tp: TensorParallel = SINGLE, quantization: str | None = None) -> LlamaForCausalLM:
+                ops: Ops, tp: TensorParallel = SINGLE, quantization: str | None = None,
+                load_format: str = "auto") -> LlamaForCausalLM:
     """The model on ``device``, computing with ``ops`` (``minfer.ops.select_ops``), weights loaded;
     under tensor parallelism, rank ``tp.rank``'s shard of it. ``quantization``: the engine's request
-    ('fp8' quantizes a float checkpoint online); an FP8 checkpoint says so in its config."""
+    ('fp8' quantizes a float checkpoint online); an FP8 checkpoint says so in its config.
+    ``load_format``: 'auto' reads the safetensors, 'dummy' draws random weights (``load_weights``)."""
+    if load_format == "dummy" and config.quantization_config is not None:
+        raise ValueError("load_format='dummy' does not support pre-quantized checkpoints (config.json has a "
+                         "quantization_config): drop it from the config, and pass quantization='fp8' for FP8 "
+                         "weights quantized as they load")
     quant = resolve_quantization(config, quantization)
     with torch.device(device):
         model = LlamaForCausalLM(config, dtype, max_position, ops, tp, quant)
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, load_format)
     return model.eval()
