@@ -7,6 +7,7 @@ from typing import Any
 
 from minfer.engine_args import add_engine_args, engine_kwargs
 from minfer.server.run import DEFAULT_MAX_WAITING, require_server_extra, run_server
+from minfer.server.tool_parsers import TOOL_PARSERS, check_tool_flags
 
 API_KEY_ENV = "MINFER_API_KEY"
 
@@ -34,6 +35,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"the pages (default: ${API_KEY_ENV}; unset: no key)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice 'auto' (the default with tools): the model's answer is parsed for calls "
+                        "by --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (Qwen, Hermes: <tool_call> blocks), llama3_json "
+                        "(Llama 3.x: a JSON object)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name clients pass as `model` (repeatable; default: the model as given)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
@@ -67,9 +74,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from minfer.server.chat_template import load_chat_template
 
     model, key = serve_model(args), api_key(args)
+    check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     run_server(model, engine_kwargs(args), host=args.host, port=args.port,
                served_model_names=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=key,
-               chat_template=template, max_request_bytes=args.max_request_bytes)
+               chat_template=template, max_request_bytes=args.max_request_bytes,
+               enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     return 0

@@ -90,8 +90,9 @@ class GrammarCompiler:
             compiled = compiler.compile_regex(text)
         elif kind == "grammar":
             compiled = compiler.compile_grammar(text)
-        else:
-            compiled = compiler.compile_builtin_json_grammar()
+        else:  # json_object: any object (xgrammar's built-in JSON grammar allows any value)
+            compiled = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=True,
+                                                    max_whitespace_cnt=MAX_WHITESPACE)
         seconds = time.perf_counter() - started
         with self._lock:
             self.compile_counts[bisect.bisect_left(COMPILE_BUCKETS, seconds)] += 1

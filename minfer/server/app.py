@@ -23,6 +23,7 @@ from minfer.server.protocol import (ChatCompletionRequest, ChatCompletionRespons
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from minfer.server.routes_tokenize import tokenize_router
 from minfer.server.serving import ClientGone, ServerContext
+from minfer.server.tool_parsers import check_tool_flags
 from minfer.version import __version__
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -34,7 +35,8 @@ _STREAMED = {"text/event-stream": {"schema": {"type": "string", "description": "
 def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
               max_waiting_requests: int | None = 1024, api_key: str | None = None,
               chat_template: str | None = None,
-              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
@@ -42,13 +44,17 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     token. ``chat_template``: the template text, set on the engine's tokenizer before any copy of it
     is made, so every copy (the event loop's, the tokenizer pool's) renders chats with it.
     ``max_request_bytes``: larger bodies get a 413 before anything parses them (None: no cap).
+    ``enable_auto_tool_choice``, ``tool_call_parser``: ``tool_choice="auto"`` is allowed, its answers read by
+    that parser (a name in ``tool_parsers.TOOL_PARSERS``); vLLM's pair of flags, the first needing the second.
     """
+    check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     if chat_template is not None:
         if engine.processor.tokenizer is None:
             raise ValueError("--chat-template needs a tokenizer, but the server runs with --skip-tokenizer-init")
         engine.processor.tokenizer.chat_template = chat_template
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
-    ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)])
+    ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)],
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy, ctx.model_name, ctx.max_model_len)
     async_engine.observer = metrics
 

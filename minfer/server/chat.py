@@ -1,7 +1,11 @@
 """POST /v1/chat/completions: the tokenizer's chat template (or the request's) over the messages, then
-generation. Rendering and tokenizing run on the tokenizer pool, after bounds on the messages' count and size."""
+generation. Rendering and tokenizing run on the tokenizer pool, after bounds on the messages' count and size.
+
+With tools (``server/tools.py``) each choice's text goes through a ``ToolParser``, the same one for a stream
+and a whole response; without them the text is the content, and streaming pays nothing for tools."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -18,6 +22,8 @@ from minfer.server.protocol import ChatCompletionRequest
 from minfer.server.serving import ServerContext, collect, process, request_id, stream_response
 from minfer.server.stream import (DeltaTracker, TokenText, chat_logprobs, holdback_for, prompt_logprobs_entries, sse,
                                   usage)
+from minfer.server.tool_parsers import ToolParser, parse_whole
+from minfer.server.tools import ToolPlan, finish_reason, plan_tools, tool_constraint
 
 logger = logging.getLogger("minfer.server")
 
@@ -34,7 +40,8 @@ def check_chat_size(ctx: ServerContext, req: ChatCompletionRequest) -> None:
     if len(req.messages) >= ctx.max_model_len:
         raise APIError(400, f"messages: {len(req.messages)} messages cannot fit in the {ctx.max_model_len}-token "
                             f"context", "messages")
-    chars = sum(len(m.text()) + len(m.name or "") for m in req.messages)
+    chars = sum(len(m.text()) + len(m.name or "") + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                for m in req.messages)
     if chars > ctx.processor.max_prompt_chars:
         raise APIError(400, f"messages: {chars} characters of messages cannot fit in the {ctx.max_model_len}-token "
                             f"context", "messages")
@@ -44,13 +51,45 @@ def check_chat_size(ctx: ServerContext, req: ChatCompletionRequest) -> None:
                        "chat_template_kwargs")
 
 
-def chat_prompt(tok: Any, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    """Render the conversation (on the tokenizer pool); the template places BOS itself, so encoding adds no
-    special tokens unless the request asks for them. A template's refusal is the caller's 400."""
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
+def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as chat templates read them. A call's ``arguments`` arrive as JSON text and are handed
+    over decoded, as transformers' templates expect (and vLLM does)."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name,
+                                               "arguments": _decoded_arguments(c.function.arguments,
+                                                                               f"messages[{i}].tool_calls[{j}]")}}
+                                 for j, c in enumerate(m.tool_calls)]
+        messages.append(msg)
+    return messages
+
+
+def _decoded_arguments(text: str, where: str) -> Any:
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        param = f"{where}.function.arguments"
+        raise APIError(400, f"{param}: not valid JSON ({exc})", param) from None
+
+
+def chat_prompt(tok: Any, req: ChatCompletionRequest,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    """Render the conversation (on the tokenizer pool) with ``tools`` shown to the template; the template
+    places BOS itself, so encoding adds no special tokens unless the request asks for them. A template's
+    refusal is the caller's 400."""
+    messages = template_messages(req)
     param = "chat_template" if req.chat_template else "messages"
     try:
-        text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False,
+        text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False, tools=tools,
                                        add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message,
                                        **(req.chat_template_kwargs or {}))
@@ -73,16 +112,22 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     model = ctx.check_model(req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_k = (req.top_logprobs or 0) if req.logprobs else None
-    params = ctx.sampling_params(req, max_tokens, top_k, req.prompt_logprobs)
     tok = ctx.require_tokenizer("chat", "messages")
-    if not (req.chat_template or getattr(tok, "chat_template", None)):
+    template = req.chat_template or getattr(tok, "chat_template", None)
+    if not template:
         raise APIError(400, "messages: this model's tokenizer has no chat template; send chat_template or use "
                             "/v1/completions", "messages")
+    plan = plan_tools(req, template, ctx.auto_tool_parser)
+    if plan.mode in ("required", "named"):
+        constraint = await ctx.offload(lambda _: tool_constraint(req, plan))
+    else:
+        constraint = await ctx.constraint(req)
+    params = ctx.sampling_params(req, max_tokens, top_k, req.prompt_logprobs, constraint)
     check_chat_size(ctx, req)
     cid, created = request_id("chatcmpl"), int(time.time())
 
     def prepare(p: Processor) -> EngineRequest:
-        text, ids = chat_prompt(p.tokenizer, req)
+        text, ids = chat_prompt(p.tokenizer, req, plan.tools)
         return process(p, cid, text, ids, params, "messages")
 
     request = await ctx.offload(prepare)
@@ -94,9 +139,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         (final,) = await collect(ctx, raw, streams)
         if req.prompt_logprobs is not None:  # decodes every prompt token: off the loop
             body = await ctx.offload(lambda p: _response(cid, created, model, final, TokenText(p.tokenizer), top_k,
-                                                         True))
+                                                         True, plan))
         else:
-            body = _response(cid, created, model, final, tok, top_k, False)
+            body = _response(cid, created, model, final, tok, top_k, False, plan)
         return JSONResponse(body)
 
     tracker = DeltaTracker(holdback_for(req.stop))
@@ -104,6 +149,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     want_usage = opts is not None and opts.include_usage
     every_chunk_usage = opts is not None and opts.continuous_usage_stats
     header = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
+    parsers: dict[int, ToolParser] = {}  # per choice, with tools
 
     def render(_: int, out: RequestOutput) -> list[bytes]:
         choices = []
@@ -111,9 +157,18 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             d = tracker.delta(c.index, c)
             if d is None:
                 continue
-            delta: dict[str, Any] = {"role": "assistant", "content": d.text} if d.first else {"content": d.text}
             lp = {"content": chat_logprobs(d.logprobs, d.token_ids, tok, top_k)} if top_k is not None else None
-            choices.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason,
+            reason = d.finish_reason
+            if plan.mode == "none":
+                delta: dict[str, Any] = {"role": "assistant", "content": d.text} if d.first else {"content": d.text}
+            else:
+                parser = parsers.get(c.index)
+                if parser is None:
+                    parser = parsers[c.index] = plan.new_parser()
+                delta, reason = _tool_delta(parser, d.text, d.first, reason)
+                if not delta and reason is None and lp is None:
+                    continue
+            choices.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
                             "stop_reason": d.stop_reason})
         if not choices:
             return []
@@ -128,16 +183,43 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return await stream_response(ctx, raw, streams, render, tail)
 
 
+def _tool_delta(parser: ToolParser, text: str, first: bool, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A streamed choice's delta through its parser: content and tool-call entries as they become known,
+    everything held back released with the finish."""
+    content, calls = parser.feed(text)
+    if reason is not None:
+        more, later = parser.finish()
+        content, calls = content + more, calls + later
+    delta: dict[str, Any] = {"role": "assistant"} if first else {}
+    if content:
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = calls
+    return delta, finish_reason(reason, parser)
+
+
+def _message(text: str, reason: str | None, plan: ToolPlan) -> tuple[dict[str, Any], str | None]:
+    if plan.mode == "none":
+        return {"role": "assistant", "content": text}, reason
+    parser = plan.new_parser()
+    content, calls = parse_whole(parser, text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.to_dict() for call in calls]
+    return message, finish_reason(reason, parser)
+
+
 def _response(cid: str, created: int, model: str, out: RequestOutput, tok: TokenText,
-              top_k: int | None, with_prompt_logprobs: bool) -> dict[str, Any]:
+              top_k: int | None, with_prompt_logprobs: bool, plan: ToolPlan) -> dict[str, Any]:
     choices, completion_tokens = [], 0
     prompt_lps = prompt_logprobs_entries(out.prompt_logprobs, tok) if with_prompt_logprobs else None
     for c in out.outputs:
         completion_tokens += len(c.token_ids)
         lp = {"content": chat_logprobs(c.logprobs, c.token_ids, tok, top_k)} \
             if top_k is not None and c.logprobs is not None else None
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+        message, reason = _message(c.text, c.finish_reason, plan)
+        choices.append({"index": c.index, "message": message, "logprobs": lp,
+                        "finish_reason": reason, "stop_reason": c.stop_reason,
                         **({"prompt_logprobs": prompt_lps} if prompt_lps is not None else {})})
     return {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
             "usage": usage(len(out.prompt_token_ids), completion_tokens), "system_fingerprint": None}

@@ -35,7 +35,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     max_tokens = req.output_tokens
     lp_param = req.prompt_logprobs if not req.echo or req.logprobs is None else max(req.logprobs,
                                                                                     req.prompt_logprobs or 0)
-    params = ctx.sampling_params(req, 1 if max_tokens == 0 else max_tokens, req.logprobs, lp_param)
+    params = ctx.sampling_params(req, 1 if max_tokens == 0 else max_tokens, req.logprobs, lp_param,
+                                 await ctx.constraint(req))
     cid, created, n = request_id("cmpl"), int(time.time()), req.n
 
     def prepare(p: Processor) -> list[Any]:

@@ -4,8 +4,8 @@ vLLM's names and labels (``model_name``, ``engine``) are those of its v1 ``Prome
 so dashboards and alerts built for vLLM work unchanged; ours stay for the dashboards built on them.
 
 Two sources. Engine state (running/waiting sequences, KV blocks, prefix cache, preemptions, the
-tensor-parallel world size) is read at scrape time from the engine thread's latest stats
-snapshot, so it costs nothing per step. Per-request timings (TTFT, inter-token latency,
+tensor-parallel world size, constrained sequences, grammar compile times) is read at scrape time
+from the engine thread's latest stats snapshot, so it costs nothing per step. Per-request timings (TTFT, inter-token latency,
 end-to-end) and token counters are recorded on the engine thread as outputs leave ``step()``:
 that is when a token exists, before any event-loop or network delay, and prometheus-client's
 types are thread-safe.
@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from minfer.outputs import RequestOutput
 
@@ -67,6 +68,8 @@ class _EngineStateCollector(Collector):
             "minfer_engine_healthy": ("1 while the engine loop runs", 1.0 if self.healthy() else 0.0),
             "minfer_tensor_parallel_size": ("ranks (GPUs; on the CPU, processes) the model is sharded over",
                                             s.get("tensor_parallel_size", 1)),
+            "minfer_num_requests_constrained": ("running sequences whose output a grammar constrains",
+                                                s.get("num_constrained_running", 0)),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -78,6 +81,9 @@ class _EngineStateCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield _snapshot_histogram("minfer_grammar_compile_seconds",
+                                  "time to compile a structured-output grammar for the tokenizer (cache misses)",
+                                  s.get("grammar_compile_seconds"))
         yield from self._vllm(s)
 
     def _vllm(self, s: dict[str, Any]) -> Iterator[Metric]:
@@ -98,6 +104,14 @@ class _EngineStateCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
             family.add_metric(self.labels, value)
             yield family
+
+
+def _snapshot_histogram(name: str, doc: str, snapshot: dict[str, Any] | None) -> HistogramMetricFamily:
+    """A histogram the engine keeps itself (``{"buckets": [(upper bound, cumulative count), ..., (inf, n)],
+    "sum", "count"}``), rendered from its latest snapshot; empty (one +Inf bucket) before there is one."""
+    snapshot = snapshot or {}
+    buckets = [(floatToGoString(bound), count) for bound, count in snapshot.get("buckets", ())] or [("+Inf", 0)]
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snapshot.get("sum", 0.0))
 
 
 class _VllmRequestMetrics:

@@ -9,13 +9,19 @@ template or the response's own encoding raise later. Names beyond OpenAI's (``to
 ``extra_body``. Streamed chunks are built as plain dicts in ``stream.py``: one per token is hot.
 
 A field that would change the output is either honoured or refused: ``UNSUPPORTED`` lists those
-not implemented (tools, structured outputs, beam search, ...), each a 400 naming it unless it holds
-its neutral value. Other unknown fields are ignored, as the OpenAI API does; ``HARMLESS`` names the
-ones clients are known to send that change nothing here (bookkeeping, caching and routing hints).
+not implemented (the legacy ``functions``, beam search, ...), each a 400 naming it unless it holds
+its neutral value; completions add the chat-only tool fields. Other unknown fields are ignored, as
+the OpenAI API does; ``HARMLESS`` names the ones clients are known to send that change nothing here
+(bookkeeping, caching and routing hints).
+
+The output's constraints (``response_format``, vLLM's ``structured_outputs`` and its older
+``guided_*`` fields, the schema of ``tool_choice="required"`` or of a named function) are checked
+here for their shape and for being one at most; what they mean is checked by the engine's
+``StructuredOutputsParams`` (``server/structured.py``), and the tool rules in ``server/tools.py``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
@@ -37,9 +43,7 @@ HARMLESS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "sa
 
 # Not implemented: a 400 naming the field unless it holds one of its neutral values (None is always one).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-    "function_call": ("none",), "parallel_tool_calls": (), "structured_outputs": (), "guided_json": (),
-    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "functions": ([],), "function_call": ("none",), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
     "logits_processors": ([],), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "prompt_embeds": (), "audio": (), "modalities": (["text"],),
@@ -48,14 +52,22 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _unsupported_field(data: Any) -> str | None:
+# Chat's tool fields, on /v1/completions (which has no messages to call tools from).
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": ()}
+# The constraints on the output, one at most per request.
+CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar")
+
+
+def _unsupported_field(data: Any, unsupported: dict[str, tuple[Any, ...]], known: dict[str, Any]) -> str | None:
+    """The first field not implemented and not at a neutral value; an unknown ``guided_*`` field is one."""
     if not isinstance(data, dict):
         return None
     for name, value in data.items():
-        if value is None:
+        if value is None or not isinstance(name, str):
             continue
-        neutral = UNSUPPORTED.get(name) if isinstance(name, str) else None
-        if (neutral is not None or (isinstance(name, str) and name.startswith("guided_"))) and \
+        neutral = unsupported.get(name)
+        if (neutral is not None or (name.startswith("guided_") and name not in known)) and \
                 not any(type(value) is type(v) and value == v for v in neutral or ()):
             return name
     return None
@@ -90,8 +102,53 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = Field(False, description="usage (so far) in every chunk")
 
 
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema``; ``strict`` is accepted and changes nothing: the schema is always enforced."""
+
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    schema_: dict[Text, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_", mode="after")
+    @classmethod
+    def _schema_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only with it")
+        return self
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's ``structured_outputs`` extra: one of its kinds (``StructuredOutputsParams`` checks that). A key
+    it does not know is refused by name rather than ignored."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[Text, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    @field_validator("json_", mode="after")
+    @classmethod
+    def _schema_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)
+
+
 class SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
 
     model: Text | None = Field(None, description="a name from GET /v1/models; omitted means the served model")
     n: int = Field(1, ge=1, le=MAX_N)
@@ -114,11 +171,24 @@ class SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[Text, float] | None = Field(None, description="not supported: must be empty")
+    # constraints on the output (at most one)
+    response_format: ResponseFormat | None = Field(None, description="OpenAI's: text, json_object or json_schema")
+    structured_outputs: StructuredOutputsField | None = Field(None, description="vLLM's: json, regex, choice, "
+                                                                                "grammar or json_object")
+    guided_json: dict[Text, Any] | Text | None = Field(None, description="vLLM's older structured_outputs.json")
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Text | None = None
+
+    @field_validator("guided_json", mode="after")
+    @classmethod
+    def _schema_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)  # a schema's values have any type: no Text constraint reaches inside them
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        name = _unsupported_field(data)
+        name = _unsupported_field(data, cls._unsupported, cls.model_fields)
         if name is not None:
             raise ValueError(f"{name} is not supported by this server (remove it or send null)")
         return data
@@ -129,7 +199,15 @@ class SamplingFields(_Request):
             raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        given = self.constraints()
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {', '.join(given[1:])} each constrain the output: send one of them")
         return self
+
+    def constraints(self) -> list[str]:
+        """The output constraints this request sets (``response_format`` of type text sets none)."""
+        return [name for name in CONSTRAINTS if getattr(self, name) is not None
+                and not (name == "response_format" and self.response_format.type == "text")]
 
 
 PromptIds = Annotated[list[int], Field(min_length=1)]
@@ -156,6 +234,8 @@ Prompt = Annotated[Union[Annotated[Text, Tag("str")], Annotated[Annotated[list[T
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. ``prompt`` is text, token ids, or a batch of either."""
+
+    _unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**UNSUPPORTED, **CHAT_ONLY}
 
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0, description="OpenAI's default is 16; null means up to the context; "
@@ -196,10 +276,36 @@ class TextPart(_Request):
     text: Text
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64)]  # OpenAI's bound (its characters are not checked)
+
+
+class FunctionCallIn(_Request):
+    name: Text
+    arguments: Text = Field(description="the call's arguments, JSON text")
+
+
+class ToolCallIn(_Request):
+    """A tool call of an earlier assistant message."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: Text | None = Field(None, description="a tool message's answer is to this call")
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages only")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to tool messages only")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -207,8 +313,38 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+class FunctionDef(_Request):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = Field(None, description="a JSON Schema; omitted means no arguments")
+    strict: bool | None = Field(None, description="accepted; required and named tool choices always enforce")
+
+    @field_validator("parameters", mode="after")
+    @classmethod
+    def _parameters_unicode(cls, value: Any) -> Any:
+        return check_unicode(value)
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions; the prompt is the tokenizer's chat template over ``messages``."""
+    """POST /v1/chat/completions; the prompt is the tokenizer's chat template over ``messages``.
+
+    ``tool_choice`` left out is ``"auto"`` when tools are given (OpenAI's and vLLM's default), which, as
+    in vLLM, needs the server's ``--enable-auto-tool-choice``; ``"required"`` with an empty ``tools`` is
+    ``"none"`` (vLLM's reading of OpenAI)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI for max_completion_tokens")
@@ -222,6 +358,10 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = Field(False, description="leave the last (assistant) message open to extend it")
     chat_template_kwargs: dict[Text, Any] | None = Field(None, description="extra variables for the template")
     add_special_tokens: bool = Field(False, description="add BOS etc. on top of what the template writes")
+    # tools
+    tools: list[ChatTool] | None = Field(None, max_length=512)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (true if unset)")
 
     @field_validator("chat_template_kwargs", mode="after")
     @classmethod
@@ -238,7 +378,42 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("continue_final_message needs the last message to be the assistant's")
         if self.stream and self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported when streaming")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError(f"tools holds the function name {_first_repeat(names)!r} more than once")
+        if self.tool_choice is None and self.tools:
+            self.tool_choice = "auto"
+        if self.tool_choice == "required" and self.tools == []:
+            self.tool_choice = "none"
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if self.parallel_tool_calls is not None and not self.tools:
+            raise ValueError("parallel_tool_calls is only allowed with tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             f"in tools ({', '.join(names)})")
+        given = self.constraints()
+        if given and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(f"tool_choice {self.tool_choice_name()!r} constrains the output, and so does "
+                             f"{given[0]}: send one of them")
+
+    def tool_choice_name(self) -> str:
+        """``none``, ``auto``, ``required``, or the named function's name."""
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else (choice or "none")
+
+
+def _first_repeat(names: list[str]) -> str | None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -295,9 +470,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -13,6 +13,8 @@ import signal
 import threading
 from typing import Any
 
+from minfer.server.tool_parsers import check_tool_flags
+
 DEFAULT_MAX_WAITING = 1024
 SERVER_EXTRA = ("fastapi", "fastapi_offline", "uvicorn", "pydantic", "prometheus_client")
 _INSTALL = "pip install 'minfer[server]'"
@@ -40,12 +42,14 @@ def is_loopback(host: str) -> bool:
 def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = DEFAULT_MAX_WAITING,
                log_level: str = "info", access_log: bool = True, api_key: str | None = None,
-               chat_template: str | None = None, max_request_bytes: int | None = None) -> None:
+               chat_template: str | None = None, max_request_bytes: int | None = None,
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully); the engine's
     tensor-parallel workers stop however serving ends.
 
     ``engine_kwargs``: ``EngineConfig`` fields but ``model``; ``model`` None serves the built-in model.
     ``chat_template``: the template's text (``chat_template.load_chat_template`` reads a file).
+    ``enable_auto_tool_choice``, ``tool_call_parser``: see ``build_app`` (checked before the model loads).
     """
     require_server_extra()
     try:
@@ -55,6 +59,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     except ImportError as exc:  # installed, but broken (a dependency of the extra is missing)
         raise ValueError(f"the server's packages do not import ({exc}): {_INSTALL}") from None
 
+    check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     if api_key is None and not is_loopback(host):
         logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
                        "(pass --api-key or set MINFER_API_KEY)", host)
@@ -83,7 +88,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
         limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes or None}  # 0: no cap
         app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
-                        **limit)
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser, **limit)
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log,
                     timeout_graceful_shutdown=5)
     except _Terminated:

@@ -28,10 +28,11 @@ from minfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFu
                                         StepFailedError)
 from minfer.engine.processor import EngineRequest, Processor, PromptError
 from minfer.outputs import RequestOutput
-from minfer.sampling_params import SamplingParams
+from minfer.sampling_params import SamplingParams, StructuredOutputsParams
 from minfer.server.errors import APIError, bad_request, error_body
 from minfer.server.protocol import SamplingFields
 from minfer.server.stream import DONE, sse
+from minfer.server.structured import build, request_constraint
 
 T = TypeVar("T")
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "top_logprobs"}
@@ -46,13 +47,18 @@ class ClientGone(Exception):
 
 @dataclass
 class ServerContext:
-    """The engine, the event loop's processor (its own tokenizer copy) and the served names."""
+    """The engine, the event loop's processor (its own tokenizer copy) and the served names.
+
+    ``tool_call_parser`` (``--tool-call-parser``) reads the calls out of a ``tool_choice="auto"`` answer,
+    which ``enable_auto_tool_choice`` (``--enable-auto-tool-choice``) allows."""
 
     engine: AsyncLLMEngine
     served_model_names: list[str]
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     tokenize_workers: int = TOKENIZE_WORKERS
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         self.processor.clamp_max_tokens = False  # a max_tokens past the context is a 400, as in vLLM
@@ -111,8 +117,22 @@ class ServerContext:
             raise APIError(400, f"{param}: a batch of {num_prompts} prompts with n={n} is over {MAX_SEQUENCES} "
                                 f"sequences", param)
 
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of ``tool_choice="auto"`` answers, None unless auto tool choice is enabled."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+    async def constraint(self, req: SamplingFields) -> StructuredOutputsParams | None:
+        """The request's ``response_format`` / ``structured_outputs`` / ``guided_*`` as the engine's params,
+        checked on the tokenizer pool (building the grammar is work that grows with the schema)."""
+        given = request_constraint(req)
+        if given is None:
+            return None
+        return await self.offload(lambda _: build(*given))
+
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         if stop and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer (the server runs with --skip-tokenizer-init)", "stop")
@@ -122,7 +142,8 @@ class ServerContext:
                       stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, max_tokens=max_tokens,
                       min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       skip_special_tokens=req.skip_special_tokens,
-                      include_stop_str_in_output=req.include_stop_str_in_output)
+                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      structured_outputs=structured_outputs)
         # A field left out takes the model's generation_config.json setting, else SamplingParams' default
         # (OpenAI's); max_tokens left out means up to the context.
         defaults = {k: v for k, v in self.processor.sampling_defaults.items() if k != "max_tokens"}

