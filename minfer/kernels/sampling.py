@@ -46,8 +46,8 @@ def _argmax_chunk_kernel(LOGITS, ROW_HASH, INV_TEMP, VALS, IDXS, stride, vocab, 
         score = tl.load(LOGITS + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         if NOISE:
             col_hash = _mix32(cols.to(tl.uint32) * 0x27D4EB2F + 0x165667B1)
-            bits = _mix32(row_hash ^ col_hash) >> 8
-            u = (bits.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            bits = _mix32(row_hash ^ col_hash) >> 9  # 23 bits: u < 1 exactly (see noise_from_row_hash)
+            u = (bits.to(tl.float32) + 0.5) * (1.0 / 8388608.0)
             if FAST_LOG:  # the hardware's approximate log (libdevice's precise one is ~20 FMAs per call)
                 score = score * inv_temp - libdevice.fast_logf(-libdevice.fast_logf(u))
             else:  # the interpreter has no fast_logf
