@@ -26,7 +26,8 @@ _SUPPORTED_KEYWORDS = frozenset({
 })
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment",
                           "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding"})
-_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+# (not ipv4: xgrammar's allows leading zeros, "80.04.3.0", which JSON Schema's does not)
+_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv6", "uri",
                       "uri-reference", "uri-template", "uuid", "json-pointer", "relative-json-pointer"})
 # keywords whose value is a schema, a list of schemas, or a name -> schema map
 _SUB_SCHEMA = ("items", "additionalProperties", "propertyNames")
@@ -121,6 +122,11 @@ def _check_meta_schema(schema: dict | bool) -> None:
 
 
 def _check_keywords(schema: dict[str, Any], path: str) -> None:
+    """Every keyword is one xgrammar enforces, in a combination it enforces (each refused one was seen
+    to let a non-validating output through)."""
+    def refuse(what: str) -> None:
+        raise ValueError(f"structured_outputs.json: {what} at {path} is not enforced by the grammar engine")
+
     for key, value in schema.items():
         if key in _ANNOTATIONS:
             continue
@@ -140,6 +146,49 @@ def _check_keywords(schema: dict[str, Any], path: str) -> None:
             for name, sub in value.items():
                 if isinstance(sub, dict):
                     _check_keywords(sub, f"{path}/{key}/{name}")
+    constraints = set(schema) - _ANNOTATIONS - {"$defs", "definitions"}
+    if "$ref" in schema and constraints - {"$ref"}:
+        refuse(f"a keyword beside $ref ({', '.join(sorted(constraints - {'$ref'}))})")
+    if len(schema.get("allOf") or []) > 1:
+        refuse("allOf with more than one schema")
+    if "multipleOf" in schema and schema.get("type") != "integer":
+        refuse("multipleOf on a non-integer")
+    if {"minLength", "maxLength"} & set(schema) and {"pattern", "format"} & set(schema):
+        refuse("minLength/maxLength beside a pattern or format")
+    properties = schema.get("properties") or {}
+    missing = [name for name in schema.get("required") or [] if name not in properties]
+    if missing and schema.get("additionalProperties") in (None, False):
+        refuse(f"required {missing} without properties (additional properties are closed)")
+    if "oneOf" in schema and not _exclusive(schema["oneOf"]):
+        refuse("oneOf whose branches may overlap (the grammar enforces any-of; use anyOf, distinct types or "
+               "a const discriminator)")
+
+
+def _exclusive(branches: list[Any]) -> bool:
+    """Whether no value can match two ``oneOf`` branches, by a check that is sure when it says yes: the
+    branches' types are disjoint (integer counts as a number), or they are objects with one required
+    property whose ``const`` differs in each."""
+    types: list[set[str]] = []
+    for b in branches:
+        t = b.get("type") if isinstance(b, dict) else None
+        t = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+        if t is None:
+            break
+        types.append(t | ({"integer"} if "number" in t else set()))
+    else:
+        if sum(len(t) for t in types) == len(set().union(*types)):
+            return True
+    if not all(isinstance(b, dict) for b in branches):
+        return False
+    common = set.intersection(*(set(b.get("required") or []) for b in branches)) if branches else set()
+    for name in common:
+        consts = [((b.get("properties") or {}).get(name) or {}).get("const", _MISSING) for b in branches]
+        if _MISSING not in consts and len({jsonlib.dumps(c) for c in consts}) == len(consts):
+            return True
+    return False
+
+
+_MISSING = object()
 
 
 def _check_compiles(kind: str, grammar_kind: str, text: str) -> None:
