@@ -130,7 +130,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-            self._bitmask = BitmaskFiller(self.model_config.vocab_size, self.runner.device.type == "cuda")
+            self._bitmask = BitmaskFiller(self.model_config.vocab_size, self.config.max_num_seqs, self.runner.device)
         self._constrained.add(request.request_id)
         self._compiling[request.request_id] = (self._grammars.submit(params.structured_outputs), seqs)
 

@@ -98,7 +98,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None = None
                  ) -> DeviceSample:
         """logits: [R, vocab] of the rows that sample this step (float32, or the model dtype).
-        ``bitmask``: structured outputs' allowed tokens per row (``grammar.BitmaskFiller``, on the host),
+        ``bitmask``: structured outputs' allowed tokens per row (``grammar.BitmaskFiller``, on the device),
         applied after the raw logprobs (which stay the model's) and before penalties and draws.
         Nothing here waits for the device: per-row parameters go up through pinned memory, the draws
         stay down."""
@@ -109,7 +109,7 @@ class Sampler:
         want_logprobs = facts.want_logprobs
         raw_logprobs = logits.log_softmax(-1) if facts.any_logprobs else None
         if bitmask is not None:
-            logits = apply_token_bitmask(logits, bitmask.to(self.device, non_blocking=True))
+            logits = apply_token_bitmask(logits, bitmask)
         if facts.any_penalties:
             logits = self._apply_penalties(logits, meta)
         if facts.any_min_tokens and any(c < p.min_tokens for c, p in zip(meta.output_counts.tolist(), facts.params)):
