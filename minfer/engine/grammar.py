@@ -23,6 +23,7 @@ so preemption (recompute keeps the tokens) and async scheduling need no rollback
 from __future__ import annotations
 
 import bisect
+import copy
 import logging
 import threading
 import time
@@ -45,11 +46,13 @@ class GrammarCompiler:
     """Compiles constraints on a thread pool and caches the results by key.
 
     The tokenizer's xgrammar view (``TokenizerInfo``, a pass over the vocabulary) is built on the pool too,
-    on the first constrained request: an engine that never sees one pays nothing, not even the import."""
+    on the first constrained request: an engine that never sees one pays nothing, not even the import.
+    It reads a copy of the tokenizer: a Rust ``tokenizers`` object used from two threads at once (the
+    engine's detokenizing) can fail with 'Already borrowed'."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int], threads: int = 2) -> None:
         self.vocab_size = vocab_size
-        self._tokenizer, self._stop = tokenizer, sorted(stop_token_ids)
+        self._tokenizer, self._stop = copy.deepcopy(tokenizer), sorted(stop_token_ids)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="minfer-grammar")
         self._compiler: Future | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
