@@ -133,3 +133,43 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: list[torch.
             assert gap < tie_gap, f"diverged at output token {i}: ours {a}, HF {b}, HF top-2 gap {gap:.4g}"
             return
     assert len(ours) == len(ref), f"length differs: {len(ours)} vs {len(ref)}"
+
+
+# Mixture-of-experts checkpoints (tests/engine/test_moe.py and its gpu twin)
+MOE = {
+    "qwen3_moe": dict(model_type="qwen3_moe", arch="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      head_dim=32),
+    # every other layer dense, and top-k weights not renormalised
+    "qwen3_moe_mixed": dict(model_type="qwen3_moe", arch="Qwen3MoeForCausalLM", num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                            decoder_sparse_step=2, mlp_only_layers=[], head_dim=16),
+    "mixtral": dict(model_type="mixtral", arch="MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None),
+}
+
+
+def make_moe_checkpoint(out: Path, name: str, scale: float = 2.0, tokenizer: bool = True, **sizes) -> Path:
+    """A tiny random MoE checkpoint of ``MOE[name]`` (``sizes`` override its dimensions), weights ~ scale /
+    sqrt(fan-in): logits spread wide enough that greedy steps are rarely near-ties."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(MOE[name])
+    model_type, arch = spec.pop("model_type"), spec.pop("arch")
+    dims = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512) | spec | sizes
+    config = AutoConfig.for_model(model_type, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+                                  rms_norm_eps=1e-6, **dims)
+    config.architectures = [arch]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * scale / p.shape[-1] ** 0.5 * (2.0 if "embed" in pname else 1.0))
+    model.save_pretrained(str(out))
+    if tokenizer:
+        make_tokenizer(out)
+    return out

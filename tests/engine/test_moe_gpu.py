@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import make_moe_checkpoint
 from minfer import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -27,27 +28,9 @@ LOGPROB_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1}
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """Qwen3-MoE, 2 layers, 8 experts, top 2 renormalised, weights ~ 2 / sqrt(fan-in): logits spread wide
-    enough that greedy steps are rarely near-ties (as tests/engine/test_moe.py builds its checkpoints)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("qwen3_moe", vocab_size=320, hidden_size=128, intermediate_size=192,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                  num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
-                                  decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512,
-                                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * 2.0 / p.shape[-1] ** 0.5 * (2.0 if "embed" in name else 1.0))
-    out = tmp_path_factory.mktemp("moe_gpu") / "qwen3_moe"
-    model.save_pretrained(str(out))
-    return out
+    """Qwen3-MoE, 2 layers, 8 experts, top 2 renormalised (``conftest.make_moe_checkpoint``)."""
+    return make_moe_checkpoint(tmp_path_factory.mktemp("moe_gpu") / "qwen3_moe", "qwen3_moe", tokenizer=False,
+                               hidden_size=128, intermediate_size=192, head_dim=32, moe_intermediate_size=64)
 
 
 def outputs(ckpt, dtype: torch.dtype, backend: str = "triton", enforce_eager: bool = False) -> list:
