@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from minfer.config import EngineConfig, ModelConfig
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance, compile_histogram, new_matcher
-from minfer.engine.model_runner import LaunchedStep, ModelRunner
+from minfer.engine.model_runner import LaunchedStep, ModelRunner, StepArrays
 from minfer.engine.output_processor import OutputProcessor
 from minfer.engine.processor import EngineRequest, Processor, PromptType
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
@@ -82,6 +82,7 @@ class LLMEngine:
         self._bitmask: BitmaskFiller | None = None
         self._compiling: dict[str, tuple[Future, list[Sequence]]] = {}  # waiting for their grammar
         self._constrained: set[str] = set()  # live requests with structured outputs
+        self._ready: tuple[SchedulerOutput, StepArrays | None] | None = None  # the next step, prepared early
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -123,6 +124,7 @@ class LLMEngine:
         self.output_processor.add_request(request, seqs)
         if params.has_penalties:
             self._penalized.add(request.request_id)
+            self._ready = None  # penalties complete each step before the next launch: nothing prepared early
         if params.structured_outputs is None:
             self.scheduler.add_request(seqs)
             return
@@ -141,6 +143,7 @@ class LLMEngine:
             return
         self._penalized.discard(request_id)
         self._constrained.discard(request_id)
+        self._ready = None  # it may hold this request's sequences: the next step schedules afresh
         if self._compiling.pop(request_id, None) is not None:  # never queued: nothing to free
             for seq in seqs:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
@@ -155,7 +158,7 @@ class LLMEngine:
         with nothing running is consistent again: the blocks are free (prefix-cached ones keep contents
         written by steps that completed), and the next requests run as on a fresh engine. Raises if a
         sequence or block is still held afterwards: then recovery is not safe."""
-        self._inflight = None
+        self._inflight = self._ready = None
         self.block_manager.pending_copies = []
         ids = list(self.requests)
         for request_id in ids:
@@ -187,12 +190,18 @@ class LLMEngine:
                 s.params.has_penalties for s in self.scheduler.running):
             outputs += self._complete(self._inflight)  # penalties read every token: no overlap
             self._inflight = None
-        batch = self.scheduler.schedule()
-        self.runner.free_rows(batch.freed_seq_ids)  # also when nothing is launched: rows must not leak
-        launched = self._launch(batch) if batch.seqs else None
+        if self._ready is not None:  # scheduled and prepared while the previous step's forward ran
+            batch, arrays = self._ready
+            self._ready = None
+        else:
+            batch, arrays = self.scheduler.schedule(), None
+            self.runner.free_rows(batch.freed_seq_ids)  # also when nothing is launched: rows must not leak
+        launched = self._launch(batch, arrays) if batch.seqs else None
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         if launched is not None and launched.deferred is not None:  # every matcher is now up to date
+            if self.config.async_scheduling and not self._penalized:
+                self._prepare_next()
             self.runner.sample(launched, self._bitmask.fill(launched.sampled))
         elif launched is None and self._inflight is None and self._compiling:
             wait([f for f, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
@@ -202,14 +211,23 @@ class LLMEngine:
             self._inflight = None
         return outputs
 
-    def _launch(self, batch: SchedulerOutput) -> LaunchedStep:
-        """Queue the step on the device, then advance its sequences as if it had run."""
+    def _prepare_next(self) -> None:
+        """Schedule the next step and build its inputs now, while this step's forward runs and before its
+        sampling is queued (which waits for the bitmask): the next forward is then queued right behind the
+        sampling, and the GPU does not wait for the host's scheduling. Only constrained steps do this."""
+        batch = self.scheduler.schedule()
+        self.runner.free_rows(batch.freed_seq_ids)
+        self._ready = (batch, self.runner.prepare(batch) if batch.seqs else None)
+
+    def _launch(self, batch: SchedulerOutput, arrays: StepArrays | None = None) -> LaunchedStep:
+        """Queue the step on the device, then advance its sequences as if it had run (``arrays``: its inputs,
+        when ``_prepare_next`` built them)."""
         if self.block_manager.pending_copies:  # copy-on-write of blocks shared by forked samples
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies = []
         prev = self._inflight.sample if self._inflight is not None else None
         defer = bool(self._constrained) and any(s.grammar is not None for s in batch.seqs)
-        launched = self.runner.launch(batch, prev.token_ids if prev is not None else None, defer)
+        launched = self.runner.launch(batch, prev.token_ids if prev is not None else None, defer, arrays)
         for seq, (first, entries) in launched.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(seq, first, entries)
         self.scheduler.on_launched(batch, launched.sampled)

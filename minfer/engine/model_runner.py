@@ -319,13 +319,14 @@ class ModelRunner:
 
     @torch.no_grad()
     def launch(self, batch: SchedulerOutput, prev_tokens: torch.Tensor | None,
-               defer_sampling: bool = False) -> LaunchedStep:
+               defer_sampling: bool = False, arrays: StepArrays | None = None) -> LaunchedStep:
         """Queue one forward over the step's tokens (a graph replay for pure decodes) and the draws of
         the sequences that reach their end; ``prev_tokens`` are the previous step's sampled ids, the
         source of this step's pending input tokens. Waits for the device only for prompt logprobs.
         ``defer_sampling``: queue the forward only; ``sample`` queues the draws later (structured
-        outputs fill their token masks while the forward runs)."""
-        a = self.prepare(batch)
+        outputs fill their token masks while the forward runs). ``arrays``: ``prepare(batch)``, when the
+        engine built the step's inputs ahead."""
+        a = self.prepare(batch) if arrays is None else arrays
         if len(a.fill_dst) and prev_tokens is None:
             raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
         chunks = self._prompt_logprob_chunks(batch)

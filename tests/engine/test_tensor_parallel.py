@@ -3,7 +3,9 @@ greedy tokens, for every architecture and scheduling path; each rank loads only 
 fail at construction; a dead worker fails the engine fast, naming its rank."""
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, assert_greedy_match, hf_greedy, make_checkpoint
-from minfer import LLM, SamplingParams
+from minfer import LLM, SamplingParams, StructuredOutputsParams
 from minfer.config import ModelConfig
 from minfer.distributed import TensorParallel
 from minfer.engine.tp_workers import TensorParallelError
@@ -185,3 +187,24 @@ def test_a_stuck_worker_fails_the_engine_within_the_time_limit(checkpoints, monk
     finally:
         engine.shutdown()  # kills the stopped worker after its grace period
     assert not worker.is_alive()
+
+
+def test_tp2_structured_outputs_match_tp1(checkpoints):
+    """Constrained sampling stays on rank 0 (the bitmask, the matchers); the workers follow the same steps,
+    prepared-ahead ones included, and the tokens equal one process's."""
+    schema = {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": 0, "maximum": 99}}
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s, structured_outputs=StructuredOutputsParams(
+                  json=schema, disable_any_whitespace=True)) for s in range(3)]
+    params.append(SamplingParams(max_tokens=12, temperature=1.0, seed=9,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-c]{3,6}")))
+    prompts = ["hello", "the", "a b", "x"]
+    one = LLM(str(checkpoints["qwen2"]), num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(checkpoints["qwen2"]), num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in one] == [o.outputs[0].token_ids for o in two]
+    for o in one[:3]:
+        assert o.outputs[0].finish_reason == "stop" and isinstance(json.loads(o.outputs[0].text), list)
+    assert re.fullmatch("[a-c]{3,6}", one[3].outputs[0].text)
