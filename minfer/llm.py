@@ -71,8 +71,11 @@ class LLM:
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation (``tools``: OpenAI-style function specs
+        the template shows the model), then generate; for calls that must parse, constrain the output with
+        ``SamplingParams(structured_outputs=...)``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
@@ -80,7 +83,7 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template)
+                                           chat_template=chat_template, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -118,6 +118,10 @@ def test_chat_uses_the_template(checkpoints):
     out = llm.chat(msgs, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0]
     assert out.prompt == "<s>user: hello\nassistant:"
     assert out.prompt_token_ids == llm.get_tokenizer().encode(out.prompt, add_special_tokens=False)
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=2), use_tqdm=False, chat_template=template, tools=tools)[0]
+    assert out.prompt == "[get_weather]hello"
 
 
 def test_sharded_half_precision_checkpoint_loads(tmp_path, checkpoints):
