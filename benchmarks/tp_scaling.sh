@@ -17,8 +17,9 @@
 #          weight-bandwidth bound (N x 4.22 TB/s over the weights read per token).
 # serve:   `minfer bench-serve --launch --tensor-parallel-size N` per tp, concurrency 1,16,64,256 (SERVE_CONC),
 #          fixed 512 in / 128 out as in RESULTS.md (SERVE_WORKLOAD).
-# 70b:     llama-3.1-70b (141 GB random bf16, written once to /tmp/minfer-shapes, reused while the machine stays warm;
-#          a write cut off by the time limit resumes at the next call) at TP_70B (default 4): workload A (70b_a),
+# 70b:     llama-3.1-70b (workload A and batch 1: random bf16 weights drawn on the GPUs; start-up: 141 GB written
+#          once to /tmp/minfer-shapes, reused while the machine stays warm, a write cut off by the time limit resuming
+#          at the next call) at TP_70B (default 4): workload A (70b_a),
 #          batch 1 (70b_batch1), and `minfer serve` launch -> /health healthy (70b_startup).
 # A part or tp that needs more GPUs than `nvidia-smi -L` lists (NGPUS overrides) is skipped, saying so.
 # Dry run (every tp in TP_LIST is 1): the 70b parts run at tp=1 on LAYERS_70B (default 8) of the 70B's 80 layers,
@@ -70,10 +71,13 @@ else
   M8=(--shape llama-3.1-8b)
   if has a || has batch1 || has serve; then write_shape llama-3.1-8b "$SHAPES_DIR/llama-3.1-8b"; fi
 fi
+# The 70B's throughput parts draw their random weights on the GPUs (--load-format dummy: nothing to write);
+# only the start-up part, which times a real load, needs the 141 GB checkpoint on disk.
 if [ -n "${MODEL_70B:-}" ]; then M70DIR="$MODEL_70B"; M70=(--model "$MODEL_70B")
-elif [ "$LAYERS_70B" = 80 ]; then M70DIR="$SHAPES_DIR/llama-3.1-70b"; M70=(--shape llama-3.1-70b)
-else M70DIR="$SHAPES_DIR/llama-3.1-70b-${LAYERS_70B}l"; M70=(--shape llama-3.1-70b --shape-layers "$LAYERS_70B"); fi
-if [ -z "${MODEL_70B:-}" ] && { has 70b_a || has 70b_batch1 || has 70b_startup; } && [ "$TP_70B" -le "$NGPUS" ]; then
+elif [ "$LAYERS_70B" = 80 ]; then M70DIR="$SHAPES_DIR/llama-3.1-70b"; M70=(--shape llama-3.1-70b --load-format dummy)
+else M70DIR="$SHAPES_DIR/llama-3.1-70b-${LAYERS_70B}l"
+  M70=(--shape llama-3.1-70b --shape-layers "$LAYERS_70B" --load-format dummy); fi
+if [ -z "${MODEL_70B:-}" ] && has 70b_startup && [ "$TP_70B" -le "$NGPUS" ]; then
   if [ "$LAYERS_70B" = 80 ]; then write_shape llama-3.1-70b "$M70DIR"; else write_shape llama-3.1-70b "$M70DIR" "$LAYERS_70B"; fi
 fi
 
