@@ -86,14 +86,28 @@ def tool_constraint(req: ChatCompletionRequest, plan: ToolPlan) -> StructuredOut
 
 
 def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
-    """A JSON array of calls, each ``{"name": <a tool's name>, "parameters": <its schema>}``."""
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "const": t.function.name},
-                                                "parameters": _parameters(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    """A JSON array of calls, each ``{"name": <a tool's name>, "parameters": <its schema>}``.
+
+    A tool's ``$defs`` (pydantic writes its nested models there, referenced as ``#/$defs/Name``) move to the
+    combined schema's root, where those references now point; two tools defining one name differently
+    cannot share the root and are a 400."""
+    defs: dict[str, Any] = {}
+    calls = []
+    for i, tool in enumerate(tools):
+        params = dict(_parameters(tool))
+        for name, sub in (params.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, sub) != sub:
+                raise APIError(400, f"tools[{i}].function.parameters: $defs.{name} differs from another tool's "
+                                    f"definition of the same name", f"tools[{i}].function.parameters")
+        calls.append({"type": "object", "properties": {"name": {"type": "string", "const": tool.function.name},
+                                                       "parameters": params},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 

@@ -140,3 +140,29 @@ def test_tool_flags() -> None:
         check_tool_flags(True, None)
     with pytest.raises(ValueError, match="mistral"):
         check_tool_flags(False, "mistral")
+
+
+def test_required_schema_hoists_each_tools_defs() -> None:
+    """pydantic-style tools reference ``#/$defs/...``: in the combined array schema those must resolve, and
+    outputs valid for a tool validate against it."""
+    import jsonschema
+
+    from minfer.server.errors import APIError
+    from minfer.server.protocol import ChatTool
+    from minfer.server.tools import required_schema
+    from minfer.structured_outputs import StructuredOutputsParams
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tool = ChatTool.model_validate({"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}}, "required": ["to"],
+        "$defs": {"Point": point}}}})
+    plain = ChatTool.model_validate({"type": "function", "function": {"name": "stop"}})
+    schema = required_schema([tool, plain], parallel=True)
+    StructuredOutputsParams(json=schema)  # compiles: the reference resolves at the root
+    jsonschema.validate([{"name": "move", "parameters": {"to": {"x": 3}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "move", "parameters": {"to": {"y": 3}}}], schema)
+    clash = ChatTool.model_validate({"type": "function", "function": {"name": "jump", "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "$defs": {"Point": {"type": "string"}}}}})
+    with pytest.raises(APIError):
+        required_schema([tool, clash], parallel=True)
