@@ -135,6 +135,16 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: list[torch.
     assert len(ours) == len(ref), f"length differs: {len(ours)} vs {len(ref)}"
 
 
+def assert_same_outputs(a: list, b: list, tol: float = 1e-4) -> None:
+    """Two runs' outputs (e.g. tp=2 against tp=1): the same tokens, the same top-logprob tokens, logprobs
+    within ``tol``."""
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+            assert lx.keys() == ly.keys()
+            assert max(abs(lx[t] - ly[t]) for t in lx) < tol
+
+
 # Mixture-of-experts checkpoints (tests/engine/test_moe.py and its gpu twin)
 MOE = {
     "qwen3_moe": dict(model_type="qwen3_moe", arch="Qwen3MoeForCausalLM", num_experts=8, num_experts_per_tok=2,

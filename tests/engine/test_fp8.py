@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import assert_greedy_match, hf_greedy, make_checkpoint
+from conftest import assert_greedy_match, assert_same_outputs, hf_greedy, make_checkpoint
 from fp8_checkpoints import (
     assert_same_distributions, fake_quant_reference, greedy, write_block_fp8, write_compressed_tensors,
     write_dequantized, write_tensor_fp8,
@@ -114,10 +114,7 @@ def test_fp8_under_tensor_parallelism_equals_one_process(tmp_path):
         two = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
-    for a, b in zip(one, two):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert max(abs(x[t] - y[t]) for t in x) < 1e-4
+    assert_same_outputs(one, two)
 
 
 @pytest.mark.parametrize("qc,match", [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import MOE, assert_greedy_match, hf_greedy, make_moe_checkpoint
+from conftest import MOE, assert_greedy_match, assert_same_outputs, hf_greedy, make_moe_checkpoint
 from minfer import LLM, SamplingParams
 
 PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
@@ -67,10 +67,7 @@ def test_moe_under_tensor_parallelism_equals_one_process(moe_ckpts, name):
         held = sum(p.numel() for p in llm.llm_engine.runner.model.parameters())
     finally:
         llm.llm_engine.shutdown()
-    for a, b in zip(one, two):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert max(abs(x[t] - y[t]) for t in x) < 1e-4
+    assert_same_outputs(one, two)
     from minfer.config import ModelConfig
     from minfer.distributed import TensorParallel
     from minfer.model.loader import build_model

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ARCHS, assert_greedy_match, hf_greedy, make_checkpoint
+from conftest import ARCHS, assert_greedy_match, assert_same_outputs, hf_greedy, make_checkpoint
 from minfer import LLM, SamplingParams, StructuredOutputsParams
 from minfer.config import ModelConfig
 from minfer.distributed import TensorParallel
@@ -36,14 +36,6 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-def _assert_same(a, b, tol: float = 1e-4) -> None:
-    for x, y in zip(a, b):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
-            assert lx.keys() == ly.keys()
-            assert max(abs(lx[t] - ly[t]) for t in lx) < tol
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_tp2_matches_tp1_and_hf(checkpoints, arch, scenario):
@@ -52,14 +44,14 @@ def test_tp2_matches_tp1_and_hf(checkpoints, arch, scenario):
     llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **SCENARIOS[scenario])
     try:
         two = _run(llm, prompts)
-        _assert_same(two, one)
+        assert_same_outputs(two, one)
         for prompt, out in zip(prompts, two):
             ref, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
             assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
         stats = llm.get_stats()
         assert stats["tensor_parallel_size"] == 2
         if scenario == "default":  # the same prompts again: their blocks come from the prefix cache
-            _assert_same(_run(llm, prompts[-2:]), two[-2:])
+            assert_same_outputs(_run(llm, prompts[-2:]), two[-2:])
             assert llm.get_stats()["prefix_cache_hit_tokens"] >= 2 * 32
         else:
             assert stats["num_preemptions"] > 0
@@ -98,7 +90,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them(tmp_path):
     one = _run(LLM(str(ckpt), num_kv_blocks=64), PROMPTS)
     llm = LLM(str(ckpt), num_kv_blocks=64, tensor_parallel_size=2)
     try:
-        _assert_same(_run(llm, PROMPTS), one)
+        assert_same_outputs(_run(llm, PROMPTS), one)
     finally:
         llm.llm_engine.shutdown()
     for out, prompt in zip(one, PROMPTS):
