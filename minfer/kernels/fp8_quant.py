@@ -37,6 +37,7 @@ from .fp8_ref import (  # noqa: F401 - the torch references and constants are pa
     FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, num_groups, quantize_fp8_ref,
 )
 from .quant import round_to_float_grid
+from .rmsnorm import norm_row
 
 # A per-token row up to this width is quantized from registers in one pass; wider rows take two passes over
 # BLOCK-wide chunks (amax, then codes), the second reading the row back from L2. SwiGLU's 14336-wide rows (llama
@@ -129,22 +130,13 @@ def _quant_rows_kernel(X, Q, S, K, n_groups, stride_x, stride_q, stride_s, PROLO
 def _rms_norm_fp8_kernel(X, R, W, Q, S, hidden, n_groups, stride_x, stride_r, stride_q, stride_s, eps,
                          HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
                          MIN_SCALE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
-    """rmsnorm.py's kernel (same loads, same roundings, same one-block reduction) with a quantizing store."""
+    """rmsnorm.py's kernel (its ``norm_row``: same roundings, same one-block reduction) with a quantizing store."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    dtype = x.dtype
-    if HAS_RESIDUAL:
-        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(R + row * stride_r + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / hidden
-    normed = (xf * tl.rsqrt(var + eps)).to(dtype)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype).to(tl.float32)
+    out = norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL).to(tl.float32)
     _store_quantized(out, Q, S, row, 0, hidden, 0, n_groups, stride_q, stride_s, BLOCK, GROUP, MIN_SCALE, EXACT)
 
 

@@ -17,15 +17,10 @@ from .pdl import launch_options, use_pdl, wait_for_previous
 
 
 @triton.jit
-def _rms_norm_kernel(
-    X, R, W, OUT, stride_x, stride_xh, stride_r, heads, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-):
-    wait_for_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < hidden
-    x = tl.load(X + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask, other=0.0)
+def norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL: tl.constexpr):
+    """One loaded row ``x`` (BLOCK wide, ``mask`` over ``hidden``): the residual added (and stored back to R)
+    when HAS_RESIDUAL, RMS-normalised and weighted, with HF's roundings; returned in x's dtype. The
+    FP8-emitting norm (fp8_quant.py) shares it, so both round alike."""
     dtype = x.dtype
     if HAS_RESIDUAL:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
@@ -35,7 +30,20 @@ def _rms_norm_kernel(
     var = tl.sum(xf * xf, axis=0) / hidden
     normed = (xf * tl.rsqrt(var + eps)).to(dtype)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    out = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+    return (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, OUT, stride_x, stride_xh, stride_r, heads, hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(X + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask, other=0.0)
+    out = norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL)
     tl.store(OUT + row * hidden + cols, out, mask=mask)  # OUT is contiguous
 
 
