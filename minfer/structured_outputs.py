@@ -83,10 +83,6 @@ class StructuredOutputsParams:
             self.key = ("json_object", "")
         _check_compiles(kind, *self.key)
 
-    @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object))
-
 
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are valid EBNF literals)."""

@@ -131,18 +131,16 @@ class BitmaskFiller:
     """Fills the token bitmask of a step's sampling rows: a constrained row allows what its matcher
     allows, every other row (unconstrained, or finished while the step was in flight) allows all.
 
-    The host buffer is pinned and allocated once: a fresh pinned tensor each step cost several
-    milliseconds at 64 rows of a 128k vocabulary on the H200's host, longer than the forward it
-    should hide under. Before it is refilled, the previous step's upload must have left it (an event;
-    in practice long done: the previous step's draws, queued after that upload, have been read)."""
+    The host buffer is pinned (the upload must not wait for the forward the fill hides under) and
+    allocated once. Before it is refilled, the previous step's upload must have left it (an event; in
+    practice long done: the previous step's draws, queued after that upload, have been read)."""
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
         import xgrammar
 
-        self.width = (vocab_size + 31) // 32
         self.device = device
         cuda = device.type == "cuda"
-        self._host = torch.empty((max_rows, self.width), dtype=torch.int32, pin_memory=cuda)
+        self._host = torch.empty((max_rows, (vocab_size + 31) // 32), dtype=torch.int32, pin_memory=cuda)
         self._uploaded = torch.cuda.Event() if cuda else None
         self._batch = xgrammar.BatchGrammarMatcher()
 
@@ -157,7 +155,7 @@ class BitmaskFiller:
             self._batch.batch_fill_next_token_bitmask([s.grammar for s in seqs], bitmask)
         else:
             # numpy, not torch: a torch fill of this size runs on the intra-op thread pool, whose threads
-            # then spin beside xgrammar's (measured: 3.7 ms for the fill and a 10x slower mask on the H200 host)
+            # then spin beside xgrammar's and slow its fill many times over (RESULTS.md, structured outputs)
             bitmask.numpy()[:] = -1
             if rows:
                 self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask, rows)

@@ -64,11 +64,9 @@ class MoeConfig:
 
 # (largest mean rows per expert = T * top_k / E, config), first match wins. The key is rows per expert, not
 # tokens, because that is what sizes the m-tile: qwen3-30b-a3b (top 8 of 128) has 1 row per expert at
-# T=16, mixtral-8x7b (top 2 of 8) has 4. Chosen with ``benchmarks/bench_moe.py --sweep`` on the H200
-# (2026-12-02, RESULTS.md): up to 16 rows an expert, one 16-row block (a weight stream; the sweep's best was
-# within 5%); to 64 rows, 64x128 tiles (mixtral at T=256: 846 against 1,504 µs; at the same 64 rows qwen3's
-# T=1024 was fastest with 128x256, 504 against 773 µs, and 64x128 was not timed there); past that 128x256
-# tiles (the fastest at every measured point: qwen3 T=4096 911 against 1,118 µs, mixtral T=1024 and 4096).
+# T=16, mixtral-8x7b (top 2 of 8) has 4. Chosen with ``benchmarks/bench_moe.py --sweep`` on the H200 (the
+# figures are in RESULTS.md): up to 16 rows an expert one 16-row block (a weight stream), then tiles that
+# grow toward compute-bound GEMM shapes.
 MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
     (16, MoeConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)),
     (64, MoeConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),

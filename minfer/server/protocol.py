@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from minfer.sampling_params import MAX_SEED
 
@@ -93,6 +93,12 @@ def check_unicode(value: Any) -> Any:
     return value
 
 
+# A JSON value of any shape (a schema, template variables): no Text constraint reaches inside it, so its
+# strings are checked by walking it.
+JsonObject = Annotated[dict[Text, Any], AfterValidator(check_unicode)]
+JsonSchemaValue = Annotated[dict[Text, Any] | Text, AfterValidator(check_unicode)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -107,13 +113,9 @@ class JsonSchemaFormat(_Request):
 
     name: Text = Field(min_length=1, max_length=64)
     description: Text | None = None
-    schema_: dict[Text, Any] = Field(alias="schema")
+    schema_: JsonObject = Field(alias="schema")
     strict: bool | None = None
 
-    @field_validator("schema_", mode="after")
-    @classmethod
-    def _schema_unicode(cls, value: Any) -> Any:
-        return check_unicode(value)
 
 
 class ResponseFormat(_Request):
@@ -132,17 +134,13 @@ class StructuredOutputsField(_Request):
     it does not know is refused by name rather than ignored."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    json_: dict[Text, Any] | Text | None = Field(None, alias="json")
+    json_: JsonSchemaValue | None = Field(None, alias="json")
     regex: Text | None = None
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
     grammar: Text | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
 
-    @field_validator("json_", mode="after")
-    @classmethod
-    def _schema_unicode(cls, value: Any) -> Any:
-        return check_unicode(value)
 
 
 class SamplingFields(_Request):
@@ -175,15 +173,11 @@ class SamplingFields(_Request):
     response_format: ResponseFormat | None = Field(None, description="OpenAI's: text, json_object or json_schema")
     structured_outputs: StructuredOutputsField | None = Field(None, description="vLLM's: json, regex, choice, "
                                                                                 "grammar or json_object")
-    guided_json: dict[Text, Any] | Text | None = Field(None, description="vLLM's older structured_outputs.json")
+    guided_json: JsonSchemaValue | None = Field(None, description="vLLM's older structured_outputs.json")
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
     guided_grammar: Text | None = None
 
-    @field_validator("guided_json", mode="after")
-    @classmethod
-    def _schema_unicode(cls, value: Any) -> Any:
-        return check_unicode(value)  # a schema's values have any type: no Text constraint reaches inside them
 
     @model_validator(mode="before")
     @classmethod
@@ -316,13 +310,9 @@ class ChatMessage(_Request):
 class FunctionDef(_Request):
     name: FunctionName
     description: Text | None = None
-    parameters: dict[Text, Any] | None = Field(None, description="a JSON Schema; omitted means no arguments")
+    parameters: JsonObject | None = Field(None, description="a JSON Schema; omitted means no arguments")
     strict: bool | None = Field(None, description="accepted; required and named tool choices always enforce")
 
-    @field_validator("parameters", mode="after")
-    @classmethod
-    def _parameters_unicode(cls, value: Any) -> Any:
-        return check_unicode(value)
 
 
 class ChatTool(_Request):
@@ -356,17 +346,12 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = Field(None, min_length=1, description="a Jinja template replacing the model's")
     add_generation_prompt: bool = Field(True, description="end with the assistant's header, so the model answers")
     continue_final_message: bool = Field(False, description="leave the last (assistant) message open to extend it")
-    chat_template_kwargs: dict[Text, Any] | None = Field(None, description="extra variables for the template")
+    chat_template_kwargs: JsonObject | None = Field(None, description="extra variables for the template")
     add_special_tokens: bool = Field(False, description="add BOS etc. on top of what the template writes")
     # tools
     tools: list[ChatTool] | None = Field(None, max_length=512)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (true if unset)")
-
-    @field_validator("chat_template_kwargs", mode="after")
-    @classmethod
-    def _kwargs_unicode(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_unicode(value)  # values of any type: no Text constraint reaches inside them
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
