@@ -49,6 +49,7 @@ from minfer.kernels.gemv import _RMS_NORM, _SILU_MUL  # noqa: E402
 from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
+from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available  # noqa: E402
 from minfer.kernels.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
 PEAK_BW = HBM_BYTES_PER_S  # BENCHMARKS.md's measured copy bandwidth
@@ -312,6 +313,12 @@ def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str =
     fn()
     note = check("prefill", out, ref)
     rows.append(Row("prefill attn", shape, "triton paged", bench_graph(fn), nbytes, flops, note))
+    if sm90_prefill_available(q.device, d, page):
+        fn = lambda: paged_prefill_attention_sm90(q, kc, vc, table, qsl, lens, t, scale, out)
+        out.fill_(float("nan"))
+        fn()
+        note = check("prefill sm90", out, ref)
+        rows.append(Row("prefill attn", shape, "gluon sm90 paged", bench_graph(fn), nbytes, flops, note))
     rows.append(Row("prefill attn", shape, "torch ref", bench(lambda: paged_prefill_attention_ref(
         q, kc, vc, table, qsl, lens, t, scale), rep=50), nbytes, flops, "gather + fp32 softmax, eager"))
     k, v = contiguous_kv(kc, vc, table, t)

@@ -36,7 +36,7 @@ def select_ops(attention_backend: str, device: torch.device, block_size: int, he
     if attention_backend == "triton":
         from minfer.ops.triton_ops import TritonOps
 
-        return TritonOps()
+        return TritonOps(device, block_size, head_dim)
     return TorchOps()
 
 

@@ -13,6 +13,7 @@ from minfer.kernels.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
 from minfer.kernels.fp8_quant import FP8_GROUP, add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
 from minfer.kernels.moe import fused_moe
 from minfer.kernels.prefill_attention import paged_prefill_attention
+from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
 from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
@@ -24,6 +25,11 @@ from minfer.ops.one_token import OneTokenFusedForward
 class TritonOps(Ops):
     name = "triton"
     cuda_graphs = True
+
+    def __init__(self, device: torch.device, block_size: int, head_dim: int) -> None:
+        # Prefill attention: the warp-specialized TMA/wgmma kernel on Hopper, the Triton kernel elsewhere.
+        hopper = sm90_prefill_available(device, head_dim, block_size)
+        self.prefill_attention = paged_prefill_attention_sm90 if hopper else paged_prefill_attention
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x if x.dim() == 3 else x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
@@ -51,9 +57,9 @@ class TritonOps(Ops):
             paged_decode_attention(q[:nd], kc, vc, meta.block_tables[:nd], meta.context_lens[:nd], scale,
                                    out=out[:nd], **scales)
         if nd < q.shape[0]:
-            paged_prefill_attention(q[nd:], kc, vc, meta.prefill_block_tables, meta.prefill_query_start_loc,
-                                    meta.prefill_context_lens, meta.max_prefill_query_len, scale, out=out[nd:],
-                                    **scales)
+            self.prefill_attention(q[nd:], kc, vc, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                                   meta.prefill_context_lens, meta.max_prefill_query_len, scale, out=out[nd:],
+                                   **scales)
         return out
 
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -88,14 +88,14 @@ def check_decode(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_di
 
 
 def check_prefill(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                  page: int, dtype: torch.dtype, device: str) -> None:
+                  page: int, dtype: torch.dtype, device: str, kernel=paged_prefill_attention) -> None:
     k_cache, v_cache, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, dtype, device)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(device)
     q = torch.randn(sum(q_lens), num_heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, k_cache, v_cache, table, qsl, lens, max(q_lens), scale, out=out)
+    kernel(q, k_cache, v_cache, table, qsl, lens, max(q_lens), scale, out=out)
     ref = paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, qsl, lens,
                                       max(q_lens), scale)
     assert_close(out, ref, dtype, "prefill")

@@ -1,0 +1,303 @@
+"""Paged prefill attention for Hopper (sm_90) in Gluon: a copy warp feeding two consumer warpgroups
+through TMA and mbarriers, warpgroup MMA, and each tile's softmax overlapped with the previous
+tile's P·V product.
+
+The same computation as ``prefill_attention.py`` (its Triton kernel is this one's reference and the
+path everywhere else): a program owns ``BLOCK_M`` query rows of one head of one sequence and walks
+the sequence's keys in ``BLOCK_N`` tiles straight from the paged cache. What Triton's compiler does
+not do for that loop, this kernel does by hand:
+
+- **Warp specialization.** One warp only copies: Q once, then each key tile by TMA, one bulk copy
+  per cache page and 64-column half, into a ring of ``STAGES`` shared-memory slots that complete on
+  ``ready`` mbarriers. Two consumer warpgroups (64 query rows each) compute, and release a slot on
+  its ``empty`` mbarrier once both have read it. The page lookups and copy issue never stall the
+  tensor-core warps (the same loop without the copy warp measured slower than Triton's kernel).
+- **Products.** S = Q·Kᵀ and O += P·V are ``wgmma`` instructions issued asynchronously: in tile j a
+  warpgroup issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}, waits for S_j alone, and computes tile
+  j's softmax while the tensor cores still run the P·V product; then O is rescaled by the new
+  running max.
+- **Layouts.** A 128-byte swizzled bf16 row holds 64 columns, so every 128-wide tile lives in
+  shared memory as two [rows, 64] halves: Q·Kᵀ is the sum of two half products, O two [M, 64]
+  accumulators. P goes to the second product straight from registers.
+
+Three stages (3 × 64 KB of K/V and 32 KB of Q at head_dim 128) measured 1.22× two. Rows past the
+chunk (the tile overhangs into the next sequence's rows) compute harmlessly and are masked at the
+store. Keys past the context are read (page 0 for table entries past it) and masked by position:
+their P is 0, so the cache must hold finite values there, which the engine's zeroed cache does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from .prefill_attention import paged_prefill_attention
+from .quant import check_paged_attention
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - exercised only with an old Triton
+    gluon = None
+
+LOG2E = 1.4426950408889634
+HALF = 64  # bf16 columns in one 128-byte swizzled shared-memory row
+BLOCK_M = 128
+BLOCK_N = 128
+STAGES = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def sm90_prefill_available(device: torch.device, head_dim: int, block_size: int) -> bool:
+    """Whether this kernel serves ``device``: a Hopper GPU, Gluon present, head_dim 64 or 128,
+    pages of at least 16 tokens (a TMA copy per page; smaller pages would cut swizzle atoms), and
+    ``MINFER_SM90_ATTENTION`` not 0 (to measure against the Triton kernel)."""
+    if gluon is None or device.type != "cuda" or os.environ.get("MINFER_SM90_ATTENTION", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capable(index) and head_dim in (64, 128) and block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+if gluon is not None:
+    _HALF = gl.constexpr(HALF)
+    CONSUMER_REGS = gl.constexpr(232)
+    PRODUCER_REGS = gl.constexpr(40)
+
+    @gluon.jit
+    def _issue_tile(k_desc, v_desc, k_smem, v_smem, ready, bt_row, tile, ctx, kv_col,
+                    PAGE: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Start the TMA copies of key tile ``tile`` (K and V, every page and half) into its slot."""
+        slot = tile % STAGES
+        bar = ready.index(slot)
+        ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # rows per copy
+        COPIES: gl.constexpr = BLOCK_N // ROWS
+        mbarrier.expect(bar, 2 * BLOCK_N * HALVES * _HALF * k_desc.dtype.primitive_bitwidth // 8)
+        n0 = tile * BLOCK_N
+        for c in gl.static_range(COPIES):
+            pos = n0 + c * ROWS
+            page = gl.load(bt_row + pos // PAGE, mask=pos < ctx, other=0)
+            row = page * PAGE + pos % PAGE
+            for hf in gl.static_range(HALVES):
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col + hf * _HALF], bar,
+                                                k_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col + hf * _HALF], bar,
+                                                v_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
+
+    @gluon.jit
+    def _scores(q_smem, q0: gl.constexpr, k_smem, slot, s_layout: gl.constexpr, HALVES: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Issue S = Q·Kᵀ for the tile in ``slot`` (asynchronous: one wgmma group per half)."""
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # ignored (use_acc=False)
+        s = warpgroup_mma(q_smem.index(q0), k_smem.index(slot * HALVES).permute((1, 0)), s_zero,
+                          use_acc=False, is_async=True)
+        for hf in gl.static_range(1, HALVES):
+            s = warpgroup_mma(q_smem.index(q0 + hf), k_smem.index(slot * HALVES + hf).permute((1, 0)), s, is_async=True)
+        return s
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, n0, q_pos, ctx, needs_mask, scale_log2e, col_layout: gl.constexpr,
+                 p_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Online softmax of one score tile: (P in the input dtype as the P·V product's register operand,
+        the new running max, the new row sums, the rescale factor)."""
+        if needs_mask:
+            offs = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
+            keep = (gl.expand_dims(offs, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(offs < ctx, 0)
+            s = gl.where(keep, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2e)
+        p = gl.exp2(s * scale_log2e - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return gl.convert_layout(p.to(dtype), p_layout), m_new, l_i, alpha
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, bt_row, q_row, q_col, ctx,
+                  n_tiles, kv_col, PAGE: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr,
+                  SUB_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """The copy warp: Q once, then every key tile as soon as the consumers free its slot."""
+        mbarrier.expect(q_bar, 2 * SUB_M * HALVES * _HALF * q_desc.dtype.primitive_bitwidth // 8)
+        for wg in gl.static_range(2):
+            for hf in gl.static_range(HALVES):
+                tma.async_copy_global_to_shared(q_desc, [q_row + wg * SUB_M, q_col + hf * _HALF], q_bar,
+                                                q_smem.index(wg * HALVES + hf))
+        for t in range(n_tiles):
+            # Slot t % STAGES last held tile t - STAGES: wait until both consumers released it.
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
+            _issue_tile(k_desc, v_desc, k_smem, v_smem, ready, bt_row, t, ctx, kv_col, PAGE, HALVES, STAGES, BLOCK_N)
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, O, scale_log2e, row0, q_len, q_pos0, ctx,
+                  n_tiles, full_tiles, out_row0, out_col, stride_ot,
+                  WG: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, SUB_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+        """One warpgroup's 64 query rows: the online-softmax loop over the key tiles the copy warp delivers."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+        o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = q_smem.dtype
+
+        q_pos = q_pos0 + gl.arange(0, SUB_M, layout=row_layout)
+        m_i = gl.full([SUB_M], float("-inf"), gl.float32, row_layout)
+        l_i = gl.zeros([SUB_M], gl.float32, row_layout)
+        o0 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
+        o1 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
+
+        # Tile 0: its scores alone (tile 0 holds key 0, which every row sees: no row stays -inf).
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(ready.index(0), 0)
+        s = _scores(q_smem, WG * HALVES, k_smem, 0, s_layout, HALVES, SUB_M, BLOCK_N)
+        s = warpgroup_mma_wait(0, deps=[s])
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, q_pos, ctx, full_tiles == 0, scale_log2e,
+                                      col_layout, p_layout, dtype, BLOCK_N)
+        for j in range(1, n_tiles):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            s = _scores(q_smem, WG * HALVES, k_smem, slot, s_layout, HALVES, SUB_M, BLOCK_N)
+            pa = p
+            o0 = warpgroup_mma(pa, v_smem.index(prev * HALVES), o0, is_async=True)
+            if HALVES == 2:
+                o1 = warpgroup_mma(pa, v_smem.index(prev * HALVES + 1), o1, is_async=True)
+                s = warpgroup_mma_wait(2, deps=[s])
+            else:
+                s = warpgroup_mma_wait(1, deps=[s])
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, q_pos, ctx, j >= full_tiles, scale_log2e,
+                                          col_layout, p_layout, dtype, BLOCK_N)
+            if HALVES == 2:
+                o0, o1, pa = warpgroup_mma_wait(0, deps=[o0, o1, pa])
+            else:
+                o0, pa = warpgroup_mma_wait(0, deps=[o0, pa])
+            mbarrier.arrive(empty.index(prev), count=1)  # tile j-1's K and V are no longer read
+            a = gl.expand_dims(gl.convert_layout(alpha, o_row_layout), 1)
+            o0 = o0 * a
+            o1 = o1 * a
+        last = (n_tiles - 1) % STAGES
+        pa = p
+        o0 = warpgroup_mma(pa, v_smem.index(last * HALVES), o0, is_async=True)
+        if HALVES == 2:
+            o1 = warpgroup_mma(pa, v_smem.index(last * HALVES + 1), o1, is_async=True)
+            o0, o1, pa = warpgroup_mma_wait(0, deps=[o0, o1, pa])
+        else:
+            o0, pa = warpgroup_mma_wait(0, deps=[o0, pa])
+
+        inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, o_row_layout), 1)
+        o_rows = row0 + gl.arange(0, SUB_M, layout=o_row_layout)
+        cols = gl.arange(0, _HALF, layout=gl.SliceLayout(0, o_layout))
+        ptr = (O + gl.expand_dims((out_row0 + o_rows).to(gl.int64) * stride_ot, 1) + out_col
+               + gl.expand_dims(cols, 0))
+        store_mask = gl.expand_dims(o_rows < q_len, 1)
+        gl.store(ptr, (o0 * inv_l).to(O.dtype.element_ty), mask=store_mask)
+        if HALVES == 2:
+            gl.store(ptr + _HALF, (o1 * inv_l).to(O.dtype.element_ty), mask=store_mask)
+
+    @gluon.jit(do_not_specialize=["stride_btb"])  # the block-table width changes from step to step
+    def _prefill_sm90_kernel(
+        q_desc, k_desc, v_desc, BT, QSL, CL, O, scale_log2e, stride_btb, stride_ot, stride_oh,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        HALVES: gl.constexpr = HEAD_DIM // _HALF
+        SUB_M: gl.constexpr = BLOCK_M // 2  # rows per consumer warpgroup
+        h = gl.program_id(0)
+        m_block = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest query blocks start first
+        sq = gl.program_id(2)
+        q_start = gl.load(QSL + sq)
+        q_len = gl.load(QSL + sq + 1) - q_start
+        m0 = m_block * BLOCK_M
+        if m0 < q_len:
+            ctx = gl.load(CL + sq)
+            first_pos = ctx - q_len + m0  # position of the block's first query row
+            n_tiles = gl.cdiv(gl.minimum(ctx, first_pos + BLOCK_M), BLOCK_N)
+            full_tiles = (first_pos + 1) // BLOCK_N  # tiles every row sees whole: no mask
+            bt_row = BT + sq.to(gl.int64) * stride_btb
+
+            dtype: gl.constexpr = q_desc.dtype
+            q_smem = gl.allocate_shared_memory(dtype, [2 * HALVES, SUB_M, _HALF], q_desc.layout)
+            k_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, _HALF], k_desc.layout)
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, _HALF], v_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            for i in gl.static_range(STAGES):
+                mbarrier.init(ready.index(i), count=1)
+                mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(q_bar, count=1)
+
+            gl.warp_specialize([
+                (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, O, scale_log2e, m0, q_len,
+                             first_pos, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
+                             0, HALVES, STAGES, SUB_M, BLOCK_N)),
+                (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, O, scale_log2e, m0 + SUB_M, q_len,
+                             first_pos + SUB_M, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
+                             1, HALVES, STAGES, SUB_M, BLOCK_N)),
+                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, bt_row,
+                             q_start + m0, h * HEAD_DIM, ctx, n_tiles, (h // GROUP) * HEAD_DIM,
+                             PAGE, HALVES, STAGES, SUB_M, BLOCK_N)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(i))
+                mbarrier.invalidate(empty.index(i))
+            mbarrier.invalidate(q_bar)
+
+
+def paged_prefill_attention_sm90(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``paged_prefill_attention`` (same arguments and result) on sm_90 with 16-bit q and caches;
+    other inputs go to the Triton kernel."""
+    fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
+                                context_lens=context_lens, query_start_loc=query_start_loc)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, page, num_kv_heads = k_cache.shape[:3]
+    tma_ready = q.stride(1) == head_dim and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0  # TMA alignment
+    if (fmt is not None or q.dtype not in (torch.bfloat16, torch.float16) or not tma_ready
+            or not sm90_prefill_available(q.device, head_dim, page)):
+        return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                                       max_query_len, scale, out, k_scale=k_scale, v_scale=v_scale)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
+        return out
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # q [T, Hq, D] as a 2-D [T, Hq*D] view with its own row stride (q is a slice of the fused projection).
+    q_desc = TensorDescriptor(q, [num_tokens, num_heads * head_dim], [q.stride(0), 1], [BLOCK_M // 2, HALF],
+                              layout)
+    kv_shape = [num_blocks * page, num_kv_heads * head_dim]
+    kv_strides = [num_kv_heads * head_dim, 1]
+    box = [min(page, BLOCK_N), HALF]
+    k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, box, layout)
+    v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, box, layout)
+    grid = (num_heads, triton.cdiv(max_query_len, BLOCK_M), num_seqs)
+    _prefill_sm90_kernel[grid](
+        q_desc, k_desc, v_desc, block_tables, query_start_loc, context_lens, out, scale * LOG2E,
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, num_warps=4,
+    )
+    return out

@@ -1,0 +1,69 @@
+"""The Hopper (Gluon) paged prefill kernel against the float64 reference and the Triton kernel it
+stands in for, on an sm_90 GPU (`pytest -m gpu`): page sizes, GQA ratios, head dims, 16-bit dtypes,
+chunks that start mid-sequence and lengths that are not multiples of the 128-row tiles."""
+
+import pytest
+import torch
+
+from kernel_testlib import check_prefill, make_paged_kv, seed_per_case  # noqa: F401 (autouse fixture)
+from minfer.kernels import paged_prefill_attention
+from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not sm90_prefill_available(torch.device("cuda"), 128, 16),
+                       reason="needs an sm_90 GPU and Triton's Gluon"),
+]
+
+# A whole prompt, a chunk starting mid-sequence, a single-row chunk, a short prompt, an overhanging tile.
+Q_LENS = [1000, 300, 1, 77, 129]
+CTX_LENS = [1000, 2000, 513, 77, 4000]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(16, 8, 128), (32, 8, 128), (32, 8, 64), (8, 8, 128), (32, 4, 128)],
+                         ids=["qwen3-0.6b", "llama-3.1-8b", "llama-3.2-1b", "mha", "gqa8"])
+def test_prefill_sm90(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    check_prefill(Q_LENS, CTX_LENS, *shape, 16, dtype, "cuda", kernel=paged_prefill_attention_sm90)
+
+
+@pytest.mark.parametrize("page", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_sm90_pages(page: int, head_dim: int) -> None:
+    check_prefill(Q_LENS, CTX_LENS, 16, 4, head_dim, page, torch.bfloat16, "cuda", kernel=paged_prefill_attention_sm90)
+
+
+def test_prefill_sm90_matches_triton() -> None:
+    """Both kernels round P to bf16 before P·V and accumulate in float32: they agree far inside the
+    bf16 tolerance, so a systematic error in either shows here."""
+    q_lens, ctx_lens = [8192, 2048, 1024], [8192, 6144, 1024]
+    k_cache, v_cache, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.bfloat16, "cuda")
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().cuda()
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, k_cache, v_cache, table, qsl, lens, max(q_lens), 128 ** -0.5)
+    fast, ref = paged_prefill_attention_sm90(*args), paged_prefill_attention(*args)
+    err = ((fast.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 4e-3, err
+
+
+def test_prefill_sm90_strided_q_and_graph() -> None:
+    """q as a slice of a fused qkv projection (row stride > Hq*D), launched inside a CUDA graph."""
+    q_lens, ctx_lens = [300, 45], [700, 45]
+    k_cache, v_cache, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.bfloat16, "cuda")
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().cuda()
+    qkv = torch.randn(sum(q_lens), (32 + 16) * 128, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, :32 * 128].view(-1, 32, 128)
+    args = (q, k_cache, v_cache, table, qsl, lens, max(q_lens), 128 ** -0.5)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    paged_prefill_attention_sm90(*args, out=out)  # compile outside the capture
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_prefill_attention_sm90(*args, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_prefill_attention(q.contiguous(), *args[1:])
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 4e-3, err
