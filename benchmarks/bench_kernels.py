@@ -289,7 +289,15 @@ def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str =
         fn = lambda: paged_prefill_attention(q, kq, vq, table, qsl, lens, t, scale, out, **sc)
         fn()
         note = check(f"prefill {kv_dtype}", out, qref) + f", quant {rel_err(out, ref):.1e}"
-        return [Row("prefill attn", shape, f"triton paged {kv_dtype}", bench_graph(fn), nbytes, flops, note)]
+        rows = [Row("prefill attn", shape, f"triton paged {kv_dtype}", bench_graph(fn), nbytes, flops, note)]
+        if sm90_prefill_available(q.device, d, page):
+            fn = lambda: paged_prefill_attention_sm90(q, kq, vq, table, qsl, lens, t, scale, out, **sc)
+            out.fill_(float("nan"))
+            fn()
+            note = check(f"prefill sm90 {kv_dtype}", out, qref) + f", quant {rel_err(out, ref):.1e}"
+            rows.append(Row("prefill attn", shape, f"gluon sm90 paged {kv_dtype}", bench_graph(fn), nbytes, flops,
+                            note))
+        return rows
     rows: list[Row] = []
     if sweep:
         best = (float("inf"), None)
@@ -458,11 +466,15 @@ def gemv_fused_case(n: int, k: int, label: str, prologue: str, sweep: bool) -> l
 
 def add_speedups(rows: list[Row]) -> None:
     """Note each 8-bit row's speed-up over the bf16 Triton row of the same kernel and shape."""
-    base = {(r.kernel, r.shape): r.ms for r in rows if r.impl in ("triton", "triton paged")}  # bf16 rows
+    def family(impl: str) -> str:  # the bf16 row an 8-bit row compares with: the same kernel's
+        return next((b for b in ("gluon sm90 paged", "triton paged") if impl.startswith(b)), "triton")
+
+    base = {(r.kernel, r.shape, r.impl): r.ms for r in rows if r.impl in ("triton", "triton paged", "gluon sm90 paged")}
     for r in rows:
         quant = any(w.rstrip(",") in KV_QUANT_FORMATS for w in r.impl.split())
-        if quant and "sweep" not in r.impl and (r.kernel, r.shape) in base:
-            r.note += f", {base[(r.kernel, r.shape)] / r.ms:.2f}x bf16"
+        key = (r.kernel, r.shape, family(r.impl))
+        if quant and "sweep" not in r.impl and key in base:
+            r.note += f", {base[key] / r.ms:.2f}x bf16"
 
 
 def main() -> None:

@@ -2,6 +2,9 @@
 shapes: each variant checked against the Triton kernel, timed under a CUDA graph, next to SDPA.
 
     python benchmarks/sweep_attention_sm90.py [--t 8192] [--variants 128x128x3,128x64x4]
+    python benchmarks/sweep_attention_sm90.py --kv-dtype int8 --variants 128x128x2x2,128x64x4x3
+
+A variant is BLOCK_M x BLOCK_N x STAGES (the ring the consumers read) [x CODE_STAGES, 8-bit caches].
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_kernels import bench_graph, contiguous_kv, paged_cache, rel_err  # noqa: E402
+from bench_kernels import bench_graph, contiguous_kv, paged_cache, quantized_cache, rel_err  # noqa: E402
 from minfer.kernels import prefill_attention_sm90 as sm90  # noqa: E402
 from minfer.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
@@ -21,30 +24,43 @@ from minfer.kernels.prefill_attention import paged_prefill_attention  # noqa: E4
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t", type=int, nargs="+", default=[8192])
-    ap.add_argument("--variants", default="128x128x3", help="BLOCK_MxBLOCK_NxSTAGES, comma-separated")
+    ap.add_argument("--variants", default="128x128x3", help="BLOCK_MxBLOCK_NxSTAGES[xCODE_STAGES], comma-separated")
+    ap.add_argument("--kv-dtype", default="auto", help="auto (bf16) or an 8-bit format: int8, fp8_e4m3, fp8_e5m2")
     args = ap.parse_args()
     hq, hkv, d, page = 32, 8, 128, 16
     print("| T | impl | us | TFLOP/s | % of 793 | err vs triton |\n|---|---|---|---|---|---|")
     for t in args.t:
         kc, vc, table, lens = paged_cache([t], hkv, d, page)
+        sc = {}
+        if args.kv_dtype != "auto":
+            kc, vc, ks, vs = quantized_cache(kc, vc, args.kv_dtype)
+            sc = dict(k_scale=ks, v_scale=vs)
         q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
         qsl = torch.tensor([0, t], dtype=torch.int32, device="cuda")
         scale = d ** -0.5
         flops = 4 * t * t / 2 * d * hq
-        ref = paged_prefill_attention(q, kc, vc, table, qsl, lens, t, scale)
+        ref = paged_prefill_attention(q, kc, vc, table, qsl, lens, t, scale, **sc)
         line = lambda name, ms, err: print(f"| {t} | {name} | {ms * 1e3:.0f} | {flops / ms / 1e9:.0f} | "
                                            f"{100 * flops / ms / 1e9 / 793:.1f}% | {err} |", flush=True)
-        line("triton paged", bench_graph(lambda: paged_prefill_attention(q, kc, vc, table, qsl, lens, t, scale)), "")
+        line(f"triton paged {args.kv_dtype}",
+             bench_graph(lambda: paged_prefill_attention(q, kc, vc, table, qsl, lens, t, scale, **sc)), "")
         out = torch.empty_like(q)
         for v in args.variants.split(","):
-            sm90.BLOCK_M, sm90.BLOCK_N, sm90.STAGES = map(int, v.split("x"))
+            dims = list(map(int, v.split("x")))
+            sm90.BLOCK_M, sm90.BLOCK_N = dims[:2]
+            if sc:
+                sm90.QUANT_STAGES, sm90.CODE_STAGES = dims[2:4]
+            else:
+                sm90.STAGES = dims[2]
             try:
-                fn = lambda: sm90.paged_prefill_attention_sm90(q, kc, vc, table, qsl, lens, t, scale, out)
+                fn = lambda: sm90.paged_prefill_attention_sm90(q, kc, vc, table, qsl, lens, t, scale, out, **sc)
                 out.fill_(float("nan"))
                 fn()
                 line(f"gluon {v}", bench_graph(fn), f"{rel_err(out, ref):.1e}")
             except Exception as e:  # a variant that does not fit (shared memory, registers)
                 print(f"| {t} | gluon {v} | failed: {type(e).__name__}: {str(e)[:120]} | | | |", flush=True)
+        if sc:
+            continue
         k, v_ = contiguous_kv(kc, vc, table, t)
         q4 = q.transpose(0, 1)[None]
         sd = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v_, is_causal=True, scale=scale,

@@ -40,7 +40,9 @@ from .quant import check_paged_attention
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - exercised only with an old Triton
     gluon = None
@@ -49,7 +51,9 @@ LOG2E = 1.4426950408889634
 HALF = 64  # bf16 columns in one 128-byte swizzled shared-memory row
 BLOCK_M = 128
 BLOCK_N = 128
-STAGES = 3
+STAGES = 3  # K/V ring slots of 16-bit caches
+QUANT_STAGES = 2  # float16 slots the converter fills, for 8-bit caches
+CODE_STAGES = 2  # 8-bit code slots the copy warp fills
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,6 +75,9 @@ if gluon is not None:
     _HALF = gl.constexpr(HALF)
     CONSUMER_REGS = gl.constexpr(232)
     PRODUCER_REGS = gl.constexpr(40)
+    QUANT_CONSUMER_REGS = gl.constexpr(232)  # 2 x 128 x 232 + 32 x 24 + 128 x 40 fit the 64K registers
+    QUANT_PRODUCER_REGS = gl.constexpr(24)
+    CONVERTER_REGS = gl.constexpr(40)
 
     @gluon.jit
     def _issue_tile(k_desc, v_desc, k_smem, v_smem, ready, bt_row, tile, ctx, kv_col,
@@ -104,18 +111,27 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _softmax(s, m_i, l_i, n0, q_pos, ctx, needs_mask, scale_log2e, col_layout: gl.constexpr,
-                 p_layout: gl.constexpr, dtype: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Online softmax of one score tile: (P in the input dtype as the P·V product's register operand,
-        the new running max, the new row sums, the rescale factor)."""
+    def _softmax(s, m_i, l_i, n0, q_pos, ctx, needs_mask, scale_log2e, k_sc, v_sc, col_layout: gl.constexpr,
+                 p_layout: gl.constexpr, dtype: gl.constexpr, QUANT: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Online softmax of one score tile: (P in ``dtype`` as the P·V product's register operand, the new
+        running max, the new row sums, the rescale factor). 8-bit caches (``QUANT``): K's per-key scales
+        ``k_sc`` (with ``scale * log2 e`` folded in) multiply the score columns, V's ``v_sc`` the P columns."""
+        if QUANT:
+            s = s * gl.expand_dims(k_sc, 0)
         if needs_mask:
             offs = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
             keep = (gl.expand_dims(offs, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(offs < ctx, 0)
             s = gl.where(keep, s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2e)
-        p = gl.exp2(s * scale_log2e - gl.expand_dims(m_new, 1))
+        if QUANT:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+        else:  # the scale rides in the exponent's FMA rather than a separate pass over s
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2e)
+            p = gl.exp2(s * scale_log2e - gl.expand_dims(m_new, 1))
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, axis=1)
+        if QUANT:
+            p = p * gl.expand_dims(v_sc, 0)
         return gl.convert_layout(p.to(dtype), p_layout), m_new, l_i, alpha
 
     @gluon.jit
@@ -134,11 +150,85 @@ if gluon is not None:
             _issue_tile(k_desc, v_desc, k_smem, v_smem, ready, bt_row, t, ctx, kv_col, PAGE, HALVES, STAGES, BLOCK_N)
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, ready, empty, O, scale_log2e, row0, q_len, q_pos0, ctx,
+    def _codes_to_f16(x):
+        """8-bit codes → the float16 values they encode, exactly. int8 by byte permutes: code + 128 becomes
+        the low byte of the float16 1024 + (code + 128), and one packed subtraction of 1152 leaves the code
+        (integer-to-float conversions issue at a quarter of the ALU rate; these at full rate). fp8 by the
+        hardware's conversion."""
+        if x.dtype == gl.int8:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 u, a, b, c; mov.b32 c, 0x64806480; xor.b32 u, $2, 0x80808080; "
+                "prmt.b32 a, u, 0x64646464, 0x4140; prmt.b32 b, u, 0x64646464, 0x4342; "
+                "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+        return x.to(gl.float16)
+
+    @gluon.jit
+    def _converter(kc_smem, vc_smem, k16, v16, sc_smem, ready, codes_empty, conv_ready, conv_empty, KS, VS,
+                   bt_row, s_base, s_stride, ctx, n_tiles, scale_log2e, PAGE: gl.constexpr, HALVES: gl.constexpr,
+                   CODE_STAGES: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+        """8-bit caches: the warps that turn each tile's codes into the float16 values they encode (exact), in
+        shared memory for the MMAs, and stage its per-key scales; they run beside the consumers' products."""
+        CHUNK: gl.constexpr = 32
+        blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [32, 64] codes, 16 a thread
+        key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        for t in range(n_tiles):
+            cs = t % CODE_STAGES
+            cv = t % STAGES
+            offs = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_layout)
+            valid = offs < ctx
+            page = gl.load(bt_row + offs // PAGE, mask=valid, other=0).to(gl.int64)
+            s_off = s_base + page * s_stride + offs % PAGE
+            k_sc = gl.load(KS + s_off, mask=valid, other=0.0).to(gl.float32) * scale_log2e
+            v_sc = gl.load(VS + s_off, mask=valid, other=0.0).to(gl.float32)
+            mbarrier.wait(ready.index(cs), (t // CODE_STAGES) & 1)
+            mbarrier.wait(conv_empty.index(cv), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
+            for hf in gl.static_range(HALVES):
+                for r in gl.static_range(BLOCK_N // CHUNK):
+                    x = kc_smem.index(cs * HALVES + hf).slice(r * CHUNK, CHUNK).load(blk)
+                    k16.index(cv * HALVES + hf).slice(r * CHUNK, CHUNK).store(_codes_to_f16(x))
+                    y = vc_smem.index(cs * HALVES + hf).slice(r * CHUNK, CHUNK).load(blk)
+                    v16.index(cv * HALVES + hf).slice(r * CHUNK, CHUNK).store(_codes_to_f16(y))
+            sc_smem.index(2 * cv).store(k_sc)
+            sc_smem.index(2 * cv + 1).store(v_sc)
+            fence_async_shared()  # the MMAs read these stores through the async proxy
+            gl.thread_barrier()  # every converter warp is done before one thread signals
+            mbarrier.arrive(codes_empty.index(cs), count=1)
+            mbarrier.arrive(conv_ready.index(cv), count=1)
+
+    @gluon.jit
+    def _q_to_f16(q_smem, WG: gl.constexpr, HALVES: gl.constexpr, SUB_M: gl.constexpr):
+        """Rewrite one warpgroup's bf16 Q rows as float16 in the same shared memory (values past float16's
+        range saturate there, as in ``quant.q_to_f16``) and return the float16 view."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [32, 64], 8 a thread
+        q16 = q_smem._reinterpret(gl.float16, q_smem.shape, q_smem.layout)
+        for hf in gl.static_range(HALVES):
+            for r in gl.static_range(SUB_M // 32):
+                x = q_smem.index(WG * HALVES + hf).slice(r * 32, 32).load(blk).to(gl.float32)
+                x = gl.minimum(gl.maximum(x, -65504.0), 65504.0)
+                q16.index(WG * HALVES + hf).slice(r * 32, 32).store(x.to(gl.float16))
+        fence_async_shared()
+        gl.thread_barrier()
+        return q16
+
+    @gluon.jit
+    def _tile_scales(sc_smem, slot, scale_log2e, col_layout: gl.constexpr, QUANT: gl.constexpr):
+        """The per-key K and V scales of the tile in ``slot`` (8-bit caches; unused scalars otherwise)."""
+        if QUANT:
+            k_sc = sc_smem.index(2 * slot).load(col_layout)
+            v_sc = sc_smem.index(2 * slot + 1).load(col_layout)
+        else:
+            k_sc = scale_log2e
+            v_sc = scale_log2e
+        return k_sc, v_sc
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e, row0, q_len, q_pos0, ctx,
                   n_tiles, full_tiles, out_row0, out_col, stride_ot,
                   WG: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, SUB_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr):
-        """One warpgroup's 64 query rows: the online-softmax loop over the key tiles the copy warp delivers."""
+                  BLOCK_N: gl.constexpr, QUANT: gl.constexpr, CONVERT_Q: gl.constexpr):
+        """One warpgroup's 64 query rows: the online-softmax loop over the key tiles delivered to ``ready``
+        (by the copy warp; for 8-bit caches by the converter, with the scales in ``sc_smem``)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -147,7 +237,7 @@ if gluon is not None:
         row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
         o_row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        dtype: gl.constexpr = q_smem.dtype
+        dtype: gl.constexpr = k_smem.dtype
 
         q_pos = q_pos0 + gl.arange(0, SUB_M, layout=row_layout)
         m_i = gl.full([SUB_M], float("-inf"), gl.float32, row_layout)
@@ -155,13 +245,17 @@ if gluon is not None:
         o0 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
         o1 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
 
-        # Tile 0: its scores alone (tile 0 holds key 0, which every row sees: no row stays -inf).
         mbarrier.wait(q_bar, 0)
+        if CONVERT_Q:  # bf16 q against float16 codes: this warpgroup's rows become float16 in place
+            q_smem = _q_to_f16(q_smem, WG, HALVES, SUB_M)
+
+        # Tile 0: its scores alone (tile 0 holds key 0, which every row sees: no row stays -inf).
         mbarrier.wait(ready.index(0), 0)
         s = _scores(q_smem, WG * HALVES, k_smem, 0, s_layout, HALVES, SUB_M, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=[s])
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, q_pos, ctx, full_tiles == 0, scale_log2e,
-                                      col_layout, p_layout, dtype, BLOCK_N)
+        k_sc, v_sc = _tile_scales(sc_smem, 0, scale_log2e, col_layout, QUANT)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, q_pos, ctx, full_tiles == 0, scale_log2e, k_sc, v_sc,
+                                      col_layout, p_layout, dtype, QUANT, BLOCK_N)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -174,8 +268,9 @@ if gluon is not None:
                 s = warpgroup_mma_wait(2, deps=[s])
             else:
                 s = warpgroup_mma_wait(1, deps=[s])
+            k_sc, v_sc = _tile_scales(sc_smem, slot, scale_log2e, col_layout, QUANT)  # read after the wait: registers
             p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, q_pos, ctx, j >= full_tiles, scale_log2e,
-                                          col_layout, p_layout, dtype, BLOCK_N)
+                                          k_sc, v_sc, col_layout, p_layout, dtype, QUANT, BLOCK_N)
             if HALVES == 2:
                 o0, o1, pa = warpgroup_mma_wait(0, deps=[o0, o1, pa])
             else:
@@ -205,9 +300,10 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["stride_btb"])  # the block-table width changes from step to step
     def _prefill_sm90_kernel(
-        q_desc, k_desc, v_desc, BT, QSL, CL, O, scale_log2e, stride_btb, stride_ot, stride_oh,
-        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+        q_desc, k_desc, v_desc, KS, VS, BT, QSL, CL, O, scale_log2e, stride_btb, stride_ot, stride_oh,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
+        QUANT: gl.constexpr, CONVERT_Q: gl.constexpr, num_warps: gl.constexpr,
     ):
         HALVES: gl.constexpr = HEAD_DIM // _HALF
         SUB_M: gl.constexpr = BLOCK_M // 2  # rows per consumer warpgroup
@@ -223,31 +319,61 @@ if gluon is not None:
             n_tiles = gl.cdiv(gl.minimum(ctx, first_pos + BLOCK_M), BLOCK_N)
             full_tiles = (first_pos + 1) // BLOCK_N  # tiles every row sees whole: no mask
             bt_row = BT + sq.to(gl.int64) * stride_btb
+            kvh = h // GROUP
 
-            dtype: gl.constexpr = q_desc.dtype
-            q_smem = gl.allocate_shared_memory(dtype, [2 * HALVES, SUB_M, _HALF], q_desc.layout)
-            k_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, _HALF], k_desc.layout)
-            v_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, _HALF], v_desc.layout)
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * HALVES, SUB_M, _HALF], q_desc.layout)
+            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(q_bar, count=1)
+            # The ring the consumers read: the copies themselves, or (8-bit) the converter's float16 tiles.
+            k_smem = gl.allocate_shared_memory(gl.float16 if QUANT else k_desc.dtype, [STAGES * HALVES, BLOCK_N, _HALF],
+                                               q_desc.layout if QUANT else k_desc.layout)
+            v_smem = gl.allocate_shared_memory(k_smem.dtype, [STAGES * HALVES, BLOCK_N, _HALF], k_smem.layout)
             ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
             empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             for i in gl.static_range(STAGES):
                 mbarrier.init(ready.index(i), count=1)
                 mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-            mbarrier.init(q_bar, count=1)
-
-            gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, O, scale_log2e, m0, q_len,
-                             first_pos, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
-                             0, HALVES, STAGES, SUB_M, BLOCK_N)),
-                (_consumer, (q_smem, k_smem, v_smem, q_bar, ready, empty, O, scale_log2e, m0 + SUB_M, q_len,
-                             first_pos + SUB_M, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
-                             1, HALVES, STAGES, SUB_M, BLOCK_N)),
-                (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, bt_row,
-                             q_start + m0, h * HEAD_DIM, ctx, n_tiles, (h // GROUP) * HEAD_DIM,
-                             PAGE, HALVES, STAGES, SUB_M, BLOCK_N)),
-            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-
+            if QUANT:
+                kc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF],
+                                                    k_desc.layout)
+                vc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF],
+                                                    k_desc.layout)
+                sc_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
+                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+                copied = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
+                released = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
+                for i in gl.static_range(CODE_STAGES):
+                    mbarrier.init(copied.index(i), count=1)
+                    mbarrier.init(released.index(i), count=1)
+                gl.warp_specialize([
+                    (_consumer, (q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e, m0,
+                                 q_len, first_pos, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
+                                 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                    (_consumer, (q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e,
+                                 m0 + SUB_M, q_len, first_pos + SUB_M, ctx, n_tiles, full_tiles, q_start,
+                                 h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                    (_producer, (q_desc, k_desc, v_desc, q_smem, kc_smem, vc_smem, q_bar, copied, released,
+                                 bt_row, q_start + m0, h * HEAD_DIM, ctx, n_tiles, kvh * HEAD_DIM,
+                                 PAGE, HALVES, CODE_STAGES, SUB_M, BLOCK_N)),
+                    (_converter, (kc_smem, vc_smem, k_smem, v_smem, sc_smem, copied, released, ready, empty,
+                                  KS, VS, bt_row, kvh * PAGE, NUM_KV_HEADS * PAGE, ctx, n_tiles, scale_log2e,
+                                  PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N)),
+                ], [4, 1, 4], [QUANT_CONSUMER_REGS, QUANT_PRODUCER_REGS, CONVERTER_REGS])
+                for i in gl.static_range(CODE_STAGES):
+                    mbarrier.invalidate(copied.index(i))
+                    mbarrier.invalidate(released.index(i))
+            else:
+                gl.warp_specialize([
+                    (_consumer, (q_smem, k_smem, v_smem, q_smem, q_bar, ready, empty, O, scale_log2e, m0,
+                                 q_len, first_pos, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
+                                 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                    (_consumer, (q_smem, k_smem, v_smem, q_smem, q_bar, ready, empty, O, scale_log2e,
+                                 m0 + SUB_M, q_len, first_pos + SUB_M, ctx, n_tiles, full_tiles, q_start,
+                                 h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                    (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, bt_row,
+                                 q_start + m0, h * HEAD_DIM, ctx, n_tiles, kvh * HEAD_DIM,
+                                 PAGE, HALVES, STAGES, SUB_M, BLOCK_N)),
+                ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(i))
                 mbarrier.invalidate(empty.index(i))
@@ -268,14 +394,14 @@ def paged_prefill_attention_sm90(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``paged_prefill_attention`` (same arguments and result) on sm_90 with 16-bit q and caches;
-    other inputs go to the Triton kernel."""
+    """``paged_prefill_attention`` (same arguments and result) on sm_90 with a 16-bit q over bf16/fp16 or
+    8-bit caches; other inputs go to the Triton kernel."""
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens, query_start_loc=query_start_loc)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads = k_cache.shape[:3]
     tma_ready = q.stride(1) == head_dim and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0  # TMA alignment
-    if (fmt is not None or q.dtype not in (torch.bfloat16, torch.float16) or not tma_ready
+    if (q.dtype not in (torch.bfloat16, torch.float16) or not tma_ready
             or not sm90_prefill_available(q.device, head_dim, page)):
         return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                        max_query_len, scale, out, k_scale=k_scale, v_scale=v_scale)
@@ -284,20 +410,24 @@ def paged_prefill_attention_sm90(
     num_seqs = query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0 or max_query_len == 0:
         return out
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    quant = fmt is not None
+    layout16 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    # 64 one-byte codes fill a 64-byte swizzled row: 8-bit tiles keep the same 64-column halves.
+    kv_layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2) if quant else layout16
     # q [T, Hq, D] as a 2-D [T, Hq*D] view with its own row stride (q is a slice of the fused projection).
     q_desc = TensorDescriptor(q, [num_tokens, num_heads * head_dim], [q.stride(0), 1], [BLOCK_M // 2, HALF],
-                              layout)
+                              layout16)
     kv_shape = [num_blocks * page, num_kv_heads * head_dim]
     kv_strides = [num_kv_heads * head_dim, 1]
     box = [min(page, BLOCK_N), HALF]
-    k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, box, layout)
-    v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, box, layout)
+    k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, box, kv_layout)
+    v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, box, kv_layout)
     grid = (num_heads, triton.cdiv(max_query_len, BLOCK_M), num_seqs)
     _prefill_sm90_kernel[grid](
-        q_desc, k_desc, v_desc, block_tables, query_start_loc, context_lens, out, scale * LOG2E,
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=STAGES, num_warps=4,
+        q_desc, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
+        query_start_loc, context_lens, out, scale * LOG2E, block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, NUM_KV_HEADS=num_kv_heads,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=QUANT_STAGES if quant else STAGES, CODE_STAGES=CODE_STAGES,
+        QUANT=quant, CONVERT_Q=quant and q.dtype == torch.bfloat16, num_warps=4,
     )
     return out

@@ -204,7 +204,8 @@ def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, h
 
 
 def check_prefill_quant(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-                        page: int, kv_dtype: str, dtype: torch.dtype, device: str) -> None:
+                        page: int, kv_dtype: str, dtype: torch.dtype, device: str,
+                        kernel=paged_prefill_attention) -> None:
     kf, vf, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, torch.float32, device)
     kc, vc, ks, vs = quantize_paged_kv(_outlier_kv(kf.shape, device), _outlier_kv(vf.shape, device), kv_dtype)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
@@ -212,7 +213,7 @@ def check_prefill_quant(q_lens: list[int], ctx_lens: list[int], num_heads: int, 
     q = torch.randn(sum(q_lens), num_heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, kc, vc, table, qsl, lens, max(q_lens), scale, out=out, k_scale=ks, v_scale=vs)
+    kernel(q, kc, vc, table, qsl, lens, max(q_lens), scale, out=out, k_scale=ks, v_scale=vs)
     ref = paged_prefill_attention_ref(q.double(), kc, vc, table, qsl, lens, max(q_lens), scale, k_scale=ks, v_scale=vs)
     assert_close(out, ref, dtype, f"prefill {kv_dtype}")
 

@@ -1,11 +1,14 @@
 """The Hopper (Gluon) paged prefill kernel against the float64 reference and the Triton kernel it
 stands in for, on an sm_90 GPU (`pytest -m gpu`): page sizes, GQA ratios, head dims, 16-bit dtypes,
-chunks that start mid-sequence and lengths that are not multiples of the 128-row tiles."""
+every 8-bit cache format, chunks that start mid-sequence and lengths that are not multiples of the
+128-row tiles."""
 
 import pytest
 import torch
 
-from kernel_testlib import check_prefill, make_paged_kv, seed_per_case  # noqa: F401 (autouse fixture)
+from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
+    check_prefill, check_prefill_quant, make_paged_kv, quantize_paged_kv, seed_per_case,
+)
 from minfer.kernels import paged_prefill_attention
 from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available
 
@@ -31,6 +34,31 @@ def test_prefill_sm90(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_sm90_pages(page: int, head_dim: int) -> None:
     check_prefill(Q_LENS, CTX_LENS, 16, 4, head_dim, page, torch.bfloat16, "cuda", kernel=paged_prefill_attention_sm90)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("shape,page", [((32, 8, 128), 16), ((16, 8, 128), 64), ((32, 8, 64), 16), ((8, 8, 128), 256)],
+                         ids=["8b-p16", "0.6b-p64", "1b-p16", "mha-p256"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_prefill_sm90_quant(kv_dtype: str, shape: tuple[int, int, int], page: int, dtype: torch.dtype) -> None:
+    check_prefill_quant(Q_LENS, CTX_LENS, *shape, page, kv_dtype, dtype, "cuda", kernel=paged_prefill_attention_sm90)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_prefill_sm90_quant_matches_triton(kv_dtype: str) -> None:
+    """Over 8-bit caches both kernels take float16 products on exactly converted codes and scale the same
+    columns: they agree to float16 rounding."""
+    q_lens, ctx_lens = [4096, 1000], [4096, 3000]
+    kf, vf, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.float32, "cuda")
+    kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().cuda()
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, kc, vc, table, qsl, lens, max(q_lens), 128 ** -0.5)
+    fast = paged_prefill_attention_sm90(*args, k_scale=ks, v_scale=vs)
+    ref = paged_prefill_attention(*args, k_scale=ks, v_scale=vs)
+    err = ((fast.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < 4e-3, err
 
 
 def test_prefill_sm90_matches_triton() -> None:
