@@ -54,6 +54,7 @@ BLOCK_N = 128
 STAGES = 3  # K/V ring slots of 16-bit caches
 QUANT_STAGES = 2  # float16 slots the converter fills, for 8-bit caches
 CODE_STAGES = 2  # 8-bit code slots the copy warp fills
+CONVERT_ROWS = 32  # rows the converter moves per load
 
 
 @functools.lru_cache(maxsize=None)
@@ -166,10 +167,10 @@ if gluon is not None:
     @gluon.jit
     def _converter(kc_smem, vc_smem, k16, v16, sc_smem, ready, codes_empty, conv_ready, conv_empty, KS, VS,
                    bt_row, s_base, s_stride, ctx, n_tiles, scale_log2e, PAGE: gl.constexpr, HALVES: gl.constexpr,
-                   CODE_STAGES: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+                   CODE_STAGES: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
         """8-bit caches: the warps that turn each tile's codes into the float16 values they encode (exact), in
-        shared memory for the MMAs, and stage its per-key scales; they run beside the consumers' products."""
-        CHUNK: gl.constexpr = 32
+        shared memory for the MMAs, and stage its per-key scales; they run beside the consumers' products.
+        ``CHUNK`` rows at a time: more bytes in flight per load, as the register budget allows."""
         blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [32, 64] codes, 16 a thread
         key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         for t in range(n_tiles):
@@ -303,7 +304,7 @@ if gluon is not None:
         q_desc, k_desc, v_desc, KS, VS, BT, QSL, CL, O, scale_log2e, stride_btb, stride_ot, stride_oh,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
-        QUANT: gl.constexpr, CONVERT_Q: gl.constexpr, num_warps: gl.constexpr,
+        QUANT: gl.constexpr, CONVERT_Q: gl.constexpr, CONVERT_ROWS: gl.constexpr, num_warps: gl.constexpr,
     ):
         HALVES: gl.constexpr = HEAD_DIM // _HALF
         SUB_M: gl.constexpr = BLOCK_M // 2  # rows per consumer warpgroup
@@ -357,7 +358,7 @@ if gluon is not None:
                                  PAGE, HALVES, CODE_STAGES, SUB_M, BLOCK_N)),
                     (_converter, (kc_smem, vc_smem, k_smem, v_smem, sc_smem, copied, released, ready, empty,
                                   KS, VS, bt_row, kvh * PAGE, NUM_KV_HEADS * PAGE, ctx, n_tiles, scale_log2e,
-                                  PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N)),
+                                  PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N, CONVERT_ROWS)),
                 ], [4, 1, 4], [QUANT_CONSUMER_REGS, QUANT_PRODUCER_REGS, CONVERTER_REGS])
                 for i in gl.static_range(CODE_STAGES):
                     mbarrier.invalidate(copied.index(i))
@@ -428,6 +429,6 @@ def paged_prefill_attention_sm90(
         query_start_loc, context_lens, out, scale * LOG2E, block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, NUM_KV_HEADS=num_kv_heads,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=QUANT_STAGES if quant else STAGES, CODE_STAGES=CODE_STAGES,
-        QUANT=quant, CONVERT_Q=quant and q.dtype == torch.bfloat16, num_warps=4,
+        QUANT=quant, CONVERT_Q=quant and q.dtype == torch.bfloat16, CONVERT_ROWS=CONVERT_ROWS, num_warps=4,
     )
     return out
