@@ -4,7 +4,8 @@ shapes: each variant checked against the Triton kernel, timed under a CUDA graph
     python benchmarks/sweep_attention_sm90.py [--t 8192] [--variants 128x128x3,128x64x4]
     python benchmarks/sweep_attention_sm90.py --kv-dtype int8 --variants 128x128x2x2,128x64x4x3
 
-A variant is BLOCK_M x BLOCK_N x STAGES (the ring the consumers read) [x CODE_STAGES [x CONVERT_ROWS], 8-bit caches].
+A variant is BLOCK_M x BLOCK_N x STAGES (the ring the consumers read) [x CODE_STAGES [x CONVERT_ROWS
+[x consumer registers x converter registers]], 8-bit caches].
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def main() -> None:
             sm90.BLOCK_M, sm90.BLOCK_N = dims[:2]
             if sc:
                 sm90.QUANT_STAGES, sm90.CODE_STAGES = dims[2:4]
-                sm90.CONVERT_ROWS = dims[4] if len(dims) > 4 else 32
+                sm90.CONVERT_ROWS = dims[4] if len(dims) > 4 else sm90.CONVERT_ROWS
+                if len(dims) > 5:
+                    sm90.QUANT_REGS = (dims[5], 24, dims[6])
             else:
                 sm90.STAGES = dims[2]
             try:
