@@ -465,11 +465,12 @@ def gemv_fused_case(n: int, k: int, label: str, prologue: str, sweep: bool) -> l
 
 
 def add_speedups(rows: list[Row]) -> None:
-    """Note each 8-bit row's speed-up over the bf16 Triton row of the same kernel and shape."""
+    """Note each 8-bit row's speed-up over the bf16 row of the same kernel (Triton or Gluon) and shape."""
     def family(impl: str) -> str:  # the bf16 row an 8-bit row compares with: the same kernel's
         return next((b for b in ("gluon sm90 paged", "triton paged") if impl.startswith(b)), "triton")
 
-    base = {(r.kernel, r.shape, r.impl): r.ms for r in rows if r.impl in ("triton", "triton paged", "gluon sm90 paged")}
+    bf16_impls = ("triton", "triton paged", "gluon sm90 paged")
+    base = {(r.kernel, r.shape, r.impl): r.ms for r in rows if r.impl in bf16_impls}
     for r in rows:
         quant = any(w.rstrip(",") in KV_QUANT_FORMATS for w in r.impl.split())
         key = (r.kernel, r.shape, family(r.impl))

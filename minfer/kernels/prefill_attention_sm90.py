@@ -19,6 +19,11 @@ not do for that loop, this kernel does by hand:
 - **Layouts.** A 128-byte swizzled bf16 row holds 64 columns, so every 128-wide tile lives in
   shared memory as two [rows, 64] halves: Q·Kᵀ is the sum of two half products, O two [M, 64]
   accumulators. P goes to the second product straight from registers.
+- **8-bit caches.** The copy warp fills a ring of codes instead; a converter partition (4 warps)
+  turns each slot into the float16 values the codes encode, exactly, in the consumers' ring, and
+  stages the tile's per-key scales: K's multiply the score columns, V's the P columns, as in the
+  Triton kernel. A bf16 q becomes float16 in place once. The converter's throughput sets the pace
+  (0.78× / 0.85× the bf16 kernel for int8 / fp8_e4m3 at 8k; benchmarks/RESULTS.md).
 
 Three stages (3 × 64 KB of K/V and 32 KB of Q at head_dim 128) measured 1.22× two. Rows past the
 chunk (the tile overhangs into the next sequence's rows) compute harmlessly and are masked at the
