@@ -10,19 +10,8 @@
 # serve:   `minfer serve`, then `minfer bench-serve` at concurrency 1/16/64/256 and at 4 requests/s (issue 6; needs
 #          fastapi/uvicorn/pydantic: `bash benchmarks/fetch_server_wheels.sh` here, and carry .whl).
 # The 16 GB random-weight checkpoint goes to /tmp/minfer-shapes (reused while the machine stays warm).
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/device_call.sh"
 PARTS="${PARTS:-bench kvquant serve}"
-DEADLINE="${DEADLINE:-560}"; START=$SECONDS
-left() { echo $(( DEADLINE - (SECONDS - START) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? (l > 5 ? l : 5) : $1 )); }
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 python3 -c "from pathlib import Path; from minfer.benchmark.shapes import write_random_checkpoint as w; \
 w('llama-3.1-8b', Path('/tmp/minfer-shapes/llama-3.1-8b'), device='cuda')"

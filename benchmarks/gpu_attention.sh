@@ -13,19 +13,8 @@
 #                                                                        -> $OUT/wa_int8_sm{0,1}.json
 # serve:   llama-3.1-8b (weights drawn on the GPU), `minfer bench-serve` at 256 clients, off and on
 #                                                                        -> $OUT/serve_sm{0,1}/results.json
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/device_call.sh"
 PARTS="${PARTS:-tests kernels}"
-DEADLINE="${DEADLINE:-560}"; START=$SECONDS
-left() { echo $(( DEADLINE - (SECONDS - START) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? (l > 5 ? l : 5) : $1 )); }
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
 

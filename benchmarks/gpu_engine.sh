@@ -8,12 +8,8 @@
 # 3. Batch-1 decode on llama-3.2-1b (with and without PDL); HF transformers' generate_batch on a subset, same process
 #    (SKIP_HF=1 leaves that out; SKIP_SYNC=1 the sync-scheduling run).
 # The llama-3.1-8b runs (16 GB checkpoint) are in benchmarks/gpu_8b.sh; profiles of the steps in dev/gpu_profiles.sh.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
-DEADLINE="${DEADLINE:-540}"; START=$SECONDS
-left() { echo $(( DEADLINE - (SECONDS - START) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? (l > 5 ? l : 5) : $1 )); }   # a step's timeout: at most $1 s
+DEADLINE_DEFAULT=540
+source "$(dirname "$0")/device_call.sh"
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git rev-parse --short HEAD; } | tee "$OUT/gpu.txt"
 bench() {  # name, then minfer bench arguments
   local name=$1; shift

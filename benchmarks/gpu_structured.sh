@@ -13,20 +13,9 @@
 #             seeds were chosen on the CPU's float32 outputs)              -> $OUT/structured_tests.log
 # The GPU machine's python3 has torch, triton, transformers, numpy but not xgrammar / apache-tvm-ffi / jsonschema:
 # they come from the carried wheels.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
+source "$(dirname "$0")/device_call.sh"
 PARTS="${PARTS:-mask throughput tests}"
-DEADLINE="${DEADLINE:-560}"; START=$SECONDS
-left() { echo $(( DEADLINE - (SECONDS - START) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? (l > 5 ? l : 5) : $1 )); }   # a part's timeout: at most $1 s
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  echo "no .whl/ carried: run benchmarks/fetch_server_wheels.sh and carry .whl"
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+[ "$WHEELS" = 1 ] || echo "no .whl/ carried: run benchmarks/fetch_server_wheels.sh and carry .whl"
 { nvidia-smi --query-gpu=name --format=csv,noheader; nproc; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 python3 -c "import xgrammar, jsonschema, tvm_ffi; print('xgrammar', xgrammar.__file__)" 2>&1 | tail -1 | tee -a "$OUT/gpu.txt"
 

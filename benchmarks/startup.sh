@@ -13,21 +13,12 @@
 # not a cold disk. Overrides for a CPU dry run: PYTHON, MODEL, SERVE_ARGS, PORT, SKIP_CHECKPOINT=1, e.g.
 #   PYTHON=/work/venv/bin/python SKIP_CHECKPOINT=1 MODEL=minfer/assets/builtin-model \
 #     SERVE_ARGS="--skip-tokenizer-init --max-model-len 1024" bash benchmarks/startup.sh
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+DEADLINE_DEFAULT=540
+source "$(dirname "$0")/device_call.sh"
 MODEL="${MODEL:-/tmp/minfer-shapes/llama-3.1-8b}"
 SERVE_ARGS="${SERVE_ARGS---skip-tokenizer-init --max-model-len 4096 --max-num-seqs 256}"
 PORT="${PORT:-8011}"
-DEADLINE="${DEADLINE:-540}"; START=$SECONDS
-left() { echo $(( DEADLINE - (SECONDS - START) )); }
-if ls .whl/*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
 { nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo "no GPU"; date -u
   git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 now() { date +%s.%N; }

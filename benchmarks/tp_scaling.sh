@@ -26,15 +26,10 @@
 # which fit one H200 and its disk. Overrides for a CPU check: PYTHON, NGPUS, MODEL_8B / MODEL_70B (checkpoint
 # folders used instead of the shapes), BENCH_ARGS (e.g. "--num-prompts 4 --input-len 8 --output-len 4" instead
 # of workload A), BATCH1_ARGS, SERVE_WORKLOAD, ENGINE_ARGS (added to every engine), SERVE_ARGS (to serve runs).
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+source "$(dirname "$0")/device_call.sh"
 PARTS=" ${PARTS:-a batch1 serve 70b} "; PARTS="${PARTS/ 70b / 70b_a 70b_batch1 70b_startup }"
 TP_LIST="${TP_LIST:-1 2}"
-DEADLINE="${DEADLINE:-560}"; START=$SECONDS
-left() { echo $(( DEADLINE - (SECONDS - START) )); }
-cap() { local l; l=$(left); echo $(( l < $1 ? (l > 5 ? l : 5) : $1 )); }   # a step's timeout: at most $1 s
 has() { case "$PARTS" in *" $1 "*) return 0 ;; esac; return 1; }
 NGPUS="${NGPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 DRY=1; for tp in $TP_LIST; do [ "$tp" -gt 1 ] && DRY=0; done
@@ -43,12 +38,6 @@ ENGINE_ARGS="${ENGINE_ARGS:-}"; SERVE_ARGS="${SERVE_ARGS:-}"; BENCH_ARGS="${BENC
 SERVE_CONC="${SERVE_CONC:-1,16,64,256}"
 SERVE_WORKLOAD="${SERVE_WORKLOAD:---workload fixed --input-len 512 --output-len 128}"
 SHAPES_DIR=/tmp/minfer-shapes
-if ls .whl/*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
 { nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || echo "no GPU"; date -u; git log -1 --format=%h 2>/dev/null
   echo "GPUs: $NGPUS; TP_LIST: $TP_LIST; 70B: tp=$TP_70B, $LAYERS_70B layers; parts:$PARTS"; } | tee "$OUT/gpu.txt"
 : > "$OUT/notes.txt"
