@@ -38,9 +38,9 @@ def launched_server(args: argparse.Namespace) -> Iterator[str]:
     engine_config(args)  # a bad flag fails here, not in the child after a shape's checkpoint is written
     model, kwargs = args.model, engine_kwargs(args)
     if args.shape:
-        from minfer.benchmark.shapes import write_random_checkpoint
+        from minfer.benchmark.shapes import shape_checkpoint
 
-        model = str(write_random_checkpoint(args.shape, Path(args.checkpoint_dir) / args.shape))
+        model = str(shape_checkpoint(args.shape, Path(args.checkpoint_dir), kwargs.get("load_format", "auto")))
         kwargs["skip_tokenizer_init"] = True  # random-weight shapes come without a tokenizer
         kwargs["max_model_len"] = kwargs["max_model_len"] or BENCH_MAX_MODEL_LEN  # as `minfer bench` does
     ctx = multiprocessing.get_context("spawn")

@@ -171,3 +171,14 @@ def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bf
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def shape_checkpoint(shape: str, checkpoint_dir: Path, load_format: str = "auto", layers: int | None = None) -> Path:
+    """The folder ``minfer bench --shape`` and ``bench-serve --launch --shape`` load: with ``load_format="dummy"``
+    only the config (``write_shape_config``, into ``<shape>-dummy``), otherwise the whole random-weight
+    checkpoint, drawn on the GPU when there is one. ``layers``: a scaled-down stand-in (``<shape>-<N>l``)."""
+    name = shape if layers is None else f"{shape}-{layers}l"
+    if load_format == "dummy":  # a folder of its own: a matching config.json marks a full checkpoint as complete
+        return write_shape_config(shape, checkpoint_dir / f"{name}-dummy", layers=layers)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return write_random_checkpoint(shape, checkpoint_dir / name, layers=layers, device=device)

@@ -59,23 +59,14 @@ def needed_model_len(args: argparse.Namespace, model: str) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from minfer.benchmark import offline
-    from minfer.benchmark.shapes import write_random_checkpoint, write_shape_config
+    from minfer.benchmark.shapes import shape_checkpoint
 
     engine_config(args)  # a bad flag fails before a shape's checkpoint is written
     model, shape = args.model, args.shape
     if args.shape_layers is not None and not shape:
         raise ValueError("--shape-layers needs --shape")
     if shape:
-        name = shape if args.shape_layers is None else f"{shape}-{args.shape_layers}l"
-        if args.load_format == "dummy":
-            # a folder of its own: a matching config.json marks a full checkpoint's folder as complete
-            out = Path(args.checkpoint_dir) / f"{name}-dummy"
-            model = str(write_shape_config(shape, out, layers=args.shape_layers))
-        else:
-            import torch
-
-            model = str(write_random_checkpoint(shape, Path(args.checkpoint_dir) / name, layers=args.shape_layers,
-                                                device="cuda" if torch.cuda.is_available() else "cpu"))
+        model = str(shape_checkpoint(shape, Path(args.checkpoint_dir), args.load_format, args.shape_layers))
         shape = shape if args.shape_layers is None else f"{shape} ({args.shape_layers} layers)"
     if model is None:
         raise ValueError("bench needs --model or --shape")

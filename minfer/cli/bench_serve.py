@@ -16,7 +16,8 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench-serve", help="benchmark a running server over HTTP (or launch one)")
     p.add_argument("--base-url", default=None, help="a running server (default: http://127.0.0.1:8000)")
     p.add_argument("--launch", action="store_true", help="start a server on --model / --shape first")
-    p.add_argument("--shape", default=None, help="with --launch: a random-weight shape (e.g. llama-3.1-8b)")
+    p.add_argument("--shape", default=None, help="with --launch: a random-weight shape (e.g. llama-3.1-8b); with "
+                   "--load-format dummy only its config.json is written, to <shape>-dummy")
     p.add_argument("--checkpoint-dir", default="/tmp/minfer-shapes")
     p.add_argument("--port", type=port_number, default=8000, help="with --launch: the port to serve on")
     p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the launched server")

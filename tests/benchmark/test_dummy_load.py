@@ -4,6 +4,7 @@ So on the CPU a dummy model equals the written checkpoint loaded. The tensors go
 real path, so tensor-parallel slices and online FP8 work as for a file."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -123,3 +124,34 @@ def test_bench_cli_with_a_dummy_shape_writes_no_weights(tmp_path, monkeypatch, c
     assert result["output_tokens"] == 6 and result["engine"]["load_format"] == "dummy"
     assert cli_main(argv + ["--compare-hf"]) == 2  # HF needs weights on disk
     assert "compare_hf needs the weights on disk" in capsys.readouterr().err
+
+
+def test_bench_serve_launch_with_a_dummy_shape_writes_no_weights(tmp_path, monkeypatch):
+    """``bench-serve --launch --shape S --load-format dummy`` hands the server a config-only folder, as
+    ``minfer bench`` does (the child process is stood in for: starting a real server is test_bench_serve's)."""
+    from minfer.benchmark import launch
+    from minfer.cli.bench_serve import add_bench_serve_parser
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny-llama", shapes.shape_config("llama-3.2-1b", layers=2, overrides=SMALL))
+    started = {}
+
+    class Child:
+        pid, exitcode = None, None
+
+        def __init__(self, target, name, args, kwargs):
+            started["model"], started["engine"] = args[0], args[1]
+
+        def start(self):
+            pass
+
+    monkeypatch.setattr(launch.multiprocessing, "get_context", lambda method: type("Ctx", (), {"Process": Child}))
+    monkeypatch.setattr(launch, "_wait_healthy", lambda *args: None)
+    parser = argparse.ArgumentParser()
+    add_bench_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench-serve", "--launch", "--shape", "tiny-llama", "--load-format", "dummy",
+                              "--checkpoint-dir", str(tmp_path / "ck"), "--device", "cpu"])
+    with launch.launched_server(args):
+        pass
+    folder = tmp_path / "ck" / "tiny-llama-dummy"
+    assert started["model"] == str(folder) and started["engine"]["load_format"] == "dummy"
+    assert [p.name for p in folder.iterdir()] == ["config.json"] and not (tmp_path / "ck" / "tiny-llama").exists()
