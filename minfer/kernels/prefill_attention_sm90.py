@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover - exercised only with an old Triton
 logger = logging.getLogger("minfer")
 
 LOG2E = 1.4426950408889634
-HALF = 64  # bf16 columns in one 128-byte swizzled shared-memory row
+HALF = 64  # columns of a tile half: a 128-byte swizzled row of 16-bit values (64 bytes of 8-bit codes)
 BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 3  # K/V ring slots of 16-bit caches
@@ -86,7 +86,7 @@ def sm90_prefill_available(device: torch.device, head_dim: int, block_size: int)
 
 if gluon is not None:
     _HALF = gl.constexpr(HALF)
-    CONSUMER_REGS = gl.constexpr(232)
+    CONSUMER_REGS = gl.constexpr(232)  # 16-bit caches: 2 x 128 x 232 + 32 x 40 registers <= 64K
     PRODUCER_REGS = gl.constexpr(40)
 
     @gluon.jit
