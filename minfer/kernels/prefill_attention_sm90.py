@@ -49,6 +49,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves ever
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.language._core import shared_memory_descriptor
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - exercised only with an old Triton
     gluon = None
@@ -65,6 +66,8 @@ CODE_STAGES = 2  # 8-bit code slots the copy warp fills
 CONVERT_ROWS = 128  # rows the converter moves per load (32: 1.12x slower, latency-bound)
 QUANT_REGS = (224, 24, 56)  # consumer, copy, converter: 2 x 128 x 224 + 32 x 24 + 128 x 56 <= 64K (232/40: 3% slower)
 
+MEASURED_TRITON = ("3.6.",)  # where the kernel was timed and tested on an H200 (benchmarks/RESULTS.md)
+
 _launched: set[bool] = set()  # kinds (8-bit cache or not) that compiled and launched in this process
 _failed: set[bool] = set()  # kinds whose first launch raised: they take the Triton kernel from then on
 
@@ -75,16 +78,25 @@ def _capable(index: int) -> bool:
 
 
 def sm90_prefill_available(device: torch.device, head_dim: int, block_size: int) -> bool:
-    """Whether this kernel serves ``device``: a Hopper GPU, Gluon present, head_dim 64 or 128,
-    pages of at least 16 tokens (a TMA copy per page; smaller pages would cut swizzle atoms), and
-    ``MINFER_SM90_ATTENTION`` not 0 (to measure against the Triton kernel)."""
-    if gluon is None or device.type != "cuda" or os.environ.get("MINFER_SM90_ATTENTION", "1") == "0":
+    """Whether this kernel serves ``device``: a Hopper GPU, Gluon present, head_dim 64 or 128, pages of at
+    least 16 tokens (a TMA copy per page; smaller pages would cut swizzle atoms). ``MINFER_SM90_ATTENTION``:
+    unset, only on the Triton versions it was measured on (``MEASURED_TRITON``: another Triton compiles it
+    differently, e.g. 3.9 spills registers in it); ``1``, on any Triton with Gluon; ``0``, never."""
+    mode = os.environ.get("MINFER_SM90_ATTENTION", "")
+    if gluon is None or device.type != "cuda" or mode == "0":
+        return False
+    if mode != "1" and not triton.__version__.startswith(MEASURED_TRITON):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _capable(index) and head_dim in (64, 128) and block_size >= 16 and block_size & (block_size - 1) == 0
 
 
 if gluon is not None:
+    # Names that moved between Tritons: the TMA load (3.6: async_copy_global_to_shared; in 3.9 that name
+    # raises), the shared-memory view as another dtype, the thread barrier.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _NEW_REINTERPRET = gl.constexpr(hasattr(shared_memory_descriptor, "reinterpret"))
+    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the partition's warps meet (3.9: barrier)
     _HALF = gl.constexpr(HALF)
     CONSUMER_REGS = gl.constexpr(232)  # 16-bit caches: 2 x 128 x 232 + 32 x 40 registers <= 64K
     PRODUCER_REGS = gl.constexpr(40)
@@ -104,9 +116,9 @@ if gluon is not None:
             page = gl.load(bt_row + pos // PAGE, mask=pos < ctx, other=0)
             row = page * PAGE + pos % PAGE
             for hf in gl.static_range(HALVES):
-                tma.async_copy_global_to_shared(k_desc, [row, kv_col + hf * _HALF], bar,
+                _tma_load(k_desc, [row, kv_col + hf * _HALF], bar,
                                                 k_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
-                tma.async_copy_global_to_shared(v_desc, [row, kv_col + hf * _HALF], bar,
+                _tma_load(v_desc, [row, kv_col + hf * _HALF], bar,
                                                 v_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
 
     @gluon.jit
@@ -152,7 +164,7 @@ if gluon is not None:
         mbarrier.expect(q_bar, 2 * SUB_M * HALVES * _HALF * q_desc.dtype.primitive_bitwidth // 8)
         for wg in gl.static_range(2):
             for hf in gl.static_range(HALVES):
-                tma.async_copy_global_to_shared(q_desc, [q_row + wg * SUB_M, q_col + hf * _HALF], q_bar,
+                _tma_load(q_desc, [q_row + wg * SUB_M, q_col + hf * _HALF], q_bar,
                                                 q_smem.index(wg * HALVES + hf))
         for t in range(n_tiles):
             # Slot t % STAGES last held tile t - STAGES: wait until both consumers released it.
@@ -202,23 +214,33 @@ if gluon is not None:
             sc_smem.index(2 * cv).store(k_sc)
             sc_smem.index(2 * cv + 1).store(v_sc)
             fence_async_shared()  # the MMAs read these stores through the async proxy
-            gl.thread_barrier()  # every converter warp is done before one thread signals
+            _barrier()  # every converter warp is done before one thread signals
             mbarrier.arrive(codes_empty.index(cs), count=1)
             mbarrier.arrive(conv_ready.index(cv), count=1)
+
+    @gluon.jit
+    def _reinterpret(smem, dtype: gl.constexpr):
+        """The same shared memory viewed as ``dtype`` (same shape and layout): ``reinterpret`` since Triton
+        3.9, ``_reinterpret`` before."""
+        if _NEW_REINTERPRET:
+            view = smem.reinterpret(dtype, smem.shape, smem.layout)
+        else:
+            view = smem._reinterpret(dtype, smem.shape, smem.layout)
+        return view
 
     @gluon.jit
     def _q_to_f16(q_smem, WG: gl.constexpr, HALVES: gl.constexpr, SUB_M: gl.constexpr):
         """Rewrite one warpgroup's bf16 Q rows as float16 in the same shared memory (values past float16's
         range saturate there, as in ``quant.q_to_f16``) and return the float16 view."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [32, 64], 8 a thread
-        q16 = q_smem._reinterpret(gl.float16, q_smem.shape, q_smem.layout)
+        q16 = _reinterpret(q_smem, gl.float16)
         for hf in gl.static_range(HALVES):
             for r in gl.static_range(SUB_M // 32):
                 x = q_smem.index(WG * HALVES + hf).slice(r * 32, 32).load(blk).to(gl.float32)
                 x = gl.minimum(gl.maximum(x, -65504.0), 65504.0)
                 q16.index(WG * HALVES + hf).slice(r * 32, 32).store(x.to(gl.float16))
         fence_async_shared()
-        gl.thread_barrier()
+        _barrier()
         return q16
 
     @gluon.jit
