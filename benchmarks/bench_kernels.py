@@ -49,6 +49,7 @@ from minfer.kernels.gemv import _RMS_NORM, _SILU_MUL  # noqa: E402
 from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
+from minfer.kernels import prefill_attention_sm90 as sm90_prefill  # noqa: E402
 from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available  # noqa: E402
 from minfer.kernels.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
@@ -271,6 +272,24 @@ PREFILL_SWEEP = [PrefillConfig(m, n, w, s) for m, n, w, s in [
     (64, 64, 4, 3)]]
 
 
+def sm90_prefill_rows(shape: str, fmt: str, page: int, nbytes: float, flops: float, out: torch.Tensor,
+                      ref: torch.Tensor, unquantized: torch.Tensor | None, fn: Callable[[], object]) -> list[Row]:
+    """The Hopper prefill kernel's row where it runs (checked against ``ref``; ``unquantized``: the bf16 cache's
+    reference, for the quantization error). Its entry point falls back to the Triton kernel if the build fails,
+    so a row is written only when the Gluon kernel itself launched."""
+    if not sm90_prefill_available(out.device, out.shape[-1], page):
+        return []
+    out.fill_(float("nan"))
+    fn()
+    if (unquantized is not None) in sm90_prefill._failed:
+        print(f"  prefill sm90{fmt}: the kernel did not build (warning above); no row", flush=True)
+        return []
+    note = check(f"prefill sm90{fmt}", out, ref)
+    if unquantized is not None:
+        note += f", quant {rel_err(out, unquantized):.1e}"
+    return [Row("prefill attn", shape, f"gluon sm90 paged{fmt}", bench_graph(fn), nbytes, flops, note)]
+
+
 def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str = "auto") -> list[Row]:
     page = 16
     kc, vc, table, lens = paged_cache([t], hkv, d, page)
@@ -290,13 +309,8 @@ def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str =
         fn()
         note = check(f"prefill {kv_dtype}", out, qref) + f", quant {rel_err(out, ref):.1e}"
         rows = [Row("prefill attn", shape, f"triton paged {kv_dtype}", bench_graph(fn), nbytes, flops, note)]
-        if sm90_prefill_available(q.device, d, page):
-            fn = lambda: paged_prefill_attention_sm90(q, kq, vq, table, qsl, lens, t, scale, out, **sc)
-            out.fill_(float("nan"))
-            fn()
-            note = check(f"prefill sm90 {kv_dtype}", out, qref) + f", quant {rel_err(out, ref):.1e}"
-            rows.append(Row("prefill attn", shape, f"gluon sm90 paged {kv_dtype}", bench_graph(fn), nbytes, flops,
-                            note))
+        rows += sm90_prefill_rows(shape, f" {kv_dtype}", page, nbytes, flops, out, qref, ref,
+                                  lambda: paged_prefill_attention_sm90(q, kq, vq, table, qsl, lens, t, scale, out, **sc))
         return rows
     rows: list[Row] = []
     if sweep:
@@ -321,12 +335,8 @@ def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str =
     fn()
     note = check("prefill", out, ref)
     rows.append(Row("prefill attn", shape, "triton paged", bench_graph(fn), nbytes, flops, note))
-    if sm90_prefill_available(q.device, d, page):
-        fn = lambda: paged_prefill_attention_sm90(q, kc, vc, table, qsl, lens, t, scale, out)
-        out.fill_(float("nan"))
-        fn()
-        note = check("prefill sm90", out, ref)
-        rows.append(Row("prefill attn", shape, "gluon sm90 paged", bench_graph(fn), nbytes, flops, note))
+    rows += sm90_prefill_rows(shape, "", page, nbytes, flops, out, ref, None,
+                              lambda: paged_prefill_attention_sm90(q, kc, vc, table, qsl, lens, t, scale, out))
     rows.append(Row("prefill attn", shape, "torch ref", bench(lambda: paged_prefill_attention_ref(
         q, kc, vc, table, qsl, lens, t, scale), rep=50), nbytes, flops, "gather + fp32 softmax, eager"))
     k, v = contiguous_kv(kc, vc, table, t)

@@ -40,7 +40,7 @@ def launched_server(args: argparse.Namespace) -> Iterator[str]:
     if args.shape:
         from minfer.benchmark.shapes import shape_checkpoint
 
-        model = str(shape_checkpoint(args.shape, Path(args.checkpoint_dir), kwargs.get("load_format", "auto")))
+        model = str(shape_checkpoint(args.shape, Path(args.checkpoint_dir), kwargs["load_format"]))
         kwargs["skip_tokenizer_init"] = True  # random-weight shapes come without a tokenizer
         kwargs["max_model_len"] = kwargs["max_model_len"] or BENCH_MAX_MODEL_LEN  # as `minfer bench` does
     ctx = multiprocessing.get_context("spawn")

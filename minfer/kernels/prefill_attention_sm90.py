@@ -11,7 +11,7 @@ not do for that loop, this kernel does by hand:
   per cache page and 64-column half, into a ring of ``STAGES`` shared-memory slots that complete on
   ``ready`` mbarriers. Two consumer warpgroups (64 query rows each) compute, and release a slot on
   its ``empty`` mbarrier once both have read it. The page lookups and copy issue never stall the
-  tensor-core warps (the same loop without the copy warp measured slower than Triton's kernel).
+  tensor-core warps.
 - **Products.** S = Q·Kᵀ and O += P·V are ``wgmma`` instructions issued asynchronously: in tile j a
   warpgroup issues S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1}, waits for S_j alone, and computes tile
   j's softmax while the tensor cores still run the P·V product; then O is rescaled by the new
@@ -23,9 +23,9 @@ not do for that loop, this kernel does by hand:
   turns each slot into the float16 values the codes encode, exactly, in the consumers' ring, and
   stages the tile's per-key scales: K's multiply the score columns, V's the P columns, as in the
   Triton kernel. A bf16 q becomes float16 in place once. The converter's throughput sets the pace
-  (0.78× / 0.85× the bf16 kernel for int8 / fp8_e4m3 at 8k; benchmarks/RESULTS.md).
+  (benchmarks/RESULTS.md has the figures).
 
-Three stages (3 × 64 KB of K/V and 32 KB of Q at head_dim 128) measured 1.22× two. Rows past the
+Three K/V stages (3 × 64 KB, and 32 KB of Q, at head_dim 128) fill the 227 KB a block may use. Rows past the
 chunk (the tile overhangs into the next sequence's rows) compute harmlessly and are masked at the
 store. Keys past the context are read (page 0 for table entries past it) and masked by position:
 their P is 0, so the cache must hold finite values there, which the engine's zeroed cache does.
@@ -63,8 +63,8 @@ BLOCK_N = 128
 STAGES = 3  # K/V ring slots of 16-bit caches
 QUANT_STAGES = 2  # float16 slots the converter fills, for 8-bit caches
 CODE_STAGES = 2  # 8-bit code slots the copy warp fills
-CONVERT_ROWS = 128  # rows the converter moves per load (32: 1.12x slower, latency-bound)
-QUANT_REGS = (224, 24, 56)  # consumer, copy, converter: 2 x 128 x 224 + 32 x 24 + 128 x 56 <= 64K (232/40: 3% slower)
+CONVERT_ROWS = 128  # rows the converter moves per load: its loop is latency-bound, so the more the better
+QUANT_REGS = (224, 24, 56)  # consumer, copy, converter: 2 x 128 x 224 + 32 x 24 + 128 x 56 <= 64K
 
 MEASURED_TRITON = ("3.6.",)  # where the kernel was timed and tested on an H200 (benchmarks/RESULTS.md)
 

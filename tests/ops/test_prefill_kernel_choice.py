@@ -1,44 +1,64 @@
 """The prefill attention kernel is chosen once, by TritonOps: the Hopper kernel only where it applies
-(an sm_90 GPU, Gluon, head_dim 64/128, pages >= 16, not turned off); the Triton kernel elsewhere."""
+(an sm_90 GPU, Gluon, head_dim 64/128, pages >= 16, a measured Triton or the switch on); the Triton
+kernel elsewhere, and whenever the Hopper kernel does not build."""
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton loads: TritonOps on the CPU runs interpreted
+from minfer.kernels import prefill_attention_sm90 as sm90
+from minfer.kernels.prefill_attention import paged_prefill_attention
+from minfer.ops.triton_ops import TritonOps
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from minfer.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available  # noqa: E402
-from minfer.ops.triton_ops import TritonOps  # noqa: E402
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_cpu_takes_the_triton_kernel() -> None:
-    assert not sm90_prefill_available(torch.device("cpu"), 128, 16)
+def small_batch(head_dim: int, dtype: torch.dtype) -> tuple:
+    """A two-sequence prefill batch (a 20-row chunk over 40 tokens, a 7-token prompt) on pages of 16."""
+    k_cache, v_cache = torch.randn(2, 6, 16, 2, head_dim, device=DEV).to(dtype).unbind(0)
+    table = torch.tensor([[4, 1, 5], [2, 0, 3]], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([40, 7], dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0, 20, 27], dtype=torch.int32, device=DEV)
+    q = torch.randn(27, 4, head_dim, device=DEV).to(dtype)
+    return q, k_cache, v_cache, table, qsl, lens, 20, head_dim ** -0.5
+
+
+def test_the_cpu_takes_the_triton_kernel() -> None:
+    assert not sm90.sm90_prefill_available(torch.device("cpu"), 128, 16)
     assert TritonOps(torch.device("cpu"), 16, 128).prefill_attention is paged_prefill_attention
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(32, 16), (256, 16), (128, 8)])
-def test_shapes_outside_the_kernel(head_dim: int, block_size: int) -> None:
-    assert not sm90_prefill_available(torch.device("cpu"), head_dim, block_size)
+@pytest.mark.parametrize("head_dim,block_size,mode,want", [
+    (128, 16, "1", True), (64, 256, "1", True),  # the shapes it serves
+    (32, 16, "1", False), (256, 16, "1", False), (128, 8, "1", False),  # the shapes it does not
+    (128, 16, "0", False),  # switched off
+])
+def test_where_the_hopper_kernel_applies(monkeypatch: pytest.MonkeyPatch, head_dim: int, block_size: int,
+                                         mode: str, want: bool) -> None:
+    """On a (stood-in) sm_90 device: the shape rules and the switch."""
+    monkeypatch.setattr(sm90, "_capable", lambda index: True)
+    monkeypatch.setenv("MINFER_SM90_ATTENTION", mode)
+    assert sm90.sm90_prefill_available(torch.device("cuda", 0), head_dim, block_size) is want
+
+
+def test_by_default_only_on_the_measured_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sm90, "_capable", lambda index: True)
+    monkeypatch.delenv("MINFER_SM90_ATTENTION", raising=False)
+    monkeypatch.setattr(sm90.triton, "__version__", "3.6.0")
+    assert sm90.sm90_prefill_available(torch.device("cuda", 0), 128, 16)
+    monkeypatch.setattr(sm90.triton, "__version__", "3.9.0")
+    assert not sm90.sm90_prefill_available(torch.device("cuda", 0), 128, 16)
 
 
 def test_the_fallback_computes_the_same() -> None:
-    """Called where it does not apply (the CPU), the Hopper entry point hands the call to the Triton kernel."""
-    k_cache, v_cache = torch.randn(2, 6, 16, 2, 32).unbind(0)
-    table = torch.tensor([[4, 1, 5], [2, 0, 3]], dtype=torch.int32)
-    lens = torch.tensor([40, 7], dtype=torch.int32)
-    qsl = torch.tensor([0, 20, 27], dtype=torch.int32)
-    q = torch.randn(27, 4, 32)
-    args = (q, k_cache, v_cache, table, qsl, lens, 20, 32 ** -0.5)
-    assert torch.equal(paged_prefill_attention_sm90(*args), paged_prefill_attention(*args))
+    """Called where it does not apply (head_dim 32), the Hopper entry point hands the call to the Triton kernel."""
+    args = small_batch(32, torch.float32)
+    assert torch.equal(sm90.paged_prefill_attention_sm90(*args), paged_prefill_attention(*args))
 
 
 def test_a_kernel_that_fails_to_build_falls_back(monkeypatch: pytest.MonkeyPatch,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """Gluon is experimental: if the Hopper kernel does not build on the installed Triton, prefill keeps
     working on the Triton kernel, says so once, and does not try again."""
-    from minfer.kernels import prefill_attention_sm90 as sm90
 
     class Unbuildable:
         calls = 0
@@ -53,12 +73,7 @@ def test_a_kernel_that_fails_to_build_falls_back(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(sm90, "_prefill_sm90_kernel", Unbuildable())
     monkeypatch.setattr(sm90, "_failed", set())
     monkeypatch.setattr(sm90, "_launched", set())
-    k_cache, v_cache = torch.randn(2, 6, 16, 2, 64).to(torch.bfloat16).unbind(0)
-    table = torch.tensor([[4, 1, 5], [2, 0, 3]], dtype=torch.int32)
-    lens = torch.tensor([40, 7], dtype=torch.int32)
-    qsl = torch.tensor([0, 20, 27], dtype=torch.int32)
-    q = torch.randn(27, 4, 64).to(torch.bfloat16)
-    args = (q, k_cache, v_cache, table, qsl, lens, 20, 64 ** -0.5)
+    args = small_batch(64, torch.bfloat16)
     with caplog.at_level("WARNING", logger="minfer"):
         first = sm90.paged_prefill_attention_sm90(*args)
         second = sm90.paged_prefill_attention_sm90(*args)
