@@ -2,8 +2,7 @@
 # Download the server's dependencies and structured outputs' (xgrammar, apache-tvm-ffi, jsonschema) as
 # cp312 manylinux wheels into .whl/ (git-ignored), for the GPU machine, which has no network and none of
 # them (it has torch, triton, transformers, numpy, safetensors, tokenizers). Carry `.whl` with the device
-# call (~10 MB) and start its command with:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+# call (~10 MB): the device scripts install it (benchmarks/device_call.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .whl && mkdir -p .whl

@@ -5,10 +5,7 @@
 #                   prefill-heavy (64 x 2,048 in, 1 out) bf16 / fp8, in the same call
 #   PARTS=small     workload A on qwen3-0.6b and llama-3.2-1b, bf16 and fp8
 # Results (JSON, logs, a summary table) under $OUT.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/device_call.sh"
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 run() {  # name, then minfer bench arguments
   local name=$1; shift

@@ -9,10 +9,7 @@
 # Each bench run is cut at RUN_TIMEOUT seconds (default 135, so four runs fit one call; RUN_TIMEOUT_FP8 300).
 # -v logs the start-up times (weights drawn, memory profile, graphs). Results (JSON, logs, a summary table)
 # go under $OUT.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/device_call.sh"
 RUN_TIMEOUT="${RUN_TIMEOUT:-135}"
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 run() {  # name, then minfer bench arguments

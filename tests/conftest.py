@@ -138,9 +138,9 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: list[torch.
 def assert_same_outputs(a: list, b: list, tol: float = 1e-4) -> None:
     """Two runs' outputs (e.g. tp=2 against tp=1): the same tokens, the same top-logprob tokens, logprobs
     within ``tol``."""
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs):
+        for lx, ly in zip(x.outputs[0].logprobs, y.outputs[0].logprobs, strict=True):
             assert lx.keys() == ly.keys()
             assert max(abs(lx[t] - ly[t]) for t in lx) < tol
 

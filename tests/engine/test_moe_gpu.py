@@ -7,8 +7,9 @@ nats. From there on the continuations differ and are not compared. In float32 th
 comparisons with HF allow: the kernels' tf32x3 dots are float32-level, and only the summation order
 differs. In bfloat16 the two paths round at different places (the fused kernels' dot order, the torch
 ops' GEMMs), and a router score that moves by one bf16 step can swap an expert near the top-k cut (of
-128), a discrete change: the gap is wider (0.31 nats parted once on an H200). While they agree, the chosen token's logprobs must be close. A wrong
-expert, weight or routing shows as a distribution that differs outright.
+128), a discrete change, so the gap is wider (benchmarks/RESULTS.md has the one seen). While they agree, the
+chosen token's logprobs must be close. A wrong expert, weight or routing shows as a distribution that differs
+outright.
 """
 from __future__ import annotations
 
