@@ -7,7 +7,7 @@ from typing import Any
 
 from minfer.engine_args import add_engine_args, engine_kwargs
 from minfer.server.run import DEFAULT_MAX_WAITING, require_server_extra, run_server
-from minfer.server.tool_parsers import TOOL_PARSERS, check_tool_flags
+from minfer.server.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "MINFER_API_KEY"
 
@@ -73,8 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     require_server_extra()
     from minfer.server.chat_template import load_chat_template
 
-    model, key = serve_model(args), api_key(args)
-    check_tool_flags(args.enable_auto_tool_choice, args.tool_call_parser)
+    model, key = serve_model(args), api_key(args)  # run_server checks the tool flags before the model loads
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
     run_server(model, engine_kwargs(args), host=args.host, port=args.port,
                served_model_names=args.served_model_name, max_waiting_requests=args.max_waiting_requests,

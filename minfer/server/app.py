@@ -54,7 +54,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
         engine.processor.tokenizer.chat_template = chat_template
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
     ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)],
-                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                        auto_tool_parser=tool_call_parser if enable_auto_tool_choice else None)
     metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy, ctx.model_name, ctx.max_model_len)
     async_engine.observer = metrics
 

@@ -5,10 +5,10 @@ so dashboards and alerts built for vLLM work unchanged; ours stay for the dashbo
 
 Two sources. Engine state (running/waiting sequences, KV blocks, prefix cache, preemptions, the
 tensor-parallel world size, constrained sequences, grammar compile times) is read at scrape time
-from the engine thread's latest stats snapshot, so it costs nothing per step. Per-request timings (TTFT, inter-token latency,
-end-to-end) and token counters are recorded on the engine thread as outputs leave ``step()``:
-that is when a token exists, before any event-loop or network delay, and prometheus-client's
-types are thread-safe.
+from the engine thread's latest stats snapshot, so it costs nothing per step. Per-request timings
+(TTFT, inter-token latency, end-to-end) and token counters are recorded on the engine thread as
+outputs leave ``step()``: that is when a token exists, before any event-loop or network delay, and
+prometheus-client's types are thread-safe.
 
 Each app gets its own registry, so several servers (tests) can live in one process.
 """
@@ -107,8 +107,9 @@ class _EngineStateCollector(Collector):
 
 
 def _snapshot_histogram(name: str, doc: str, snapshot: dict[str, Any] | None) -> HistogramMetricFamily:
-    """A histogram the engine keeps itself (``{"buckets": [(upper bound, cumulative count), ..., (inf, n)],
-    "sum", "count"}``), rendered from its latest snapshot; empty (one +Inf bucket) before there is one."""
+    """A histogram the engine keeps itself, rendered from its latest snapshot's ``"buckets"`` (``[(upper
+    bound, cumulative count), ..., (inf, n)]``, the last being the count) and ``"sum"``; empty (one +Inf
+    bucket) before there is one."""
     snapshot = snapshot or {}
     buckets = [(floatToGoString(bound), count) for bound, count in snapshot.get("buckets", ())] or [("+Inf", 0)]
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snapshot.get("sum", 0.0))

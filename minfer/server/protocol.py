@@ -117,7 +117,6 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None
 
 
-
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -140,7 +139,6 @@ class StructuredOutputsField(_Request):
     grammar: Text | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
-
 
 
 class SamplingFields(_Request):
@@ -314,7 +312,6 @@ class FunctionDef(_Request):
     strict: bool | None = Field(None, description="accepted; required and named tool choices always enforce")
 
 
-
 class ChatTool(_Request):
     type: Literal["function"]
     function: FunctionDef
@@ -368,8 +365,9 @@ class ChatCompletionRequest(SamplingFields):
 
     def _check_tools(self) -> None:
         names = [t.function.name for t in self.tools or []]
-        if len(set(names)) < len(names):
-            raise ValueError(f"tools holds the function name {_first_repeat(names)!r} more than once")
+        repeat = _first_repeat(names)
+        if repeat is not None:
+            raise ValueError(f"tools holds the function name {repeat!r} more than once")
         if self.tool_choice is None and self.tools:
             self.tool_choice = "auto"
         if self.tool_choice == "required" and self.tools == []:
@@ -381,15 +379,10 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
                              f"in tools ({', '.join(names)})")
-        given = self.constraints()
-        if given and self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(f"tool_choice {self.tool_choice_name()!r} constrains the output, and so does "
-                             f"{given[0]}: send one of them")
-
-    def tool_choice_name(self) -> str:
-        """``none``, ``auto``, ``required``, or the named function's name."""
-        choice = self.tool_choice
-        return choice.function.name if isinstance(choice, NamedToolChoice) else (choice or "none")
+        given, choice = self.constraints(), self.tool_choice
+        if given and choice not in (None, "none", "auto"):  # "required" or a named function
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else choice
+            raise ValueError(f"tool_choice {name!r} constrains the output, and so does {given[0]}: send one of them")
 
 
 def _first_repeat(names: list[str]) -> str | None:

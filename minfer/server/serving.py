@@ -49,16 +49,15 @@ class ClientGone(Exception):
 class ServerContext:
     """The engine, the event loop's processor (its own tokenizer copy) and the served names.
 
-    ``tool_call_parser`` (``--tool-call-parser``) reads the calls out of a ``tool_choice="auto"`` answer,
-    which ``enable_auto_tool_choice`` (``--enable-auto-tool-choice``) allows."""
+    ``auto_tool_parser``: the parser (``--tool-call-parser``) of ``tool_choice="auto"`` answers, None unless
+    auto tool choice is enabled (``--enable-auto-tool-choice``)."""
 
     engine: AsyncLLMEngine
     served_model_names: list[str]
     retry_after_s: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
     tokenize_workers: int = TOKENIZE_WORKERS
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
+    auto_tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         self.processor.clamp_max_tokens = False  # a max_tokens past the context is a 400, as in vLLM
@@ -116,11 +115,6 @@ class ServerContext:
         if num_prompts * n > MAX_SEQUENCES:
             raise APIError(400, f"{param}: a batch of {num_prompts} prompts with n={n} is over {MAX_SEQUENCES} "
                                 f"sequences", param)
-
-    @property
-    def auto_tool_parser(self) -> str | None:
-        """The parser of ``tool_choice="auto"`` answers, None unless auto tool choice is enabled."""
-        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     async def constraint(self, req: SamplingFields) -> StructuredOutputsParams | None:
         """The request's ``response_format`` / ``structured_outputs`` / ``guided_*`` as the engine's params,

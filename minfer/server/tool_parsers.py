@@ -42,11 +42,11 @@ class ToolCall:
 
 
 class ToolParser:
-    """The state of one choice: ``calls`` and ``content`` hold everything emitted so far."""
+    """The state of one choice: ``calls`` holds the calls begun so far (a ``NamedParser``'s one call keeps
+    only its first piece of arguments: the rest go out as deltas)."""
 
     def __init__(self) -> None:
         self.calls: list[ToolCall] = []
-        self.content = ""
 
     def feed(self, text: str) -> tuple[str, list[ToolDelta]]:
         """New content and tool-call deltas after ``text`` (the choice's next piece of output)."""
@@ -61,16 +61,12 @@ class ToolParser:
         self.calls.append(call)
         return {"index": len(self.calls) - 1, **call.to_dict()}
 
-    def _emit_content(self, text: str) -> str:
-        self.content += text
-        return text
-
 
 def parse_whole(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCall]]:
-    """A non-streamed choice: its content (None when empty) and its calls."""
-    parser.feed(text)
-    parser.finish()
-    return parser.content or None, parser.calls
+    """A non-streamed choice: its content (None when empty) and its calls (whole: ``text`` is fed at once)."""
+    content, _ = parser.feed(text)
+    more, _ = parser.finish()
+    return (content + more) or None, parser.calls
 
 
 def _arguments(value: Any) -> str | None:
@@ -157,7 +153,7 @@ class HermesParser(ToolParser):
             out.append(self._text(self._buf))
         self._buf, self._inside = "", False
         if not self.calls and self._space:  # a plain answer keeps its trailing whitespace
-            out.append(self._emit_content(self._space))
+            out.append(self._space)
         self._space = ""
         return "".join(out), calls
 
@@ -170,8 +166,7 @@ class HermesParser(ToolParser):
         if not body:
             self._space += text
             return ""
-        sent = self._emit_content(self._space + body)
-        self._space = text[len(body):]
+        sent, self._space = self._space + body, text[len(body):]
         return sent
 
     def _block(self, body: str, closed: bool) -> ToolDelta | str:
@@ -200,7 +195,7 @@ class Llama3JsonParser(ToolParser):
 
     def feed(self, text: str) -> tuple[str, list[ToolDelta]]:
         if self._mode == "content":
-            return self._emit_content(text), []
+            return text, []
         self._buf += text
         if self._mode is None:
             head = self._buf.lstrip()
@@ -209,7 +204,7 @@ class Llama3JsonParser(ToolParser):
             elif head and not self.TAG.startswith(head):
                 self._mode = "content"
                 text, self._buf = self._buf, ""
-                return self._emit_content(text), []
+                return text, []
         return "", []
 
     def finish(self) -> tuple[str, list[ToolDelta]]:
@@ -218,7 +213,7 @@ class Llama3JsonParser(ToolParser):
             found = self._calls(text)
             if found:
                 return "", [self._emit_call(*c) for c in found]
-        return self._emit_content(text), []
+        return text, []
 
     def _calls(self, text: str) -> list[tuple[str, str]] | None:
         body = text.strip().removeprefix(self.TAG)
@@ -260,7 +255,7 @@ class RequiredParser(ToolParser):
     def finish(self) -> tuple[str, list[ToolDelta]]:
         calls = self._drain()
         if not self.calls:
-            return self._emit_content(self._buf), []
+            return self._buf, []
         return "", calls
 
     def _drain(self) -> list[ToolDelta]:
@@ -282,7 +277,8 @@ class RequiredParser(ToolParser):
 
 class NamedParser(ToolParser):
     """The whole output is the arguments of one call to ``name``: its first delta carries the id and the
-    name, every later one the next piece of the arguments."""
+    name, every later one the next piece of the arguments (not added to ``calls``: a whole response is fed
+    at once, so its one call has them all)."""
 
     def __init__(self, name: str) -> None:
         super().__init__()
@@ -291,7 +287,6 @@ class NamedParser(ToolParser):
     def feed(self, text: str) -> tuple[str, list[ToolDelta]]:
         if not self.calls:
             return "", [self._emit_call(self.name, text)]
-        self.calls[0].arguments += text
         return "", [{"index": 0, "function": {"arguments": text}}] if text else []
 
     def finish(self) -> tuple[str, list[ToolDelta]]:

@@ -39,7 +39,8 @@ class ToolPlan:
     def new_parser(self) -> ToolParser:
         """A fresh parser for one choice (any mode but ``none``)."""
         if self.mode == "named":
-            return NamedParser(self.function or "")
+            assert self.function is not None
+            return NamedParser(self.function)
         if self.mode == "required":
             return RequiredParser()
         assert self.mode == "auto" and self.parser is not None, self.mode
@@ -50,12 +51,12 @@ def plan_tools(req: ChatCompletionRequest, template: Any, auto_parser: str | Non
     """Check the request's tools against the chat template and the server's flags (``auto_parser``: the
     ``--tool-call-parser`` when ``--enable-auto-tool-choice`` is on, else None)."""
     choice = req.tool_choice
-    if not req.tools or choice is None or choice == "none":
+    if not req.tools or choice == "none":  # with tools, tool_choice defaults to "auto" (protocol)
         return ToolPlan("none")
     if "tools" not in str(template or ""):
         raise APIError(400, "tools: this model's chat template does not render tools; send a chat_template "
                             "that does (or --chat-template), or drop tools", "tools")
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
     if choice == "auto":
         if auto_parser is None:
             raise APIError(400, "tool_choice: 'auto' needs the server started with --enable-auto-tool-choice "

@@ -220,12 +220,12 @@ def test_bad_requests_name_the_field(http: httpx.Client, tool_server: LiveServer
     for path, body, param in BAD_REQUESTS:
         base = {"prompt": "x"} if path == COMP else {"messages": MESSAGES}
         _check_400(http.post(path, json={**base, **body, "max_tokens": 4}), param)
-    tool_server.ctx.enable_auto_tool_choice = False  # as without --enable-auto-tool-choice
+    tool_server.ctx.auto_tool_parser = None  # as without --enable-auto-tool-choice
     try:
         _check_400(http.post(CHAT, json={"messages": MESSAGES, "tools": TOOLS}), "tool_choice")  # auto by default
         _check_400(http.post(CHAT, json={"messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto"}), "tool_choice")
     finally:
-        tool_server.ctx.enable_auto_tool_choice = True
+        tool_server.ctx.auto_tool_parser = "hermes"
     idle = tool_server.wait_idle()
     assert idle["healthy"] and idle["kv_blocks_used"] == 0, idle
     ok = http.post(CHAT, json={"messages": MESSAGES, "max_tokens": 3, "ignore_eos": True})
@@ -251,5 +251,10 @@ def test_serve_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixt
     assert seen["enable_auto_tool_choice"] is True and seen["tool_call_parser"] == "llama3_json"
     assert main(["serve", "m"]) == 0
     assert seen["enable_auto_tool_choice"] is False and seen["tool_call_parser"] is None
+    from minfer.config import EngineConfig
+    from minfer.server.run import run_server
+
+    monkeypatch.setattr(serve_cli, "run_server", run_server)  # the real one: it checks before the model loads
+    monkeypatch.setattr(EngineConfig, "from_kwargs", lambda **kw: pytest.fail("the model began to load"))
     assert main(["serve", "m", "--enable-auto-tool-choice"]) == 2
     assert "--tool-call-parser" in capsys.readouterr().err

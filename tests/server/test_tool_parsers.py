@@ -31,7 +31,7 @@ def _streamed(make: Make, text: str, step: int) -> tuple[str | None, list[tuple[
             entry["arguments"] += d.get("function", {}).get("arguments", "")
             if "id" in d:
                 assert d["id"].startswith("call_") and d["type"] == "function"
-    assert content == parser.content
+    assert len(parser.calls) == len(calls)  # every call begun was sent, under its own index
     return content or None, [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
 
 
@@ -122,7 +122,9 @@ def test_named_streams_arguments() -> None:
     first = p.feed('{"x"')[1]
     assert first[0]["function"] == {"name": "f", "arguments": '{"x"'} and first[0]["id"].startswith("call_")
     assert p.feed(": 1}") == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
-    assert p.finish() == ("", []) and p.calls[0].arguments == '{"x": 1}'
+    assert p.finish() == ("", []) and [c.name for c in p.calls] == ["f"]
+    content, calls = parse_whole(make(), '{"x": 1}')  # not streamed: the one call has all the arguments
+    assert content is None and [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
     empty = make()
     assert empty.finish()[1][0]["function"] == {"name": "f", "arguments": ""}
 
