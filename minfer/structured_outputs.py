@@ -1,22 +1,24 @@
 """StructuredOutputsParams: the shape a request's output must take (vLLM's names), checked at construction.
 
-The engine forces the output through xgrammar (``minfer.engine.grammar``); this module only decides
-whether a request's constraint is acceptable, so a bad one is an error naming its field before it is
-queued. xgrammar compiles JSON Schema by itself but silently ignores keywords it does not implement
+The engine forces the output through xgrammar (``minfer.engine.grammar``); this module decides whether a
+request's constraint is acceptable, so a bad one is an error naming its field before it is queued, and
+builds its xgrammar ``Grammar`` (``build_grammar``: the same one for that check and the engine's compile).
+xgrammar compiles JSON Schema by itself but silently ignores keywords it does not implement
 (``uniqueItems``, ``not``, ``if``/``then``/``else``, unknown ``format`` values, ...): an output that
 "followed" such a schema could still fail to validate, so those are refused here, by an allow-list.
 """
 from __future__ import annotations
 
+import functools
 import json as jsonlib
 from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_WHITESPACE = 16  # characters of whitespace in a row that JSON output may carry (room for indentation)
+CHECK_CACHE_SIZE = 256  # constraints whose check passed, kept so that a resent one skips it
 
-# Keywords whose meaning xgrammar's JSON-Schema converter implements (checked by compiling schemas with
-# and without each), and annotations that constrain nothing.
+# Keywords whose meaning xgrammar's JSON-Schema converter implements, and annotations that constrain nothing.
 _SUPPORTED_KEYWORDS = frozenset({
     "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
     "properties", "required", "additionalProperties", "patternProperties", "propertyNames",
@@ -62,7 +64,7 @@ class StructuredOutputsParams:
                              f"{', '.join(given) if given else 'none'})")
         kind = given[0]
         if kind == "json":
-            self.key = ("json_compact" if self.disable_any_whitespace else "json", _canonical_schema(self.json))
+            self.key = ("json_compact" if self.disable_any_whitespace else "json", _schema_text(self.json))
         elif kind == "regex":
             if not isinstance(self.regex, str) or not self.regex:
                 raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
@@ -81,7 +83,7 @@ class StructuredOutputsParams:
             if self.json_object is not True:
                 raise ValueError(f"structured_outputs.json_object must be true or unset, got {self.json_object!r}")
             self.key = ("json_object", "")
-        _check_compiles(kind, *self.key)
+        _check(kind, *self.key)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -89,8 +91,8 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(jsonlib.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def _canonical_schema(schema: object) -> str:
-    """The schema as compact JSON text, after checking it is JSON Schema minfer can enforce."""
+def _schema_text(schema: object) -> str:
+    """The schema as compact JSON text (its canonical form: ``_check`` reads it back)."""
     if isinstance(schema, str):
         try:
             schema = jsonlib.loads(schema)
@@ -98,10 +100,24 @@ def _canonical_schema(schema: object) -> str:
             raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
-    _check_meta_schema(schema)
-    if isinstance(schema, dict):
-        _check_keywords(schema, "#")
-    return jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)  # property order kept: it is the output's
+    try:  # property order kept: it is the output's
+        return jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
+
+
+@functools.lru_cache(maxsize=CHECK_CACHE_SIZE)
+def _check(kind: str, grammar_kind: str, text: str) -> None:
+    """Whether the constraint ``(grammar_kind, text)`` (``StructuredOutputsParams.key``; ``kind``, the field
+    that set it, names it in errors) is one minfer can enforce: a schema must be valid JSON Schema whose every
+    keyword xgrammar enforces, and the grammar must build (``_check_builds``). Cached: agents resend the same
+    schema every turn. A failure raises each time (``lru_cache`` keeps results only)."""
+    if grammar_kind in ("json", "json_compact"):
+        schema = jsonlib.loads(text)
+        _check_meta_schema(schema)
+        if isinstance(schema, dict):
+            _check_keywords(schema, "#")
+    _check_builds(kind, grammar_kind, text)
 
 
 def _check_meta_schema(schema: dict | bool) -> None:
@@ -118,8 +134,7 @@ def _check_meta_schema(schema: dict | bool) -> None:
 
 
 def _check_keywords(schema: dict[str, Any], path: str) -> None:
-    """Every keyword is one xgrammar enforces, in a combination it enforces (each refused one was seen
-    to let a non-validating output through)."""
+    """Every keyword is one xgrammar enforces, in a combination it enforces."""
     def refuse(what: str) -> None:
         raise ValueError(f"structured_outputs.json: {what} at {path} is not enforced by the grammar engine")
 
@@ -187,19 +202,31 @@ def _exclusive(branches: list[Any]) -> bool:
 _MISSING = object()
 
 
-def _check_compiles(kind: str, grammar_kind: str, text: str) -> None:
+def build_grammar(grammar_kind: str, text: str) -> Any:
+    """The ``xgrammar.Grammar`` of a constraint's key (``StructuredOutputsParams.key``): what the engine
+    compiles (``GrammarCompiler``) and what construction checks, built with the same settings."""
+    import xgrammar
+
+    if grammar_kind in ("json", "json_compact"):
+        loose = grammar_kind == "json"
+        return xgrammar.Grammar.from_json_schema(text, strict_mode=True, any_whitespace=loose,
+                                                 max_whitespace_cnt=MAX_WHITESPACE if loose else None)
+    if grammar_kind == "regex":
+        return xgrammar.Grammar.from_regex(text)
+    if grammar_kind == "grammar":
+        return xgrammar.Grammar.from_ebnf(text)
+    if grammar_kind == "json_object":  # any object (xgrammar's built-in JSON grammar allows any value)
+        return xgrammar.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=True,
+                                                 max_whitespace_cnt=MAX_WHITESPACE)
+    raise ValueError(f"unknown structured-outputs grammar kind {grammar_kind!r}")
+
+
+def _check_builds(kind: str, grammar_kind: str, text: str) -> None:
     """Build the grammar (tokenizer-independent, milliseconds): a regex or EBNF that does not parse, or a
     schema xgrammar cannot convert (an unresolvable ``$ref``), is the caller's error now, not a failed
     compile later. The tokenizer-dependent compile runs in the engine, off its step loop."""
-    import xgrammar
-
     try:
-        if grammar_kind in ("json", "json_compact"):
-            xgrammar.Grammar.from_json_schema(text, strict_mode=True)
-        elif grammar_kind == "regex":
-            xgrammar.Grammar.from_regex(text)
-        elif grammar_kind == "grammar":
-            xgrammar.Grammar.from_ebnf(text)
+        build_grammar(grammar_kind, text)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with the parser's message
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if "]" in message and message.startswith("["):  # "[hh:mm:ss] /path/file.cc:123: what" -> what

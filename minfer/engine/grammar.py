@@ -11,7 +11,7 @@ The flow of one constrained request:
 2. Each sample gets its own ``xgrammar.GrammarMatcher`` (``Sequence.grammar``).
 3. A step that samples a constrained row launches its forward first; while the GPU runs it the host
    completes the previous step (so every matcher has accepted every known token), fills the rows'
-   bitmasks (``fill_bitmask``, on xgrammar's threads), and only then queues the sampling, which masks
+   bitmasks (``BitmaskFiller.fill``, on xgrammar's threads), and only then queues the sampling, which masks
    the logits (``sampler.apply_token_bitmask``) before anything else draws from them.
 4. Each sampled token advances its sample's matcher (``advance``); a matcher that accepts a stop token
    terminates, which finishes the sample with reason "stop".
@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
+from minfer.config import cdiv
 from minfer.engine.sequence import Sequence
-from minfer.structured_outputs import MAX_WHITESPACE, StructuredOutputsParams
+from minfer.structured_outputs import StructuredOutputsParams, build_grammar
 
 logger = logging.getLogger("minfer")
 
@@ -85,17 +86,7 @@ class GrammarCompiler:
     def _compile(self, key: tuple[str, str]) -> Any:
         compiler = self._compiler.result()
         started = time.perf_counter()
-        kind, text = key
-        if kind in ("json", "json_compact"):
-            compiled = compiler.compile_json_schema(text, strict_mode=True, any_whitespace=kind == "json",
-                                                    max_whitespace_cnt=MAX_WHITESPACE if kind == "json" else None)
-        elif kind == "regex":
-            compiled = compiler.compile_regex(text)
-        elif kind == "grammar":
-            compiled = compiler.compile_grammar(text)
-        else:  # json_object: any object (xgrammar's built-in JSON grammar allows any value)
-            compiled = compiler.compile_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=True,
-                                                    max_whitespace_cnt=MAX_WHITESPACE)
+        compiled = compiler.compile_grammar(build_grammar(*key))  # the grammar StructuredOutputsParams checked
         seconds = time.perf_counter() - started
         with self._lock:
             self.compile_counts[bisect.bisect_left(COMPILE_BUCKETS, seconds)] += 1
@@ -131,16 +122,20 @@ class BitmaskFiller:
     """Fills the token bitmask of a step's sampling rows: a constrained row allows what its matcher
     allows, every other row (unconstrained, or finished while the step was in flight) allows all.
 
-    The host buffer is pinned (the upload must not wait for the forward the fill hides under) and
-    allocated once. Before it is refilled, the previous step's upload must have left it (an event; in
-    practice long done: the previous step's draws, queued after that upload, have been read)."""
+    The host buffer is pinned (the upload must not wait for the forward the fill hides under), and it and
+    the device buffer it uploads into are allocated once. Before the host buffer is refilled, the previous
+    step's upload must have left it (an event; in practice long done: the previous step's draws, queued
+    after that upload, have been read). The device buffer needs no wait: the next upload is queued on the
+    same stream behind the previous step's sampling, the only reader of the mask."""
 
     def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
         import xgrammar
 
         self.device = device
         cuda = device.type == "cuda"
-        self._host = torch.empty((max_rows, (vocab_size + 31) // 32), dtype=torch.int32, pin_memory=cuda)
+        shape = (max_rows, cdiv(vocab_size, 32))
+        self._host = torch.empty(shape, dtype=torch.int32, pin_memory=cuda)
+        self._device = torch.empty(shape, dtype=torch.int32, device=device) if cuda else None
         self._uploaded = torch.cuda.Event() if cuda else None
         self._batch = xgrammar.BatchGrammarMatcher()
 
@@ -161,7 +156,8 @@ class BitmaskFiller:
                 self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask, rows)
         if self._uploaded is None:
             return bitmask.clone()  # the CPU: the buffer is reused, the mask must not change under the sampler
-        on_device = bitmask.to(self.device, non_blocking=True)
+        on_device = self._device[:len(seqs)]
+        on_device.copy_(bitmask, non_blocking=True)
         self._uploaded.record()
         return on_device
 

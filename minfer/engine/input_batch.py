@@ -32,7 +32,7 @@ class RowFacts:
     inv_temps: torch.Tensor  # [R] float32 on the device: 1 / temperature (1.0 on greedy rows)
     any_logprobs: bool
     any_penalties: bool
-    any_min_tokens: bool
+    any_min_tokens: bool  # an unconstrained row with min_tokens (a grammar decides when its output ends)
     any_filters: bool  # top-k, top-p or min-p
 
     @classmethod
@@ -43,7 +43,7 @@ class RowFacts:
         inv = np.array([1.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)], dtype=np.float32)
         return cls(params, seeds, prompt_lens, eos_token_ids, want_logprobs, greedy, to_device(inv, device),
                    any(k is not None for k in want_logprobs), any(p.has_penalties for p in params),
-                   any(p.min_tokens > 0 for p in params),
+                   any(p.min_tokens > 0 and p.structured_outputs is None for p in params),
                    any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params))
 
 

@@ -49,7 +49,7 @@ class LLMEngine:
         if config.model is None:
             raise ValueError("model is required (a local folder or a Hugging Face hub id)")
         self.config = config
-        self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir)
+        self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir, config.load_format)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(
@@ -138,18 +138,22 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
-        seqs = self.requests.pop(request_id, None)
+        seqs = self._forget(request_id)
         if seqs is None:
             return
-        self._penalized.discard(request_id)
-        self._constrained.discard(request_id)
         self._ready = None  # it may hold this request's sequences: the next step schedules afresh
-        if self._compiling.pop(request_id, None) is not None:  # never queued: nothing to free
-            for seq in seqs:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        if self._compiling.pop(request_id, None) is not None:
+            self.scheduler.finish_unqueued(seqs)
         else:
             self.scheduler.abort_request(seqs)
         self.output_processor.abort_request(request_id)
+
+    def _forget(self, request_id: str) -> list[Sequence] | None:
+        """Drop a finished or aborted request from the engine's live sets; returns its samples (None when
+        it was not live)."""
+        self._penalized.discard(request_id)
+        self._constrained.discard(request_id)
+        return self.requests.pop(request_id, None)
 
     def abort_all(self) -> list[str]:
         """Abort every request and drop the step in flight; returns the aborted ids.
@@ -226,8 +230,8 @@ class LLMEngine:
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies = []
         prev = self._inflight.sample if self._inflight is not None else None
-        defer = bool(self._constrained) and any(s.grammar is not None for s in batch.seqs)
-        launched = self.runner.launch(batch, prev.token_ids if prev is not None else None, defer, arrays)
+        launched = self.runner.launch(batch, prev.token_ids if prev is not None else None,
+                                      bool(self._constrained), arrays)
         for seq, (first, entries) in launched.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(seq, first, entries)
         self.scheduler.on_launched(batch, launched.sampled)
@@ -257,9 +261,7 @@ class LLMEngine:
         outputs = self.output_processor.make_outputs(touched, stopped, step.batch.scheduled_at, time.time())
         for output in outputs:
             if output.finished:
-                del self.requests[output.request_id]
-                self._penalized.discard(output.request_id)
-                self._constrained.discard(output.request_id)
+                self._forget(output.request_id)
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -278,17 +280,14 @@ class LLMEngine:
                 self.scheduler.add_request(seqs)
                 continue
             logger.error("request %s: its structured_outputs failed to compile: %s", request_id, error)
-            for seq in seqs:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            self.scheduler.finish_unqueued(seqs)
             failed.append(request_id)
         if not failed:
             return []
         now = time.time()
         outputs = self.output_processor.make_outputs(failed, set(failed), now, now)
         for request_id in failed:
-            del self.requests[request_id]
-            self._penalized.discard(request_id)
-            self._constrained.discard(request_id)
+            self._forget(request_id)
         return outputs
 
     def shutdown(self) -> None:

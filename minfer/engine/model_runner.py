@@ -323,9 +323,10 @@ class ModelRunner:
         """Queue one forward over the step's tokens (a graph replay for pure decodes) and the draws of
         the sequences that reach their end; ``prev_tokens`` are the previous step's sampled ids, the
         source of this step's pending input tokens. Waits for the device only for prompt logprobs.
-        ``defer_sampling``: queue the forward only; ``sample`` queues the draws later (structured
-        outputs fill their token masks while the forward runs). ``arrays``: ``prepare(batch)``, when the
-        engine built the step's inputs ahead."""
+        ``defer_sampling``: when a sampling row is constrained (structured outputs), queue the forward
+        only and leave ``deferred`` set: ``sample`` queues the draws later, with the token masks filled
+        while the forward runs (a constrained sequence still mid-prompt samples nothing and does not
+        defer). ``arrays``: ``prepare(batch)``, when the engine built the step's inputs ahead."""
         a = self.prepare(batch) if arrays is None else arrays
         if len(a.fill_dst) and prev_tokens is None:
             raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
@@ -347,7 +348,7 @@ class ModelRunner:
                 sample_rows, a.num_tokens[which] - self.input_batch.prompt_lens[sample_rows], sampled)
             self.input_batch.sample_row[sample_rows] = np.arange(len(sampled))
             step.deferred = (logits, meta)
-            if not defer_sampling:
+            if not (defer_sampling and any(s.grammar is not None for s in sampled)):
                 self.sample(step)
         step.prompt_logprobs = self._prompt_logprobs(chunks, hidden) if chunks else {}
         return step

@@ -112,7 +112,8 @@ class Sampler:
             logits = apply_token_bitmask(logits, bitmask)
         if facts.any_penalties:
             logits = self._apply_penalties(logits, meta)
-        if facts.any_min_tokens and any(c < p.min_tokens for c, p in zip(meta.output_counts.tolist(), facts.params)):
+        if facts.any_min_tokens and any(c < p.min_tokens and p.structured_outputs is None
+                                        for c, p in zip(meta.output_counts.tolist(), facts.params)):
             logits = self._block_early_stops(logits, meta)
         greedy = facts.greedy
         if all(greedy):
@@ -193,11 +194,12 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
     def _block_early_stops(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Before min_tokens, EOS and stop_token_ids cannot be sampled."""
+        """Before min_tokens, EOS and stop_token_ids cannot be sampled (on unconstrained rows: a grammar
+        decides when its output ends)."""
         logits = logits.clone()
         facts = meta.rows
         for r, (p, count) in enumerate(zip(facts.params, meta.output_counts.tolist())):
-            if count < p.min_tokens and p.structured_outputs is None:  # a grammar decides when its output ends
+            if count < p.min_tokens and p.structured_outputs is None:
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(facts.eos_token_ids[r]))
                 ids = [i for i in ids if i < logits.shape[-1]]
                 if ids:

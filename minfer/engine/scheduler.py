@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from minfer.engine.block_manager import BlockManager
@@ -55,11 +56,17 @@ class Scheduler:
 
     def abort_request(self, seqs: list[Sequence]) -> None:
         """Finish every unfinished sample of a request with reason 'abort' and free its blocks."""
-        for seq in self.unforked.pop(seqs[0].seq_id, ()):  # never queued: nothing to free
-            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.finish_unqueued(self.unforked.pop(seqs[0].seq_id, ()))
         for seq in seqs:
             if not seq.is_finished:
                 self.finish(seq, "abort")
+
+    @staticmethod
+    def finish_unqueued(seqs: Iterable[Sequence], reason: str = "abort") -> None:
+        """Finish samples that were never queued (a request still compiling its grammar, samples not yet
+        forked): they hold no blocks and sit in no queue, so there is nothing to free."""
+        for seq in seqs:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def on_launched(self, batch: SchedulerOutput, sampled: list[Sequence]) -> None:
         """Advance the step's sequences as if it had run: computed tokens move forward, full blocks

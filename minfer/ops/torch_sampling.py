@@ -22,8 +22,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 def noise_from_row_hash(row: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniform noise u[r, v] in (0, 1) from the rows' hashes (int64 ``[R]``): 23 random bits per token, so
-    ``bits + 0.5`` is exact in float32 and u stays below 1 (with 24 bits the largest value rounded to 1.0,
-    whose Gumbel noise is +inf: about one draw in 130 over a 128k vocabulary took a uniformly random token)."""
+    ``bits + 0.5`` is exact in float32 and u stays below 1 (u = 1 would make the Gumbel noise +inf)."""
     col = mix32((torch.arange(vocab_size, device=row.device) * 0x27D4EB2F + 0x165667B1) & _M32)
     bits = mix32(row[:, None] ^ col[None, :]) >> 9
     return (bits.float() + 0.5) * (1.0 / (1 << 23))

@@ -198,6 +198,39 @@ def test_sampling_params_takes_only_structured_outputs_params():
     assert SamplingParams(structured_outputs=so(json_object=True)).structured_outputs.json_object
 
 
+def test_a_resent_constraint_skips_the_check_and_a_bad_one_fails_every_time(monkeypatch):
+    """The check is cached by key (a schema as a dict or as its text is the same key); a failure is not."""
+    from minfer import structured_outputs
+
+    calls = []
+    real = structured_outputs._check_meta_schema
+    monkeypatch.setattr(structured_outputs, "_check_meta_schema", lambda s: (calls.append(s), real(s))[1])
+    schema = dict(SMALL, title=f"resent {uuid.uuid4()}")
+    first, second = so(json=schema), so(json=json.dumps(schema))
+    assert first.key == second.key and len(calls) == 1
+    assert so(json=schema, disable_any_whitespace=True).key[0] == "json_compact" and len(calls) == 2
+    bad = {"type": "array", "uniqueItems": True, "title": f"bad {uuid.uuid4()}"}
+    for i in range(2):
+        with pytest.raises(ValueError, match="structured_outputs.json: the keyword 'uniqueItems'"):
+            so(json=bad)
+        assert len(calls) == 3 + i
+
+
+def test_min_tokens_of_constrained_rows_only_skips_the_early_stop_pass():
+    """A grammar decides when a constrained output ends, so its min_tokens asks the sampler for nothing."""
+    import torch
+
+    from minfer.engine.input_batch import SamplingMetadata
+
+    constrained = SamplingParams(min_tokens=4, structured_outputs=so(json_object=True))
+    plain = SamplingParams(min_tokens=4)
+    def facts(ps):
+        return SamplingMetadata.from_params(ps, [0] * len(ps), [0] * len(ps), torch.device("cpu")).rows
+
+    assert not facts([constrained, constrained]).any_min_tokens
+    assert facts([constrained, plain]).any_min_tokens
+
+
 # ------------------------------------------------------------------------------------------------ outputs
 
 def test_json_schemas_greedy_and_sampled(llm):
@@ -425,14 +458,14 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm, monkeypatch):
     it runs to its end meanwhile. The compile is held on a gate (not a timing guess): it is released only once
     the unconstrained request has finished, and the constrained one then completes validly."""
     gate = threading.Event()
-    real = xgrammar.GrammarCompiler.compile_json_schema
+    real = xgrammar.GrammarCompiler.compile_grammar
 
     def gated(self, *args, **kwargs):
         if not gate.wait(timeout=60):
             raise TimeoutError("the gate was never opened")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_json_schema", gated)
+    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_grammar", gated)
     engine = llm.llm_engine
     schema = dict(SMALL, title=f"slow {uuid.uuid4()}")
     try:
@@ -456,8 +489,8 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm, monkeypatch):
 
 def test_abort_while_compiling(llm, monkeypatch):
     gate = threading.Event()
-    real = xgrammar.GrammarCompiler.compile_json_schema
-    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_json_schema",
+    real = xgrammar.GrammarCompiler.compile_grammar
+    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_grammar",
                         lambda self, *a, **k: (gate.wait(60), real(self, *a, **k))[1])
     engine = llm.llm_engine
     try:

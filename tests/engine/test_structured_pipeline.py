@@ -85,3 +85,45 @@ def test_abort_and_penalties_while_a_step_is_prepared(engines):
     bm = engine.block_manager
     assert not engine.requests and bm.num_free_blocks == bm.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_a_constrained_prompt_mid_prefill_does_not_defer_the_step():
+    """Only the rows that sample this step decide whether it waits for a bitmask: while a constrained
+    request's long prompt is computed in chunks (it samples nothing yet), the decoding unconstrained
+    request's draws are queued with the forward, and no mask is filled for them."""
+    engine = LLMEngine(EngineConfig(model=str(builtin_model_path()), num_kv_blocks=256, max_num_seqs=4,
+                                    max_num_batched_tokens=16), RequestOutputKind.FINAL_ONLY)
+    try:
+        engine.add_request("plain", "x = ", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        engine.step()
+        engine.add_request("json", "def f(x):\n    return x\n" * 8, _params(0))
+        engine._compiling["json"][0].result(timeout=120)  # admitted at the next step, while "plain" decodes
+        launches, fills = [], []
+        launch, fill = engine.runner.launch, engine._bitmask.fill
+
+        def record_launch(batch, *args, **kwargs):
+            step = launch(batch, *args, **kwargs)
+            launches.append((any(s.grammar is not None for s in batch.seqs),
+                             any(s.grammar is not None for s in step.sampled), bool(step.sampled),
+                             step.deferred is not None))
+            return step
+
+        def record_fill(seqs):
+            fills.append(len(launches))
+            return fill(seqs)
+
+        engine.runner.launch, engine._bitmask.fill = record_launch, record_fill
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o for o in engine.step()}
+        mid_prefill = [i for i, (in_batch, constrained, samples, _) in enumerate(launches, 1)
+                       if in_batch and not constrained and samples]
+        assert mid_prefill, "no step sampled beside a constrained prompt chunk: the path under test did not run"
+        for i in mid_prefill:
+            assert not launches[i - 1][3] and i not in fills, f"launch {i} deferred its sampling for a mask"
+        assert all(deferred == constrained for _, constrained, _, deferred in launches)
+        assert len(fills) == sum(constrained for _, constrained, _, _ in launches)
+        json.loads(engine.tokenizer.decode(done["json"].outputs[0].token_ids, skip_special_tokens=True))
+        assert len(done["plain"].outputs[0].token_ids) == 24
+    finally:
+        engine.shutdown()
