@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_kernels import bench_graph  # noqa: E402
 from minfer.kernels import fp8_gemm as fg  # noqa: E402
 from minfer.kernels import fp8_quant as fq  # noqa: E402
+from minfer.kernels import fp8_ref as fr  # noqa: E402
 from minfer.kernels import gemv as gm  # noqa: E402
 from minfer.kernels.activation import silu_and_mul  # noqa: E402
 from minfer.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
@@ -64,11 +65,11 @@ def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def block_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """128x128-block quantization of ``w [N, K]`` (a checkpoint's), scales row-expanded to ``[N, ceil(K/128)]``."""
     n, k = w.shape
-    g, nb = fq.num_groups(k), -(-n // 128)
+    g, nb = fr.num_groups(k), -(-n // 128)
     padded = torch.nn.functional.pad(w.float(), (0, g * 128 - k, 0, nb * 128 - n))
     amax = padded.view(nb, 128, g, 128).abs().amax(dim=(1, 3))
-    scale = (amax / fq.FP8_MAX).clamp_min(fq.FP8_MIN_SCALE).repeat_interleave(128, 0)[:n].contiguous()
-    wq = (w.float() / scale.repeat_interleave(128, 1)[:, :k]).clamp(-448, 448).to(fq.FP8_DTYPE)
+    scale = (amax / fr.FP8_MAX).clamp_min(fr.FP8_MIN_SCALE).repeat_interleave(128, 0)[:n].contiguous()
+    wq = (w.float() / scale.repeat_interleave(128, 1)[:, :k]).clamp(-448, 448).to(fr.FP8_DTYPE)
     return wq, scale
 
 
@@ -105,7 +106,7 @@ def torch_blockwise() -> tuple[str, Callable] | None:
 # ------------------------------------------------------------------------------------------- cases
 def gemm_rows(name: str, n: int, k: int, ms: tuple[int, ...]) -> list[str]:
     w = torch.randn(n, k, device=DEV, dtype=DT) * k ** -0.5
-    wq_c, ws_c = fq.quantize_fp8_ref(w, None)
+    wq_c, ws_c = fr.quantize_fp8_ref(w, None)
     wq_b, ws_b = block_weight(w)
     tb = torch_blockwise()
     rows = []
@@ -151,7 +152,7 @@ def act_rows(ms: tuple[int, ...], hidden: int, inter: int) -> list[str]:
             out_bytes = lambda kk: m * kk * (1 + 4 / (kk if group is None else 128))  # codes + scales
             cases = [
                 (f"quantize_fp8 [{m}, {hidden}] {g}", lambda: fq.quantize_fp8(x, group),
-                 lambda: fq.quantize_fp8_ref(x, group), 2 * m * hidden + out_bytes(hidden)),
+                 lambda: fr.quantize_fp8_ref(x, group), 2 * m * hidden + out_bytes(hidden)),
                 (f"add_rms_norm_fp8 [{m}, {hidden}] {g}", lambda: fq.add_rms_norm_fp8(x, res, nw, eps, group)[:2],
                  lambda: fq.quantize_fp8(fused_add_rms_norm(x, res.clone(), nw, eps), group),
                  6 * m * hidden + out_bytes(hidden)),
@@ -164,7 +165,7 @@ def act_rows(ms: tuple[int, ...], hidden: int, inter: int) -> list[str]:
                 res.copy_(res_before)  # the in-place residual: check against the same input
                 qr, sr = ref_fn()
                 res.copy_(res_before)
-                err = max_err(fq.dequantize_fp8(q, s), fq.dequantize_fp8(qr, sr))
+                err = max_err(fr.dequantize_fp8(q, s), fr.dequantize_fp8(qr, sr))
                 us = bench(fn)
                 rows.append(f"| {label} | {us:.1f} | {100 * nbytes / (us * 1e-6) / PEAK_BW:.0f}% | {err:.1e} |")
                 print(rows[-1], flush=True)
@@ -190,7 +191,7 @@ def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool) -> list[str]:
         nw = torch.ones(k, device=DEV, dtype=DT)
         p = prologue.get(name, "plain")
         weights = {"bf16": (w, None)}
-        weights["fp8 channel"] = fq.quantize_fp8_ref(w, None)
+        weights["fp8 channel"] = fr.quantize_fp8_ref(w, None)
         weights["fp8 block"] = block_weight(w)
 
         def call(wt, ws, cfg=None):

@@ -8,6 +8,7 @@ tensors on the device itself, and only ``config.json`` is written (``write_shape
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minfer.config import ModelConfig
-from minfer.model.random_weights import draw, tensor_shapes
+from minfer.model.random_weights import SEED, random_tensors, tensor_shapes
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -89,12 +90,6 @@ def plan_shards(cfg: dict[str, Any], element_bytes: int, shard_bytes: int) -> li
     return shards
 
 
-def _draw(name: str, shp: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype, device: str,
-          to_host: bool = True) -> torch.Tensor | None:
-    t = draw(name, shp, gen, dtype, device)  # drawn even when not kept: the generator moves on
-    return t.cpu() if to_host else None
-
-
 def _is_whole(path: Path, names: dict[str, tuple[int, ...]], dtype: torch.dtype) -> bool:
     """Whether ``path`` is a complete safetensors file of exactly these tensors (a cut-off write is not:
     its header promises more bytes than the file has)."""
@@ -138,7 +133,7 @@ def write_shape_config(shape: str, out: Path, dtype: torch.dtype = torch.bfloat1
 
 
 def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16,
-                            shard_bytes: int = 2 << 30, seed: int = 0, device: str = "cpu",
+                            shard_bytes: int = 2 << 30, seed: int = SEED, device: str = "cpu",
                             layers: int | None = None, overrides: dict[str, Any] | None = None) -> Path:
     """Write ``shape`` with N(0, 0.02) weights (norm weights 1) as sharded safetensors + index.
     ``device="cuda"`` draws them on the GPU (8B weights: seconds instead of a CPU minute; other values).
@@ -150,12 +145,15 @@ def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bf
     that was cut off resumes: a file of this plan that is already whole is kept (its tensors are still
     drawn, unsaved, so the later files get the same values as in one uninterrupted write)."""
     cfg = shape_config(shape, dtype, layers, overrides)
+    config = ModelConfig.from_dict(cfg)
+    if config.torch_dtype != dtype:  # random_tensors draws in the config's dtype
+        raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
     out.mkdir(parents=True, exist_ok=True)
     if (out / "config.json").is_file() and json.loads((out / "config.json").read_text()) == cfg:
         return out  # already written
     (out / "config.json").unlink(missing_ok=True)  # incomplete until the end
-    gen = torch.Generator(device=device).manual_seed(seed)
     plan = plan_shards(cfg, torch.empty((), dtype=dtype).element_size(), shard_bytes)
+    drawn = random_tensors(config, device, seed)  # the dummy load's draws, in the plan's order
     fnames = [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
     for old in out.glob("model-*-of-*.safetensors"):  # another plan's files (another size): disk space
         if old.name not in fnames:
@@ -163,7 +161,11 @@ def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bf
     weight_map = {}
     for fname, names in zip(fnames, plan):
         whole = _is_whole(out / fname, names, dtype)
-        tensors = {name: _draw(name, shp, gen, dtype, device, to_host=not whole) for name, shp in names.items()}
+        tensors = {}
+        for name, t in itertools.islice(drawn, len(names)):  # drawn even for a kept file: the generator moves on
+            assert name in names, f"the plan and the draws disagree on the order at {name}"
+            if not whole:
+                tensors[name] = t.cpu()
         if not whole:
             save_file(tensors, str(out / fname), metadata={"format": "pt"})
         del tensors

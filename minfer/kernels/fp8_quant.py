@@ -19,7 +19,7 @@ codes instead of bf16 costs them nothing extra, and the bf16 intermediate never 
 kernels round every intermediate to the model dtype exactly as ``rmsnorm.py`` / ``activation.py`` do, so
 their codes equal ``quantize_fp8`` of the unfused output: bit for bit for SwiGLU and under the interpreter;
 compiled, the fused RMSNorm and ``rmsnorm.py`` do not always round alike (likely the order of the sum of
-squares): on an H200 about one code in 10^6-10^7 moved by one step.
+squares), so now and then a code moves by one step.
 
 Triton's CPU interpreter rounds float32 → e4m3 wrongly (ties away from zero; a carry into the exponent is
 dropped, 127.5 → 64; see ``kv_quant.py``): under it the kernels round onto the e4m3 grid by hand first
@@ -33,15 +33,14 @@ import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
 from .pdl import launch_options, use_pdl, wait_for_previous
-from .fp8_ref import (  # noqa: F401 - the torch references and constants are part of this module's API
-    FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, num_groups, quantize_fp8_ref,
-)
+from .activation import silu_and_mul_ref
+from .fp8_ref import FP8_DTYPE, FP8_MIN_SCALE, num_groups, quantize_fp8_ref
 from .quant import round_to_float_grid
-from .rmsnorm import norm_row
+from .rmsnorm import norm_launch, norm_row, rms_norm_ref
 
 # A per-token row up to this width is quantized from registers in one pass; wider rows take two passes over
-# BLOCK-wide chunks (amax, then codes), the second reading the row back from L2. SwiGLU's 14336-wide rows (llama
-# 3.1 8b) in one pass: 152 us at M=8192 on an H200 (92% of bandwidth), against 230 us in two passes of 8192.
+# BLOCK-wide chunks (amax, then codes), the second reading the row back from L2. Wide enough for SwiGLU's
+# 14336-wide rows (llama-3.1-8b) to take one pass: reading the row once beats reading it twice.
 ROW_MAX_BLOCK = 16384
 
 # What feeds the quantizer in _quant_rows_kernel (its PROLOGUE): x itself or silu(gate) * up.
@@ -226,7 +225,7 @@ def _rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     q, s = _outputs(m, hidden, group_size, x.device)
     if m == 0:
         return q, s
-    base = next_pow2(hidden)  # rmsnorm.py's block and warps: the same reduction, so the same normed row
+    base, num_warps = norm_launch(hidden)  # rmsnorm.py's block and warps: the same reduction, the same normed row
     block = base if group_size is None else max(base, group_size)
     res = x if residual is None else residual
     pdl = use_pdl(x.device)
@@ -234,7 +233,7 @@ def _rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         x, res, weight, q, s, hidden, 1 if group_size is None else s.shape[1], x.stride(0), res.stride(0),
         q.stride(0), 1 if group_size is None else s.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
         GROUP=block if group_size is None else group_size, MIN_SCALE=FP8_MIN_SCALE, EXACT=interpreting(), PDL=pdl,
-        num_warps=min(16, max(1, base // 512)), **launch_options(pdl),
+        num_warps=num_warps, **launch_options(pdl),
     )
     return q, s
 
@@ -261,17 +260,13 @@ def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 def silu_and_mul_fp8_ref(x_gate_up: torch.Tensor, group_size: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`silu_and_mul_fp8`: HF's SwiGLU rounding, then :func:`quantize_fp8_ref`."""
-    inter = x_gate_up.shape[-1] // 2
-    act = torch.nn.functional.silu(x_gate_up[:, :inter]) * x_gate_up[:, inter:]
-    return quantize_fp8_ref(act, group_size)
+    return quantize_fp8_ref(silu_and_mul_ref(x_gate_up), group_size)
 
 
 def rms_norm_fp8_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch reference of :func:`rms_norm_fp8` (HF's LlamaRMSNorm rounding, then :func:`quantize_fp8_ref`)."""
-    xf = x.float()
-    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return quantize_fp8_ref(normed, group_size)
+    return quantize_fp8_ref(rms_norm_ref(x, weight, eps), group_size)
 
 
 def add_rms_norm_fp8_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

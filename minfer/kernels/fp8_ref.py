@@ -16,6 +16,14 @@ def num_groups(k: int, group_size: int = FP8_GROUP) -> int:
     return -(-k // group_size)
 
 
+def group_amax(x: torch.Tensor, group_size: int = FP8_GROUP) -> torch.Tensor:
+    """``|x|``'s maximum per row and ``group_size``-column group of ``x [M, K]``: ``[M, ceil(K / group_size)]``
+    (the last group may be partial)."""
+    m, k = x.shape
+    g = num_groups(k, group_size)
+    return torch.nn.functional.pad(x, (0, g * group_size - k)).view(m, g, group_size).abs().amax(-1)
+
+
 def _div(a: torch.Tensor | float, b: torch.Tensor | float) -> torch.Tensor:
     """IEEE float32 division, elementwise. (On CUDA, torch divides a tensor by a Python scalar as a product with
     the scalar's reciprocal, which is off by an ulp at times; tensor by tensor divides.)"""
@@ -34,9 +42,7 @@ def quantize_fp8_ref(x: torch.Tensor, group_size: int | None = None) -> tuple[to
         scale = _div(xf.abs().amax(-1), FP8_MAX).clamp_min(FP8_MIN_SCALE) if k else xf.new_full((m,), FP8_MIN_SCALE)
         inv = _div(1.0, scale)[:, None]
     else:
-        g = num_groups(k, group_size)
-        padded = torch.nn.functional.pad(xf, (0, g * group_size - k)).view(m, g, group_size)
-        scale = _div(padded.abs().amax(-1), FP8_MAX).clamp_min(FP8_MIN_SCALE)
+        scale = _div(group_amax(xf, group_size), FP8_MAX).clamp_min(FP8_MIN_SCALE)
         inv = _div(1.0, scale).repeat_interleave(group_size, dim=1)[:, :k]
     return (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 

@@ -19,9 +19,8 @@ per output row ("channel") or row-expanded ``[N, ceil(K/128)]`` per 128x128 bloc
 dequantized in registers: fp8 loads, converted to float32 for the products with the (unquantized) input
 vector; a channel scale multiplies each row's sum once at the end, a block scale each 128-column piece's
 products before they join the row's accumulator. The input keeps its precision, unlike the batched path,
-which quantizes it. Half the weight bytes did not halve the time: the fp8 -> float32 conversions bound these
-kernels (H200, llama-3.1-8b projections with their prologues, cold L2: 0.69-0.81x the bf16 time, e.g. qkv
-16.8 us against 22.9, gate_up 46.7 against 67.2; ``benchmarks/bench_fp8.py``).
+which quantizes it. Half the weight bytes do not halve the time: the fp8 -> float32 conversions bound these
+kernels (``benchmarks/bench_fp8.py``).
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ import triton.language as tl
 from ._utils import check_dtype, next_pow2
 from .pdl import launch_options, use_pdl, wait_for_previous
 from .activation import silu_and_mul_ref
-from .fp8_quant import FP8_DTYPE, FP8_GROUP, dequantize_fp8, num_groups
+from .fp8_ref import FP8_DTYPE, FP8_GROUP, dequantize_fp8, num_groups
 from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
 
@@ -308,9 +307,8 @@ def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvCon
     Why: at batch 1 the activation is a ~2 us kernel of its own over a few KB, launched once per layer (16 on
     llama-3.2-1b), for a vector the down projection reads next anyway. Here every program recomputes
     ``silu(gate) * up`` for its own K chunk as it streams its weight rows; the vector stays in L2, so the
-    recomputation costs a few FLOPs per weight row, while the launch and the [1, K] round trip go away
-    (H200, CUDA-graph replay: llama-3.2-1b down 2048x8192 17.8 us against 18.9 us for the pair, qwen3-0.6b
-    down 1024x3072 8.8 against 10.2; see ``default_config`` for why this variant runs eight warps).
+    recomputation costs a few FLOPs per weight row, while the launch and the [1, K] round trip go away (see
+    ``default_config`` for why this variant runs eight warps).
 
     The roundings are activation.py's (silu in float32 rounded to the dtype, then the product rounded), so the
     vector fed to the products is bit-identical to ``silu_and_mul``'s; ``y`` matches ``gemv`` of it exactly
@@ -347,9 +345,9 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     shape of rmsnorm.py, so the result tends to be bit-identical to ``fused_add_rms_norm``; rows wider than
     ``RMS_MAX_BLOCK`` are summed block by block), then normalises each K chunk as it streams its weight rows.
     The row is a few KB and stays in L2, so every program re-reading it is cheap next to its weight rows, but
-    the first pass delays each program's weight stream: on an H200 (CUDA-graph replay) the fusion saves ~1 us
-    on llama-3.2-1b qkv 3072x2048 (10.6 us against 11.5), and nothing on the widest products, whose thousands
-    of programs each pay the first pass. Under programmatic dependent launch (``pdl.py``) the kernel loads
+    the first pass delays each program's weight stream: the fusion saves about the launch on a narrow
+    product such as llama-3.2-1b's qkv, and nothing on the widest products, whose thousands of programs each
+    pay the first pass. Under programmatic dependent launch (``pdl.py``) the kernel loads
     its first weight tile before that pass, while it waits for the previous kernel.
 
     Unlike ``fused_add_rms_norm``, ``residual`` is NOT updated in place: other programs are still reading it.

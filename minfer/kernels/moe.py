@@ -44,7 +44,6 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, dot_mode, next_pow2
-from .moe_ref import fused_moe_ref, moe_experts_ref, moe_route_ref  # noqa: F401 - this module's references
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,14 @@ def _rms_norm_kernel(
     tl.store(OUT + row * hidden + cols, out, mask=mask)  # OUT is contiguous
 
 
+def norm_launch(hidden: int) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` of a norm over rows of ``hidden``: one row per program, the whole row in one
+    block (a 4K-8K row fits in registers, so x is read once and never re-read). The FP8-emitting norm
+    (fp8_quant.py) launches by this rule too: the same block and warps reduce alike, so both round alike."""
+    block = next_pow2(hidden)
+    return block, min(16, max(1, block // 512))
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
             num_warps: int | None = None) -> torch.Tensor:
     check_dtype("x", x)
@@ -66,10 +74,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError("residual must match x in shape and dtype")
         check_last_dim_contiguous("residual", residual)
-    block = next_pow2(hidden)
-    # One row per program: a 4K-8K row fits in registers, so x is read once and never re-read.
+    block, default_warps = norm_launch(hidden)
     if num_warps is None:
-        num_warps = min(16, max(1, block // 512))
+        num_warps = default_warps
     pdl = use_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](
         x, res, weight, out, x.stride(0), stride_xh, res.stride(0), heads, hidden, eps,

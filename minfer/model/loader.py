@@ -26,8 +26,10 @@ from minfer.model.random_weights import random_tensors
 from minfer.ops import Ops
 
 
-def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """A local folder as is; otherwise an HF hub id, downloaded (config, tokenizer, safetensors)."""
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
+                       load_format: str = "auto") -> Path:
+    """A local folder as is; otherwise an HF hub id, downloaded (config, tokenizer, safetensors; without the
+    safetensors for ``load_format="dummy"``, which draws the weights instead)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -39,7 +41,7 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
                                 f"and *.safetensors, or a Hugging Face hub id like 'org/name')")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    patterns = ["*.json", "*.model", "*.txt", "*.jinja"] + ([] if load_format == "dummy" else ["*.safetensors"])
     try:
         return Path(snapshot_download(model, revision=revision, cache_dir=download_dir, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown id, gated repo ...
@@ -61,15 +63,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path, load_format: str = "auto") -> None:
+def load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device, load_format: str = "auto") -> None:
     """Copy every checkpoint tensor into its parameter; fail if any parameter stays unloaded.
 
     ``load_format="dummy"`` skips the safetensors. It takes the tensors a checkpoint of the model's config
-    would hold (``random_weights``), drawn on the model's device, and feeds them down the same path as
+    would hold (``random_weights``), drawn on ``device`` (the model's), and feeds them down the same path as
     a file's tensors. So tensor-parallel slicing, online FP8 quantization, expert stacking and the
     missing-tensor check all run as they would for a real checkpoint."""
     loaded: set[str] = set()
-    tensors = _dummy_tensors(model) if load_format == "dummy" else _checkpoint_tensors(model_dir)
+    tensors = _dummy_tensors(model, device) if load_format == "dummy" else _checkpoint_tensors(model_dir)
     for name, source, where in tensors:
         if "rotary_emb" in name:
             continue
@@ -114,11 +116,10 @@ def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any, str]]:
                 yield name, f.get_slice(name), file.name
 
 
-def _dummy_tensors(model: LlamaForCausalLM) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """(name, tensor, "dummy weights") of random weights drawn on the model's device. A tensor slices
+def _dummy_tensors(model: LlamaForCausalLM, device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, "dummy weights") of random weights drawn on ``device``. A tensor slices
     like a safetensors slice (``source[rows]``, ``source[:, cols]``), so ``load_shard`` takes it as it is.
     Every tensor-parallel rank draws the same whole tensors from the same seed and keeps its own slice."""
-    device = next(model.parameters()).device
     for name, tensor in random_tensors(model.config, device):
         yield name, tensor, "dummy weights"
 
@@ -160,5 +161,5 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     quant = resolve_quantization(config, quantization)
     with torch.device(device):
         model = LlamaForCausalLM(config, dtype, max_position, ops, tp, quant)
-    load_weights(model, model_dir, load_format)
+    load_weights(model, model_dir, device, load_format)
     return model.eval()

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minfer.kernels.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8
+from minfer.kernels.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, group_amax
 from minfer.kernels.moe_ref import fused_moe_ref
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
 
@@ -75,8 +75,7 @@ class Ops(ABC):
             scale = input_scale.float().expand(xs.shape[0]).contiguous()
             expanded = scale[:, None]
         elif block:
-            groups = [g.abs().amax(-1) for g in xs.split(FP8_GROUP, dim=-1)]
-            scale = (torch.stack(groups, -1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+            scale = (group_amax(xs, FP8_GROUP) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
             expanded = scale.repeat_interleave(FP8_GROUP, dim=-1)[:, :xs.shape[1]]
         else:
             scale = (xs.abs().amax(-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)

@@ -10,7 +10,8 @@ from torch import nn
 from minfer.kernels.activation import silu_and_mul
 from minfer.kernels.decode_attention import paged_decode_attention
 from minfer.kernels.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.fp8_quant import FP8_GROUP, add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
+from minfer.kernels.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
+from minfer.kernels.fp8_ref import FP8_GROUP
 from minfer.kernels.moe import fused_moe
 from minfer.kernels.prefill_attention import paged_prefill_attention
 from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available

@@ -101,8 +101,9 @@ def test_70b_shape_plan_is_streamed_and_a_scaled_version_loads(tmp_path, monkeyp
     # 70B head layout (64 / 8 heads of 128), 1 layer, small hidden / MLP / vocabulary: a few MB
     small = dict(layers=1, overrides=dict(hidden_size=256, intermediate_size=512, vocab_size=1024))
     drawn, saved = [], []
-    draw = shapes._draw
-    monkeypatch.setattr(shapes, "_draw", lambda name, *a, **kw: drawn.append(name) or draw(name, *a, **kw))
+    tensors = shapes.random_tensors
+    monkeypatch.setattr(shapes, "random_tensors", lambda *a, **kw: (
+        drawn.append(name) or (name, t) for name, t in tensors(*a, **kw)))
     save = shapes.save_file
     monkeypatch.setattr(shapes, "save_file", lambda tensors, *a, **kw: saved.append(
         (len(drawn), sum(t.numel() * t.element_size() for t in tensors.values()), list(tensors))) or

@@ -54,6 +54,16 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
     assert err <= REL_TOL[dtype], f"{what} rel err {err:.3e} > {REL_TOL[dtype]:.0e} ({dtype})"
 
 
+def distinct_logits(t: int, e: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """MoE router logits ``[t, e]`` with no tie in a row, exact in every float dtype: each row a random
+    permutation of an evenly spaced grid about 4 wide (qwen3's 128 experts: steps of 1/32). (Random bfloat16
+    logits tie often enough to matter, and ``torch.topk`` breaks a tie at the k-th place its own way; the MoE
+    tests test ties on their own.)"""
+    step = 2.0 ** round(math.log2(4 / e))
+    grid = torch.stack([torch.randperm(e) for _ in range(t)]).float() * step - 2
+    return grid.to(device=device, dtype=dtype)
+
+
 def make_paged_kv(ctx_lens: list[int], num_kv_heads: int, head_dim: int, page: int, dtype: torch.dtype,
                   device: str, spare_blocks: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches and int32 block tables: blocks drawn from a random permutation (non-contiguous),

@@ -11,6 +11,7 @@ from kernel_testlib import EXACT_BF16, rel_err, seed_per_case  # noqa: F401 (see
 
 from minfer.kernels import fp8_gemm as fg
 from minfer.kernels import fp8_quant as fq
+from minfer.kernels import fp8_ref as fr
 from minfer.kernels.activation import silu_and_mul
 from minfer.kernels.gemv import (
     GemvConfig,
@@ -38,8 +39,8 @@ def assert_same_codes(q: torch.Tensor, ref: torch.Tensor, what: str = "") -> Non
 def assert_quantized_near(q: torch.Tensor, s: torch.Tensor, q_ref: torch.Tensor, s_ref: torch.Tensor, tol: float,
                           what: str, group: int | None) -> None:
     """Dequantized values within ``tol`` (relative Frobenius) of the reference's."""
-    g = group or fq.FP8_GROUP
-    err = rel_err(fq.dequantize_fp8(q, s, g), fq.dequantize_fp8(q_ref, s_ref, g))
+    g = group or fr.FP8_GROUP
+    err = rel_err(fr.dequantize_fp8(q, s, g), fr.dequantize_fp8(q_ref, s_ref, g))
     assert err <= tol, f"{what}: rel err {err:.2e} > {tol:.0e}"
 
 
@@ -62,20 +63,20 @@ def test_quantize_fp8_matches_reference(m, k, group, dtype):
     if m > 1:
         x[1] = 0
     q, s = fq.quantize_fp8(x, group)
-    q_ref, s_ref = fq.quantize_fp8_ref(x, group)
-    assert s.shape == ((m,) if group is None else (m, fq.num_groups(k))) and s.dtype == torch.float32
+    q_ref, s_ref = fr.quantize_fp8_ref(x, group)
+    assert s.shape == ((m,) if group is None else (m, fr.num_groups(k))) and s.dtype == torch.float32
     assert_same_codes(q, q_ref, "quantize_fp8")
     assert torch.equal(s, s_ref)
     if m > 1:
-        assert (q[1].float() == 0).all() and (s[1] == fq.FP8_MIN_SCALE).all()
+        assert (q[1].float() == 0).all() and (s[1] == fr.FP8_MIN_SCALE).all()
     # The format itself: every value within half an e4m3 step (2^-4 relative), or a subnormal step of its scale.
-    x_hat = fq.dequantize_fp8(q, s)
+    x_hat = fr.dequantize_fp8(q, s)
     scale = s[:, None] if group is None else s.repeat_interleave(128, 1)[:, :k]
     assert ((x_hat - x.float()).abs() <= torch.maximum(x.float().abs() / 16, scale / 512) * (1 + 1e-6)).all()
     # Each row's (group's) largest magnitude is stored as ±448.
     amax = q.float().abs().amax(1) if group is None else torch.nn.functional.pad(q.float().abs(), (
         0, s.shape[1] * 128 - k)).view(m, -1, 128).amax(-1)
-    assert ((amax == 448) | (s == fq.FP8_MIN_SCALE)).all()
+    assert ((amax == 448) | (s == fr.FP8_MIN_SCALE)).all()
 
 
 @pytest.mark.parametrize("k", [77, 300])
@@ -83,7 +84,7 @@ def test_quantize_fp8_per_token_two_passes(k):
     """Rows wider than the block: amax over chunks, then codes; the same codes as one pass."""
     x = torch.randn(3, k, dtype=torch.bfloat16) * 5
     q, s = fq.quantize_fp8(x, None, block=64)
-    q_ref, s_ref = fq.quantize_fp8_ref(x, None)
+    q_ref, s_ref = fr.quantize_fp8_ref(x, None)
     assert_same_codes(q, q_ref, "two-pass quantize_fp8")
     assert torch.equal(s, s_ref)
 
@@ -94,7 +95,7 @@ def test_quantize_fp8_rounds_to_nearest_even_and_saturates():
     q, s = fq.quantize_fp8(row, None)
     assert s.item() == 1.0
     assert q.float().tolist() == [[448.0, 128.0, 128.0, 112.0, -16.0, 2 ** -9, 2 * 2 ** -9, 0.3125, -448.0, 0.0]]
-    assert_same_codes(q, fq.quantize_fp8_ref(row, None)[0])
+    assert_same_codes(q, fr.quantize_fp8_ref(row, None)[0])
 
 
 def test_quantize_fp8_rejects_bad_arguments():
@@ -171,11 +172,11 @@ def _block_operands(m: int, n: int, k: int, device: str = "cpu", dtype: torch.dt
 def quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A checkpoint's 128x128-block quantization of ``w [N, K]``, scales row-expanded: ``([N, K] e4m3, [N, G])``."""
     n, k = w.shape
-    g = fq.num_groups(k)
+    g = fr.num_groups(k)
     nb = -(-n // 128)
     padded = torch.nn.functional.pad(w.float(), (0, g * 128 - k, 0, nb * 128 - n))
     amax = padded.view(nb, 128, g, 128).abs().amax(dim=(1, 3))
-    scale = (amax / fq.FP8_MAX).clamp_min(fq.FP8_MIN_SCALE).repeat_interleave(128, 0)[:n]  # [N, G]
+    scale = (amax / fr.FP8_MAX).clamp_min(fr.FP8_MIN_SCALE).repeat_interleave(128, 0)[:n]  # [N, G]
     wq = (w.float() / scale.repeat_interleave(128, 1)[:, :k]).clamp(-448, 448).to(torch.float8_e4m3fn)
     return wq, scale.contiguous()
 
@@ -209,10 +210,10 @@ def test_fp8_references_against_unquantized_matmul(m, n, k):
     xq, xs = fq.quantize_fp8(x, 128)
     assert rel_err(fg.fp8_gemm_block_ref(xq, xs, wq, ws, out_dtype=torch.float32), exact) <= 6e-2
     xq1, xs1 = fq.quantize_fp8(x, None)
-    wq1, ws1 = fq.quantize_fp8_ref(w, None)  # per-row weight scales: the channel format
+    wq1, ws1 = fr.quantize_fp8_ref(w, None)  # per-row weight scales: the channel format
     y = fg.fp8_gemm_channel_ref(xq1, xs1, wq1, ws1, out_dtype=torch.float32)
     assert rel_err(y, exact) <= 6e-2
-    assert rel_err(y, fq.dequantize_fp8(xq1, xs1) @ fq.dequantize_fp8(wq1, ws1).T) <= 1e-6
+    assert rel_err(y, fr.dequantize_fp8(xq1, xs1) @ fr.dequantize_fp8(wq1, ws1).T) <= 1e-6
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 48, 64), (17, 32, 256)])
@@ -221,7 +222,7 @@ def test_fp8_gemm_channel_matches_reference(m, n, k):
     torch also runs _scaled_mm on the CPU."""
     x = torch.randn(m, k, dtype=torch.bfloat16)
     xq, xs = fq.quantize_fp8(x, None)
-    wq, ws = fq.quantize_fp8_ref(torch.randn(n, k) / k ** 0.5, None)
+    wq, ws = fr.quantize_fp8_ref(torch.randn(n, k) / k ** 0.5, None)
     bias = torch.randn(n, dtype=torch.bfloat16)
     y = fg.fp8_gemm_channel(xq, xs, wq, ws, bias)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
@@ -252,7 +253,7 @@ def test_block_config_table():
 # --------------------------------------------------------------------------------------- gemv on e4m3
 def _fp8_weight(n: int, k: int, fmt: str, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.randn(n, k, device=device) / k ** 0.5
-    return quantize_weight_blocks(w) if fmt == "block" else fq.quantize_fp8_ref(w, None)
+    return quantize_weight_blocks(w) if fmt == "block" else fr.quantize_fp8_ref(w, None)
 
 
 GEMV_SHAPES = [
@@ -276,7 +277,7 @@ def test_gemv_fp8_matches_reference(n, k, config, fmt, dtype):
     assert rel_err(y, gemv_ref(x, wq, b, weight_scale=ws)) <= tol
     # The dequantized weight in float32 through the float kernel: the same function.
     if dtype == torch.float32:
-        assert rel_err(y, gemv(x, fq.dequantize_fp8(wq, ws), b, config)) <= 1e-5
+        assert rel_err(y, gemv(x, fr.dequantize_fp8(wq, ws), b, config)) <= 1e-5
 
 
 @pytest.mark.parametrize("n,k,config", GEMV_SHAPES)
@@ -333,7 +334,7 @@ LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 def test_gpu_quantize_fp8_bit_exact(m, k, group):
     x = (torch.randn(m, k, device="cuda") * torch.exp(3 * torch.rand(m, 1, device="cuda") - 1.5)).bfloat16()
     q, s = fq.quantize_fp8(x, group)
-    q_ref, s_ref = fq.quantize_fp8_ref(x, group)
+    q_ref, s_ref = fr.quantize_fp8_ref(x, group)
     assert_same_codes(q, q_ref, "quantize_fp8 on GPU")  # hardware cvt.rn.satfinite: round to nearest even
     assert torch.equal(s, s_ref)
 

@@ -21,36 +21,16 @@ Tolerances (relative Frobenius error unless said):
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_testlib import EXACT_BF16, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
+from kernel_testlib import EXACT_BF16, distinct_logits, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse)
 
-from minfer.kernels.moe import (
-    MOE_CONFIGS,
-    MoeConfig,
-    fused_moe,
-    fused_moe_ref,
-    max_blocks,
-    moe_config,
-    moe_experts_ref,
-    moe_route,
-    moe_route_ref,
-)
+from minfer.kernels.moe import MOE_CONFIGS, MoeConfig, fused_moe, max_blocks, moe_config, moe_route
+from minfer.kernels.moe_ref import fused_moe_ref, moe_experts_ref, moe_route_ref
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 1e-2 if EXACT_BF16 else 4e-2}
 SMALL = MoeConfig(16, 32, 32)  # 16-row blocks, 16-column gate/up halves: several blocks and tiles at test shapes
-
-
-def distinct_logits(t: int, e: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """Router logits with no tie in a row, exact in every float dtype: a random permutation of an evenly
-    spaced grid about 4 wide. (Random bfloat16 logits tie often enough to matter, and ``torch.topk`` breaks
-    a tie at the k-th place its own way; ties are tested on their own below.)"""
-    step = 2.0 ** round(math.log2(4 / e))
-    grid = torch.stack([torch.randperm(e) for _ in range(t)]).float() * step - 2
-    return grid.to(device=device, dtype=dtype)
 
 
 def make_moe(t: int, e: int, h: int, i: int, dtype: torch.dtype, device: str = "cpu"):

@@ -15,13 +15,12 @@ where HF does; the bfloat16 results then differ by the dot products' summation o
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from kernel_testlib import rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
+from kernel_testlib import distinct_logits, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
 
-from minfer.kernels.moe import fused_moe, fused_moe_ref, moe_route
+from minfer.kernels.moe import fused_moe, moe_route
+from minfer.kernels.moe_ref import fused_moe_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -48,15 +47,6 @@ def weights():
     yield get
     cache.clear()
     torch.cuda.empty_cache()
-
-
-def distinct_logits(t: int, e: int) -> torch.Tensor:
-    """Router logits with no tie in a row, exact in bfloat16: each row a random permutation of an evenly
-    spaced grid about 4 wide (qwen3: steps of 1/32). Random logits tie often enough in bfloat16 to matter,
-    and ``torch.topk`` breaks a tie at the k-th place its own way."""
-    step = 2.0 ** round(math.log2(4 / e))
-    grid = torch.stack([torch.randperm(e) for _ in range(t)]).float() * step - 2
-    return grid.to(device="cuda", dtype=DT)
 
 
 def skew(logits: torch.Tensor, case: str, top_k: int) -> list[int]:
@@ -99,7 +89,7 @@ def run(name: str, x: torch.Tensor, logits: torch.Tensor, w_gate_up: torch.Tenso
 def test_real_layer(weights, name, t):
     h, _, e, _, _ = LAYERS[name]
     w_gate_up, w_down = weights(name)
-    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e)
+    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e, DT, "cuda")
     check(name, run(name, x, logits, w_gate_up, w_down), x, logits, w_gate_up, w_down)
 
 
@@ -108,7 +98,7 @@ def test_real_layer(weights, name, t):
 @pytest.mark.parametrize("t", [3, 300, 4096])
 def test_skewed_load(weights, name, case, t):
     h, _, e, top_k, weights_dtype = LAYERS[name]
-    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e)
+    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e, DT, "cuda")
     cold = skew(logits, case, top_k)
     counts = moe_route(logits, top_k, True, weights_dtype).expert_counts.tolist()
     assert counts[1] == t and all(counts[c] == 0 for c in cold)
@@ -124,14 +114,14 @@ def test_cuda_graph_replays_with_new_inputs(weights, name, t):
     it saw."""
     h, _, e, top_k, _ = LAYERS[name]
     w_gate_up, w_down = weights(name)
-    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e)
+    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e, DT, "cuda")
     run(name, x, logits, w_gate_up, w_down)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run(name, x, logits, w_gate_up, w_down)
     for case in ("even", "one_takes_all", "same_top_k", "even"):
-        new_logits = distinct_logits(t, e)
+        new_logits = distinct_logits(t, e, DT, "cuda")
         if case != "even":
             skew(new_logits, case, top_k)
         x.copy_(torch.randn(t, h, device="cuda").to(DT))
