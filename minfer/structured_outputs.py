@@ -45,7 +45,7 @@ class StructuredOutputsParams:
 
     JSON may carry whitespace between tokens (at most ``MAX_WHITESPACE`` characters in a row: models,
     weak ones especially, can otherwise emit whitespace until ``max_tokens``); ``disable_any_whitespace``
-    forces compact JSON (vLLM's name).
+    (vLLM's name) allows no free whitespace: only xgrammar's fixed separators ``", "`` and ``": "``.
 
     ``key`` (kind, canonical text) identifies the compiled grammar: requests with equal keys share one."""
 
