@@ -49,8 +49,11 @@ from minfer.kernels.gemv import _RMS_NORM, _SILU_MUL  # noqa: E402
 from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
+from minfer.kernels import decode_attention_sm90 as sm90_decode  # noqa: E402
 from minfer.kernels import prefill_attention_sm90 as sm90_prefill  # noqa: E402
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available  # noqa: E402
+from minfer.kernels.decode_attention_sm90 import paged_decode_attention_sm90  # noqa: E402
+from minfer.kernels.gluon_sm90 import sm90_available  # noqa: E402
+from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90  # noqa: E402
 from minfer.kernels.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
 PEAK_BW = HBM_BYTES_PER_S  # BENCHMARKS.md's measured copy bandwidth
@@ -223,6 +226,8 @@ def decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, label: str, swe
     fn()
     note = check(f"decode {shape}", out, ref) + f", splits={default_splits}"
     rows.append(Row("decode attn", shape, "triton", bench_graph(fn), nbytes, flops, note))
+    rows += sm90_rows("decode", shape, "", page, nbytes, flops, out, ref, None,
+                      lambda: paged_decode_attention_sm90(q, kc, vc, table, lens, scale, out))
     rows.append(Row("decode attn", shape, "torch ref", bench_graph(lambda: paged_decode_attention_ref(
         q, kc, vc, table, lens, scale), rep=50), nbytes, flops, "gather + fp32 softmax"))
     try:
@@ -257,6 +262,8 @@ def decode_quant_rows(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table
     note = check(f"decode {kv_dtype} {shape}", out, ref) + f", quant {rel_err(out, bf16_ref):.1e}"
     rows.append(Row("decode attn", shape, f"triton {kv_dtype}", bench_graph(fn), nbytes, flops,
                     note + f", splits={default_splits}"))
+    rows += sm90_rows("decode", shape, f" {kv_dtype}", kq.shape[1], nbytes, flops, out, ref, bf16_ref,
+                      lambda: paged_decode_attention_sm90(q, kq, vq, table, lens, scale, out, **sc))
     # The 64-token tile without column sums (the default before 128-token tiles), to keep that choice measured.
     alt = DecodeConfig(64, 4, 2)
     impl = f"triton {kv_dtype} 64-tiles"
@@ -272,22 +279,23 @@ PREFILL_SWEEP = [PrefillConfig(m, n, w, s) for m, n, w, s in [
     (64, 64, 4, 3)]]
 
 
-def sm90_prefill_rows(shape: str, fmt: str, page: int, nbytes: float, flops: float, out: torch.Tensor,
-                      ref: torch.Tensor, unquantized: torch.Tensor | None, fn: Callable[[], object]) -> list[Row]:
-    """The Hopper prefill kernel's row where it runs (checked against ``ref``; ``unquantized``: the bf16 cache's
-    reference, for the quantization error). Its entry point falls back to the Triton kernel if the build fails,
-    so a row is written only when the Gluon kernel itself launched."""
-    if not sm90_prefill_available(out.device, out.shape[-1], page):
+def sm90_rows(kernel: str, shape: str, fmt: str, page: int, nbytes: float, flops: float, out: torch.Tensor,
+              ref: torch.Tensor, unquantized: torch.Tensor | None, fn: Callable[[], object]) -> list[Row]:
+    """A Hopper kernel's row where it runs (``kernel``: "prefill" or "decode"; checked against ``ref``;
+    ``unquantized``: the bf16 cache's reference, for the quantization error). Its entry point falls back to the
+    Triton kernel if the build fails, so a row is written only when the Gluon kernel itself launched."""
+    if not sm90_available(out.device, out.shape[-1], page):
         return []
     out.fill_(float("nan"))
     fn()
-    if (unquantized is not None) in sm90_prefill._failed:
-        print(f"  prefill sm90{fmt}: the kernel did not build (warning above); no row", flush=True)
+    guard = (sm90_prefill if kernel == "prefill" else sm90_decode)._guard
+    if (unquantized is not None) in guard.failed:
+        print(f"  {kernel} sm90{fmt}: the kernel did not build (warning above); no row", flush=True)
         return []
-    note = check(f"prefill sm90{fmt}", out, ref)
+    note = check(f"{kernel} sm90{fmt}", out, ref)
     if unquantized is not None:
         note += f", quant {rel_err(out, unquantized):.1e}"
-    return [Row("prefill attn", shape, f"gluon sm90 paged{fmt}", bench_graph(fn), nbytes, flops, note)]
+    return [Row(f"{kernel} attn", shape, f"gluon sm90 paged{fmt}", bench_graph(fn), nbytes, flops, note)]
 
 
 def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str = "auto") -> list[Row]:
@@ -309,7 +317,7 @@ def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str =
         fn()
         note = check(f"prefill {kv_dtype}", out, qref) + f", quant {rel_err(out, ref):.1e}"
         rows = [Row("prefill attn", shape, f"triton paged {kv_dtype}", bench_graph(fn), nbytes, flops, note)]
-        rows += sm90_prefill_rows(shape, f" {kv_dtype}", page, nbytes, flops, out, qref, ref,
+        rows += sm90_rows("prefill", shape, f" {kv_dtype}", page, nbytes, flops, out, qref, ref,
                                   lambda: paged_prefill_attention_sm90(q, kq, vq, table, qsl, lens, t, scale, out, **sc))
         return rows
     rows: list[Row] = []
@@ -335,7 +343,7 @@ def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str =
     fn()
     note = check("prefill", out, ref)
     rows.append(Row("prefill attn", shape, "triton paged", bench_graph(fn), nbytes, flops, note))
-    rows += sm90_prefill_rows(shape, "", page, nbytes, flops, out, ref, None,
+    rows += sm90_rows("prefill", shape, "", page, nbytes, flops, out, ref, None,
                               lambda: paged_prefill_attention_sm90(q, kc, vc, table, qsl, lens, t, scale, out))
     rows.append(Row("prefill attn", shape, "torch ref", bench(lambda: paged_prefill_attention_ref(
         q, kc, vc, table, qsl, lens, t, scale), rep=50), nbytes, flops, "gather + fp32 softmax, eager"))
@@ -475,7 +483,8 @@ def gemv_fused_case(n: int, k: int, label: str, prologue: str, sweep: bool) -> l
 
 
 def add_speedups(rows: list[Row]) -> None:
-    """Note each 8-bit row's speed-up over the bf16 row of the same kernel (Triton or Gluon) and shape."""
+    """Note each 8-bit row's speed-up over the bf16 row of the same kernel (Triton or Gluon) and shape, and
+    over the faster of our bf16 kernels where that is the other one (what the 8-bit targets compare with)."""
     def family(impl: str) -> str:  # the bf16 row an 8-bit row compares with: the same kernel's
         return next((b for b in ("gluon sm90 paged", "triton paged") if impl.startswith(b)), "triton")
 
@@ -486,6 +495,9 @@ def add_speedups(rows: list[Row]) -> None:
         key = (r.kernel, r.shape, family(r.impl))
         if quant and "sweep" not in r.impl and key in base:
             r.note += f", {base[key] / r.ms:.2f}x bf16"
+            best = min(ms for (k, sh, _), ms in base.items() if (k, sh) == key[:2])
+            if best < base[key]:
+                r.note += f", {best / r.ms:.2f}x fastest bf16"
 
 
 def main() -> None:

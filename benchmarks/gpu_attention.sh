@@ -9,6 +9,7 @@
 # kernels: benchmarks/bench_kernels.py --only prefill,decode over bf16 / int8 / fp8 caches, with SDPA on
 #          contiguous K/V as the peer in the same run                    -> $OUT/kernels.md
 # sweep:   benchmarks/sweep_attention_sm90.py over the 8-bit variants (SWEEP_VARIANTS)  -> $OUT/sweep_*.md
+# dsweep:  benchmarks/sweep_decode_sm90.py: stages and splits at B=64 x 4k and B=1 x 32k  -> $OUT/dsweep_*.md
 # e2e:     workload A on qwen3-0.6b with an int8 cache, the Hopper kernels off (MINFER_SM90_ATTENTION=0) and on
 #                                                                        -> $OUT/wa_int8_sm{0,1}.json
 # serve:   llama-3.1-8b (weights drawn on the GPU), `minfer bench-serve` at 256 clients, off and on
@@ -20,7 +21,7 @@ PARTS="${PARTS:-tests kernels}"
 
 case " $PARTS " in *" tests "*)
   echo "== tests ($(left) s left)"
-  timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -x ${TESTS:-tests/kernels/test_kernel_prefill_sm90_gpu.py} \
+  timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -x ${TESTS:-tests/kernels/test_kernel_prefill_sm90_gpu.py tests/kernels/test_kernel_decode_sm90_gpu.py} \
     > "$OUT/attention_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/attention_tests.log")"
   grep -E "^FAILED|^E " "$OUT/attention_tests.log" | cut -c1-240 | head -30 ;;
 esac
@@ -36,6 +37,16 @@ case " $PARTS " in *" sweep "*)
     timeout "$(cap 120)" python3 benchmarks/sweep_attention_sm90.py --t 8192 2048 --kv-dtype "$kd" \
       --variants "${SWEEP_VARIANTS:-128x128x2x2,128x64x4x3,128x64x3x3}" > "$OUT/sweep_$kd.md" 2>&1 || echo "   exit $?"
     tail -8 "$OUT/sweep_$kd.md"
+  done ;;
+esac
+case " $PARTS " in *" dsweep "*)
+  for kd in ${DSWEEP_KV:-auto int8 fp8_e4m3}; do
+    echo "== decode sweep $kd ($(left) s left)"
+    { timeout "$(cap 60)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --variants "${DSWEEP_VARIANTS:-2x2,3x2}" \
+        --splits 1,2
+      timeout "$(cap 60)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --batch 1 --ctx 32768 --splits ${DSWEEP_SPLITS:-12,16,17,20,33}
+    } > "$OUT/dsweep_$kd.md" 2>&1 || echo "   exit $?"
+    grep "^|" "$OUT/dsweep_$kd.md" | grep -v "^| impl\|^|---" | head -20
   done ;;
 esac
 case " $PARTS " in *" e2e "*)

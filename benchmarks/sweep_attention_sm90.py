@@ -65,12 +65,12 @@ def main() -> None:
                 sm90.STAGES = dims[2]
             # A variant that does not build (shared memory, registers) falls back to the Triton kernel inside
             # the entry point: start each variant afresh and report that instead of timing the fallback.
-            sm90._launched.clear()
-            sm90._failed.clear()
+            sm90._guard.launched.clear()
+            sm90._guard.failed.clear()
             fn = lambda: sm90.paged_prefill_attention_sm90(q, kc, vc, table, qsl, lens, t, scale, out, **sc)
             out.fill_(float("nan"))
             fn()
-            if bool(sc) not in sm90._launched:
+            if bool(sc) not in sm90._guard.launched:
                 print(f"| {t} | gluon {v} | failed to build (see the warning above) | | | |", flush=True)
                 continue
             line(f"gluon {v}", bench_graph(fn), f"{rel_err(out, ref):.1e}")

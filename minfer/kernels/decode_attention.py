@@ -224,7 +224,8 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 256
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
+                      per_sm: int = SPLIT_TARGET_PER_SM) -> int:
     """Splits per sequence for ``batch * num_kv_heads`` (sequence, KV head) programs.
 
     With two or more programs per SM every SM streams K/V already and a split only adds the
@@ -233,13 +234,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     streams ~1k tokens so its fixed costs (q load, partial write, merge) stay small.
     No split gets under ``MIN_SPLIT_TOKENS`` of the widest context (``max_context``, from the
     block table width so the host never reads the lengths), where the merge would cost more.
-    8-bit caches measured best with the same rule (1 split at B=64 x 4k; 32 at B=1 x 32k).
+    8-bit caches measured best with the same rule (1 split at B=64 x 4k; 32 at B=1 x 32k). ``per_sm``: the
+    programs per SM to split toward (the Hopper kernel's deep TMA pipeline wants fewer, longer ones).
     """
     programs = batch * num_kv_heads
     sms = num_sms(device)
     if programs >= ENOUGH_PER_SM * sms:
         return 1
-    by_occupancy = triton.cdiv(SPLIT_TARGET_PER_SM * sms, programs)
+    by_occupancy = triton.cdiv(per_sm * sms, programs)
     by_length = max(1, max_context // MIN_SPLIT_TOKENS)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 

@@ -33,31 +33,19 @@ their P is 0, so the cache must hold finite values there, which the engine's zer
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 import triton
 
+from .gluon_sm90 import HALF, LOG2E, BuildGuard, gluon, sm90_available
 from .prefill_attention import paged_prefill_attention
 from .quant import check_paged_attention
 
-try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel serves every GPU
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+if gluon is not None:
+    from .gluon_sm90 import (
+        TensorDescriptor, _tma_load, converter, fence_async_shared, gl, issue_tile, mbarrier, partition_barrier,
+        reinterpret, warpgroup_mma, warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.language._core import shared_memory_descriptor
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover - exercised only with an old Triton
-    gluon = None
 
-logger = logging.getLogger("minfer")
-
-LOG2E = 1.4426950408889634
-HALF = 64  # columns of a tile half: a 128-byte swizzled row of 16-bit values (64 bytes of 8-bit codes)
 BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 3  # K/V ring slots of 16-bit caches
@@ -66,60 +54,12 @@ CODE_STAGES = 2  # 8-bit code slots the copy warp fills
 CONVERT_ROWS = 128  # rows the converter moves per load: its loop is latency-bound, so the more the better
 QUANT_REGS = (224, 24, 56)  # consumer, copy, converter: 2 x 128 x 224 + 32 x 24 + 128 x 56 <= 64K
 
-MEASURED_TRITON = ("3.6.",)  # where the kernel was timed and tested on an H200 (benchmarks/RESULTS.md)
-
-_launched: set[bool] = set()  # kinds (8-bit cache or not) that compiled and launched in this process
-_failed: set[bool] = set()  # kinds whose first launch raised: they take the Triton kernel from then on
-
-
-@functools.lru_cache(maxsize=None)
-def _capable(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
-
-
-def sm90_prefill_available(device: torch.device, head_dim: int, block_size: int) -> bool:
-    """Whether this kernel serves ``device``: a Hopper GPU, Gluon present, head_dim 64 or 128, pages of at
-    least 16 tokens (a TMA copy per page; smaller pages would cut swizzle atoms). ``MINFER_SM90_ATTENTION``:
-    unset, only on the Triton versions it was measured on (``MEASURED_TRITON``: another Triton compiles it
-    differently, e.g. 3.9 spills registers in it); ``1``, on any Triton with Gluon; ``0``, never."""
-    mode = os.environ.get("MINFER_SM90_ATTENTION", "")
-    if gluon is None or device.type != "cuda" or mode == "0":
-        return False
-    if mode != "1" and not triton.__version__.startswith(MEASURED_TRITON):
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capable(index) and head_dim in (64, 128) and block_size >= 16 and block_size & (block_size - 1) == 0
-
+_guard = BuildGuard("prefill attention")
 
 if gluon is not None:
-    # Names that moved between Tritons: the TMA load (3.6: async_copy_global_to_shared; in 3.9 that name
-    # raises), the shared-memory view as another dtype, the thread barrier.
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _NEW_REINTERPRET = gl.constexpr(hasattr(shared_memory_descriptor, "reinterpret"))
-    _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the partition's warps meet (3.9: barrier)
     _HALF = gl.constexpr(HALF)
     CONSUMER_REGS = gl.constexpr(232)  # 16-bit caches: 2 x 128 x 232 + 32 x 40 registers <= 64K
     PRODUCER_REGS = gl.constexpr(40)
-
-    @gluon.jit
-    def _issue_tile(k_desc, v_desc, k_smem, v_smem, ready, bt_row, tile, ctx, kv_col,
-                    PAGE: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Start the TMA copies of key tile ``tile`` (K and V, every page and half) into its slot."""
-        slot = tile % STAGES
-        bar = ready.index(slot)
-        ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # rows per copy
-        COPIES: gl.constexpr = BLOCK_N // ROWS
-        mbarrier.expect(bar, 2 * BLOCK_N * HALVES * _HALF * k_desc.dtype.primitive_bitwidth // 8)
-        n0 = tile * BLOCK_N
-        for c in gl.static_range(COPIES):
-            pos = n0 + c * ROWS
-            page = gl.load(bt_row + pos // PAGE, mask=pos < ctx, other=0)
-            row = page * PAGE + pos % PAGE
-            for hf in gl.static_range(HALVES):
-                _tma_load(k_desc, [row, kv_col + hf * _HALF], bar,
-                                                k_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
-                _tma_load(v_desc, [row, kv_col + hf * _HALF], bar,
-                                                v_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
 
     @gluon.jit
     def _scores(q_smem, q0: gl.constexpr, k_smem, slot, s_layout: gl.constexpr, HALVES: gl.constexpr,
@@ -169,78 +109,22 @@ if gluon is not None:
         for t in range(n_tiles):
             # Slot t % STAGES last held tile t - STAGES: wait until both consumers released it.
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
-            _issue_tile(k_desc, v_desc, k_smem, v_smem, ready, bt_row, t, ctx, kv_col, PAGE, HALVES, STAGES, BLOCK_N)
-
-    @gluon.jit
-    def _codes_to_f16(x):
-        """8-bit codes → the float16 values they encode, exactly. int8 by byte permutes: code + 128 becomes
-        the low byte of the float16 1024 + (code + 128), and one packed subtraction of 1152 leaves the code
-        (integer-to-float conversions issue at a quarter of the ALU rate; these at full rate). fp8 by the
-        hardware's conversion."""
-        if x.dtype == gl.int8:
-            return gl.inline_asm_elementwise(
-                "{ .reg .b32 u, a, b, c; mov.b32 c, 0x64806480; xor.b32 u, $2, 0x80808080; "
-                "prmt.b32 a, u, 0x64646464, 0x4140; prmt.b32 b, u, 0x64646464, 0x4342; "
-                "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
-                "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
-        return x.to(gl.float16)
-
-    @gluon.jit
-    def _converter(kc_smem, vc_smem, k16, v16, sc_smem, ready, codes_empty, conv_ready, conv_empty, KS, VS,
-                   bt_row, s_base, s_stride, ctx, n_tiles, scale_log2e, PAGE: gl.constexpr, HALVES: gl.constexpr,
-                   CODE_STAGES: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
-        """8-bit caches: the warps that turn each tile's codes into the float16 values they encode (exact), in
-        shared memory for the MMAs, and stage its per-key scales; they run beside the consumers' products.
-        ``CHUNK`` rows at a time: more bytes in flight per load, as the register budget allows."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [32, 64] codes, 16 a thread
-        key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        for t in range(n_tiles):
-            cs = t % CODE_STAGES
-            cv = t % STAGES
-            offs = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_layout)
-            valid = offs < ctx
-            page = gl.load(bt_row + offs // PAGE, mask=valid, other=0).to(gl.int64)
-            s_off = s_base + page * s_stride + offs % PAGE
-            k_sc = gl.load(KS + s_off, mask=valid, other=0.0).to(gl.float32) * scale_log2e
-            v_sc = gl.load(VS + s_off, mask=valid, other=0.0).to(gl.float32)
-            mbarrier.wait(ready.index(cs), (t // CODE_STAGES) & 1)
-            mbarrier.wait(conv_empty.index(cv), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
-            for hf in gl.static_range(HALVES):
-                for r in gl.static_range(BLOCK_N // CHUNK):
-                    x = kc_smem.index(cs * HALVES + hf).slice(r * CHUNK, CHUNK).load(blk)
-                    k16.index(cv * HALVES + hf).slice(r * CHUNK, CHUNK).store(_codes_to_f16(x))
-                    y = vc_smem.index(cs * HALVES + hf).slice(r * CHUNK, CHUNK).load(blk)
-                    v16.index(cv * HALVES + hf).slice(r * CHUNK, CHUNK).store(_codes_to_f16(y))
-            sc_smem.index(2 * cv).store(k_sc)
-            sc_smem.index(2 * cv + 1).store(v_sc)
-            fence_async_shared()  # the MMAs read these stores through the async proxy
-            _barrier()  # every converter warp is done before one thread signals
-            mbarrier.arrive(codes_empty.index(cs), count=1)
-            mbarrier.arrive(conv_ready.index(cv), count=1)
-
-    @gluon.jit
-    def _reinterpret(smem, dtype: gl.constexpr):
-        """The same shared memory viewed as ``dtype`` (same shape and layout): ``reinterpret`` since Triton
-        3.9, ``_reinterpret`` before."""
-        if _NEW_REINTERPRET:
-            view = smem.reinterpret(dtype, smem.shape, smem.layout)
-        else:
-            view = smem._reinterpret(dtype, smem.shape, smem.layout)
-        return view
+            issue_tile(k_desc, v_desc, k_smem, v_smem, ready.index(t % STAGES), bt_row, t % STAGES, t * BLOCK_N, ctx,
+                       kv_col, PAGE, HALVES, BLOCK_N)
 
     @gluon.jit
     def _q_to_f16(q_smem, WG: gl.constexpr, HALVES: gl.constexpr, SUB_M: gl.constexpr):
         """Rewrite one warpgroup's bf16 Q rows as float16 in the same shared memory (values past float16's
         range saturate there, as in ``quant.q_to_f16``) and return the float16 view."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [32, 64], 8 a thread
-        q16 = _reinterpret(q_smem, gl.float16)
+        q16 = reinterpret(q_smem, gl.float16)
         for hf in gl.static_range(HALVES):
             for r in gl.static_range(SUB_M // 32):
                 x = q_smem.index(WG * HALVES + hf).slice(r * 32, 32).load(blk).to(gl.float32)
                 x = gl.minimum(gl.maximum(x, -65504.0), 65504.0)
                 q16.index(WG * HALVES + hf).slice(r * 32, 32).store(x.to(gl.float16))
         fence_async_shared()
-        _barrier()
+        partition_barrier()
         return q16
 
     @gluon.jit
@@ -388,9 +272,9 @@ if gluon is not None:
                     (_producer, (q_desc, k_desc, v_desc, q_smem, kc_smem, vc_smem, q_bar, copied, released,
                                  bt_row, q_start + m0, h * HEAD_DIM, ctx, n_tiles, kvh * HEAD_DIM,
                                  PAGE, HALVES, CODE_STAGES, SUB_M, BLOCK_N)),
-                    (_converter, (kc_smem, vc_smem, k_smem, v_smem, sc_smem, copied, released, ready, empty,
-                                  KS, VS, bt_row, kvh * PAGE, NUM_KV_HEADS * PAGE, ctx, n_tiles, scale_log2e,
-                                  PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N, CONVERT_ROWS)),
+                    (converter, (kc_smem, vc_smem, k_smem, v_smem, sc_smem, copied, released, ready, empty,
+                                 KS, VS, bt_row, kvh * PAGE, NUM_KV_HEADS * PAGE, 0, ctx, n_tiles, scale_log2e,
+                                 PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N, CONVERT_ROWS)),
                 ], [4, 1, 4], [CONSUMER_REGS_Q, PRODUCER_REGS_Q, CONVERTER_REGS_Q])
                 for i in gl.static_range(CODE_STAGES):
                     mbarrier.invalidate(copied.index(i))
@@ -435,7 +319,7 @@ def paged_prefill_attention_sm90(
     num_blocks, page, num_kv_heads = k_cache.shape[:3]
     tma_ready = q.stride(1) == head_dim and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0  # TMA alignment
     if (q.dtype not in (torch.bfloat16, torch.float16) or not tma_ready
-            or not sm90_prefill_available(q.device, head_dim, page)):
+            or not sm90_available(q.device, head_dim, page)):
         return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                        max_query_len, scale, out, k_scale=k_scale, v_scale=v_scale)
     if out is None:
@@ -464,18 +348,7 @@ def paged_prefill_attention_sm90(
         QUANT=quant, CONVERT_Q=quant and q.dtype == torch.bfloat16, CONVERT_ROWS=CONVERT_ROWS,
         CONSUMER_REGS_Q=QUANT_REGS[0], PRODUCER_REGS_Q=QUANT_REGS[1], CONVERTER_REGS_Q=QUANT_REGS[2], num_warps=4,
     )
-    if quant in _launched:
-        _prefill_sm90_kernel[grid](*args, **params)
+    if _guard.launch(quant, lambda: _prefill_sm90_kernel[grid](*args, **params)):
         return out
-    if quant not in _failed:
-        try:  # the first launch of each kind compiles it: Gluon is experimental and its API moves between Tritons
-            _prefill_sm90_kernel[grid](*args, **params)
-            _launched.add(quant)
-            return out
-        except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving on the Triton kernel
-            _failed.add(quant)
-            logger.warning("the Hopper prefill attention kernel (%s caches) failed to build on Triton %s; using the "
-                           "Triton kernel instead: %s: %s", "8-bit" if quant else "16-bit", triton.__version__,
-                           type(exc).__name__, str(exc)[:300])
     return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                                    max_query_len, scale, out, k_scale=k_scale, v_scale=v_scale)

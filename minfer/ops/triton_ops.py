@@ -14,7 +14,9 @@ from minfer.kernels.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp
 from minfer.kernels.fp8_ref import FP8_GROUP
 from minfer.kernels.moe import fused_moe
 from minfer.kernels.prefill_attention import paged_prefill_attention
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available
+from minfer.kernels.decode_attention_sm90 import paged_decode_attention_sm90
+from minfer.kernels.gluon_sm90 import sm90_available
+from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
 from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
@@ -28,9 +30,10 @@ class TritonOps(Ops):
     cuda_graphs = True
 
     def __init__(self, device: torch.device, block_size: int, head_dim: int) -> None:
-        # Prefill attention: the warp-specialized TMA/wgmma kernel on Hopper, the Triton kernel elsewhere.
-        hopper = sm90_prefill_available(device, head_dim, block_size)
+        # Attention: the warp-specialized TMA/wgmma kernels on Hopper, the Triton kernels elsewhere.
+        hopper = sm90_available(device, head_dim, block_size)
         self.prefill_attention = paged_prefill_attention_sm90 if hopper else paged_prefill_attention
+        self.decode_attention = paged_decode_attention_sm90 if hopper else paged_decode_attention
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x if x.dim() == 3 else x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
@@ -55,8 +58,8 @@ class TritonOps(Ops):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            paged_decode_attention(q[:nd], kc, vc, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-                                   out=out[:nd], **scales)
+            self.decode_attention(q[:nd], kc, vc, meta.block_tables[:nd], meta.context_lens[:nd], scale,
+                                  out=out[:nd], **scales)
         if nd < q.shape[0]:
             self.prefill_attention(q[nd:], kc, vc, meta.prefill_block_tables, meta.prefill_query_start_loc,
                                    meta.prefill_context_lens, meta.max_prefill_query_len, scale, out=out[nd:],

@@ -84,13 +84,13 @@ def make_paged_kv(ctx_lens: list[int], num_kv_heads: int, head_dim: int, page: i
 
 
 def check_decode(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
-                 dtype: torch.dtype, device: str, num_splits: int | None = None) -> None:
+                 dtype: torch.dtype, device: str, num_splits: int | None = None, kernel=paged_decode_attention) -> None:
     k_cache, v_cache, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, dtype, device)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     q = torch.randn(len(ctx_lens), num_heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, k_cache, v_cache, table, lens, scale, out=out, num_splits=num_splits)
+    kernel(q, k_cache, v_cache, table, lens, scale, out=out, num_splits=num_splits)
     ref = paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, lens, scale)
     assert_close(out, ref, dtype, f"decode splits={num_splits}")
     # The reference in the model dtype is the engine's fallback: it must agree too.
@@ -190,11 +190,11 @@ def _outlier_kv(shape: tuple[int, ...], device: str) -> torch.Tensor:
 
 def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
                        kv_dtype: str, dtype: torch.dtype, device: str, num_splits: int | None = None,
-                       max_quant_err: float | None = None, config=None) -> None:
+                       max_quant_err: float | None = None, config=None, kernel=paged_decode_attention) -> None:
     """The kernel on an 8-bit cache vs the float64 reference on the same codes and scales (K/V with
     outliers). With ``max_quant_err``, K/V are plain N(0, 1) instead, and the quantization's own
     effect (vs attention over the unquantized cache) must stay under it. ``config``: a
-    ``DecodeConfig`` instead of the device default."""
+    ``DecodeConfig`` instead of the device default (the Triton kernel's; ``kernel``: another entry point)."""
     kf, vf, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, torch.float32, device)
     if max_quant_err is None:
         kf, vf = _outlier_kv(kf.shape, device), _outlier_kv(vf.shape, device)
@@ -203,8 +203,8 @@ def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, h
     q = torch.randn(len(ctx_lens), num_heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, kc, vc, table, lens, scale, out=out, k_scale=ks, v_scale=vs, num_splits=num_splits,
-                           config=config)
+    kernel(q, kc, vc, table, lens, scale, out=out, k_scale=ks, v_scale=vs, num_splits=num_splits,
+           **({"config": config} if config is not None else {}))
     ref = paged_decode_attention_ref(q.double(), kc, vc, table, lens, scale, k_scale=ks, v_scale=vs)
     assert_close(out, ref, dtype, f"decode {kv_dtype} splits={num_splits} config={config}")
     if max_quant_err is not None:

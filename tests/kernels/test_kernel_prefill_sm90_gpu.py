@@ -11,11 +11,12 @@ from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
 )
 from minfer.kernels import paged_prefill_attention
 from minfer.kernels import prefill_attention_sm90 as sm90
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90, sm90_prefill_available
+from minfer.kernels.gluon_sm90 import sm90_available
+from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not sm90_prefill_available(torch.device("cuda"), 128, 16),
+    pytest.mark.skipif(not torch.cuda.is_available() or not sm90_available(torch.device("cuda"), 128, 16),
                        reason="needs an sm_90 GPU and Triton's Gluon"),
 ]
 
@@ -24,7 +25,7 @@ def the_hopper_kernel_ran():
     """The entry point falls back to the Triton kernel if the Gluon kernel fails to build: a test that passed
     that way tested the wrong kernel."""
     yield
-    assert not sm90._failed, "the Hopper kernel did not build (see the warning): the Triton kernel ran instead"
+    assert not sm90._guard.failed, "the Hopper kernel did not build (see the warning): the Triton kernel ran instead"
 
 
 def batch(q_lens: list[int], ctx_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,167 @@
+"""What the Hopper (sm_90) attention kernels in Gluon share: the Gluon imports and the names that moved
+between Tritons, when the kernels apply, the build-once guard, and the device functions both kernels run:
+the copy warp's per-page TMA copies and the converter partition that turns 8-bit codes into float16 tiles.
+
+Gluon (``triton.experimental.gluon``, Triton >= 3.5) exposes what Triton's compiler does not do by itself:
+warp specialization, TMA bulk copies completing on mbarriers, warpgroup MMA. It has no interpreter, so the
+Triton kernels stay the reference and the path everywhere else (``prefill_attention.py``,
+``decode_attention.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+import triton
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernels serve every GPU
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401 (re-exported to the kernels)
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.language._core import shared_memory_descriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+except ImportError:  # pragma: no cover - exercised only with an old Triton
+    gluon = None
+
+logger = logging.getLogger("minfer")
+
+LOG2E = 1.4426950408889634
+HALF = 64  # columns of a tile half: a 128-byte swizzled row of 16-bit values (64 bytes of 8-bit codes)
+MEASURED_TRITON = ("3.6.",)  # where the kernels were timed and tested on an H200 (benchmarks/RESULTS.md)
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
+
+
+def sm90_available(device: torch.device, head_dim: int, block_size: int) -> bool:
+    """Whether the Hopper kernels serve ``device``: a Hopper GPU, Gluon present, head_dim 64 or 128, pages of at
+    least 16 tokens (a TMA copy per page; smaller pages would cut swizzle atoms). ``MINFER_SM90_ATTENTION``:
+    unset, only on the Triton versions they were measured on (``MEASURED_TRITON``: another Triton compiles them
+    differently, e.g. 3.9 spills registers in the prefill kernel); ``1``, on any Triton with Gluon; ``0``, never."""
+    mode = os.environ.get("MINFER_SM90_ATTENTION", "")
+    if gluon is None or device.type != "cuda" or mode == "0":
+        return False
+    if mode != "1" and not triton.__version__.startswith(MEASURED_TRITON):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capable(index) and head_dim in (64, 128) and block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+class BuildGuard:
+    """Launches a Gluon kernel, and on the first launch of each kind (a key: 8-bit cache or not, ...) catches a
+    build failure: Gluon is experimental and its API moves between Tritons, so a kernel that does not build
+    logs one warning and the caller's Triton kernel serves that kind from then on."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.launched: set = set()
+        self.failed: set = set()
+
+    def launch(self, kind, run: Callable[[], None]) -> bool:
+        """Run ``run`` (the launch); False if this kind does not build here (the caller falls back)."""
+        if kind in self.launched:
+            run()
+            return True
+        if kind in self.failed:
+            return False
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving on the Triton kernel
+            self.failed.add(kind)
+            logger.warning("the Hopper %s kernel (%s) failed to build on Triton %s; using the Triton kernel "
+                           "instead: %s: %s", self.what, kind, triton.__version__, type(exc).__name__, str(exc)[:300])
+            return False
+        self.launched.add(kind)
+        return True
+
+
+if gluon is not None:
+    # Names that moved between Tritons: the TMA load (3.6: async_copy_global_to_shared; in 3.9 that name
+    # raises), the shared-memory view as another dtype, the thread barrier.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _NEW_REINTERPRET = gl.constexpr(hasattr(shared_memory_descriptor, "reinterpret"))
+    partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a partition's warps meet (3.9: barrier)
+    _HALF = gl.constexpr(HALF)
+
+    @gluon.jit
+    def issue_tile(k_desc, v_desc, k_smem, v_smem, bar, bt_row, slot, n0, end, kv_col,
+                   PAGE: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Start the TMA copies of the key tile at position ``n0`` (K and V, every page and half) into ring
+        ``slot``, completing on ``bar``. Table entries at or past ``end`` read page 0 (masked by position)."""
+        ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # rows per copy
+        COPIES: gl.constexpr = BLOCK_N // ROWS
+        mbarrier.expect(bar, 2 * BLOCK_N * HALVES * _HALF * k_desc.dtype.primitive_bitwidth // 8)
+        for c in gl.static_range(COPIES):
+            pos = n0 + c * ROWS
+            page = gl.load(bt_row + pos // PAGE, mask=pos < end, other=0)
+            row = page * PAGE + pos % PAGE
+            for hf in gl.static_range(HALVES):
+                _tma_load(k_desc, [row, kv_col + hf * _HALF], bar, k_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
+                _tma_load(v_desc, [row, kv_col + hf * _HALF], bar, v_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
+
+    @gluon.jit
+    def codes_to_f16(x):
+        """8-bit codes → the float16 values they encode, exactly. int8 by byte permutes: code + 128 becomes
+        the low byte of the float16 1024 + (code + 128), and one packed subtraction of 1152 leaves the code
+        (integer-to-float conversions issue at a quarter of the ALU rate; these at full rate). fp8 by the
+        hardware's conversion."""
+        if x.dtype == gl.int8:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 u, a, b, c; mov.b32 c, 0x64806480; xor.b32 u, $2, 0x80808080; "
+                "prmt.b32 a, u, 0x64646464, 0x4140; prmt.b32 b, u, 0x64646464, 0x4342; "
+                "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+        return x.to(gl.float16)
+
+    @gluon.jit
+    def converter(kc_smem, vc_smem, k16, v16, sc_smem, ready, codes_empty, conv_ready, conv_empty, KS, VS,
+                  bt_row, s_base, s_stride, n_start, end, n_tiles, scale_log2e, PAGE: gl.constexpr,
+                  HALVES: gl.constexpr, CODE_STAGES: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CHUNK: gl.constexpr):
+        """8-bit caches: the warps (4) that turn each tile's codes into the float16 values they encode (exact),
+        in shared memory for the MMAs, and stage its per-key scales (K's with ``scale_log2e`` folded in); they
+        run beside the consumers' products. Tile t holds keys ``n_start + t * BLOCK_N`` on. ``CHUNK`` rows at a
+        time: more bytes in flight per load, as the register budget allows."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [32, 64] codes, 16 a thread
+        key_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        for t in range(n_tiles):
+            cs = t % CODE_STAGES
+            cv = t % STAGES
+            offs = n_start + t * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_layout)
+            valid = offs < end
+            page = gl.load(bt_row + offs // PAGE, mask=valid, other=0).to(gl.int64)
+            s_off = s_base + page * s_stride + offs % PAGE
+            k_sc = gl.load(KS + s_off, mask=valid, other=0.0).to(gl.float32) * scale_log2e
+            v_sc = gl.load(VS + s_off, mask=valid, other=0.0).to(gl.float32)
+            mbarrier.wait(ready.index(cs), (t // CODE_STAGES) & 1)
+            mbarrier.wait(conv_empty.index(cv), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
+            for hf in gl.static_range(HALVES):
+                for r in gl.static_range(BLOCK_N // CHUNK):
+                    x = kc_smem.index(cs * HALVES + hf).slice(r * CHUNK, CHUNK).load(blk)
+                    k16.index(cv * HALVES + hf).slice(r * CHUNK, CHUNK).store(codes_to_f16(x))
+                    y = vc_smem.index(cs * HALVES + hf).slice(r * CHUNK, CHUNK).load(blk)
+                    v16.index(cv * HALVES + hf).slice(r * CHUNK, CHUNK).store(codes_to_f16(y))
+            sc_smem.index(2 * cv).store(k_sc)
+            sc_smem.index(2 * cv + 1).store(v_sc)
+            fence_async_shared()  # the MMAs read these stores through the async proxy
+            partition_barrier()  # every converter warp is done before one thread signals
+            mbarrier.arrive(codes_empty.index(cs), count=1)
+            mbarrier.arrive(conv_ready.index(cv), count=1)
+
+    @gluon.jit
+    def reinterpret(smem, dtype: gl.constexpr):
+        """The same shared memory viewed as ``dtype`` (same shape and layout): ``reinterpret`` since Triton
+        3.9, ``_reinterpret`` before."""
+        if _NEW_REINTERPRET:
+            view = smem.reinterpret(dtype, smem.shape, smem.layout)
+        else:
+            view = smem._reinterpret(dtype, smem.shape, smem.layout)
+        return view

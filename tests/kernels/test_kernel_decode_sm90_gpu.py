@@ -1,0 +1,117 @@
+"""The Hopper (Gluon) paged decode kernel against the float64 reference and the Triton kernel it stands in for,
+on an sm_90 GPU (`pytest -m gpu`): page sizes, GQA ratios (1 to 16 heads per KV head), head dims, 16-bit
+dtypes, every 8-bit cache format, split counts with empty splits, contexts that are not multiples of the
+64-key tile, a strided q and CUDA-graph replay."""
+
+import pytest
+import torch
+
+from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
+    check_decode, check_decode_quant, make_paged_kv, quantize_paged_kv, rel_err, seed_per_case,
+)
+from minfer.kernels import paged_decode_attention
+from minfer.kernels import decode_attention_sm90 as sm90
+from minfer.kernels.decode_attention_sm90 import paged_decode_attention_sm90
+from minfer.kernels.gluon_sm90 import sm90_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not sm90_available(torch.device("cuda"), 128, 16),
+                       reason="needs an sm_90 GPU and Triton's Gluon"),
+]
+
+
+@pytest.fixture(autouse=True)
+def the_hopper_kernel_ran():
+    """The entry point falls back to the Triton kernel if the Gluon kernel fails to build: a test that passed
+    that way tested the wrong kernel."""
+    yield
+    assert not sm90._guard.failed, "the Hopper kernel did not build (see the warning): the Triton kernel ran instead"
+
+
+# One key, a page less one, a page, a page and one, a tile and one, a long context.
+CTX_LENS = [1, 15, 16, 17, 65, 1000, 4096]
+SHAPES = [(16, 8, 128), (32, 8, 128), (32, 8, 64), (8, 8, 128), (64, 4, 128), (24, 4, 128)]
+SHAPE_IDS = ["qwen3-0.6b", "llama-3.1-8b", "llama-3.2-1b", "mha", "gqa16", "gqa6"]
+
+
+@pytest.mark.parametrize("splits", [None, 1, 5, 64], ids=["heuristic", "1", "5", "64"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_decode_sm90(shape: tuple[int, int, int], dtype: torch.dtype, splits: int | None) -> None:
+    check_decode(CTX_LENS, *shape, 16, dtype, "cuda", num_splits=splits, kernel=paged_decode_attention_sm90)
+
+
+@pytest.mark.parametrize("page", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("splits", [1, 7])
+def test_decode_sm90_pages(page: int, head_dim: int, splits: int) -> None:
+    check_decode(CTX_LENS, 16, 4, head_dim, page, torch.bfloat16, "cuda", num_splits=splits,
+                 kernel=paged_decode_attention_sm90)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("shape,page", [((32, 8, 128), 16), ((16, 8, 128), 64), ((32, 8, 64), 16),
+                                        ((8, 8, 128), 256), ((64, 4, 128), 32)],
+                         ids=["8b-p16", "0.6b-p64", "1b-p16", "mha-p256", "gqa16-p32"])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_decode_sm90_quant(kv_dtype: str, shape: tuple[int, int, int], page: int, splits: int) -> None:
+    check_decode_quant(CTX_LENS, *shape, page, kv_dtype, torch.bfloat16, "cuda", num_splits=splits,
+                       kernel=paged_decode_attention_sm90)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_decode_sm90_quant_fp16_q(kv_dtype: str) -> None:
+    """A float16 q goes to the products as it is (a bf16 q is converted first)."""
+    check_decode_quant(CTX_LENS, 32, 8, 128, 16, kv_dtype, torch.float16, "cuda", kernel=paged_decode_attention_sm90)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_decode_sm90_matches_triton(kv_dtype: str) -> None:
+    """Both kernels round P to the products' dtype and accumulate in float32 (8-bit: float16 products on exactly
+    converted codes, the same per-key scales): they agree far inside the tolerance against float64."""
+    ctx_lens = [4096, 3000, 77, 1]
+    kf, vf, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.float32, "cuda")
+    sc = {}
+    if kv_dtype == "auto":
+        kc, vc = kf.bfloat16(), vf.bfloat16()
+    else:
+        kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+        sc = dict(k_scale=ks, v_scale=vs)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(ctx_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    for splits in (1, 16):
+        args = (q, kc, vc, table, lens, 128 ** -0.5)
+        fast = paged_decode_attention_sm90(*args, num_splits=splits, **sc)
+        ref = paged_decode_attention(*args, num_splits=splits, **sc)
+        assert rel_err(fast, ref) < 4e-3, (splits, rel_err(fast, ref))
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_decode_sm90_strided_q_and_graph(kv_dtype: str) -> None:
+    """q as a slice of a fused qkv projection (row stride > Hq*D), the split kernel and the merge inside a CUDA
+    graph, replayed after the contexts grew: how the engine's decode graphs run it."""
+    ctx_lens = [700, 45, 3000]
+    kf, vf, table = make_paged_kv([c + 100 for c in ctx_lens], 8, 128, 16, torch.float32, "cuda")
+    sc = {}
+    if kv_dtype == "auto":
+        kc, vc = kf.bfloat16(), vf.bfloat16()
+    else:
+        kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+        sc = dict(k_scale=ks, v_scale=vs)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    qkv = torch.randn(len(ctx_lens), (32 + 16) * 128, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, :32 * 128].view(-1, 32, 128)
+    out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    args = (q, kc, vc, table, lens, 128 ** -0.5)
+    paged_decode_attention_sm90(*args, out=out, num_splits=4, **sc)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention_sm90(*args, out=out, num_splits=4, **sc)
+    for grow in (0, 100):
+        lens.add_(grow)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_decode_attention(q.contiguous(), *args[1:], num_splits=4, **sc)
+        assert rel_err(out, ref) < 4e-3, (grow, rel_err(out, ref))
