@@ -66,18 +66,21 @@ def test_decode_sm90_quant_fp16_q(kv_dtype: str) -> None:
     check_decode_quant(CTX_LENS, 32, 8, 128, 16, kv_dtype, torch.float16, "cuda", kernel=paged_decode_attention_sm90)
 
 
+def caches(ctx_lens: list[int], kv_dtype: str) -> tuple:
+    """(k cache, v cache, block table, scale keywords): bf16 caches for "auto", else 8-bit codes and scales."""
+    kf, vf, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.float32, "cuda")
+    if kv_dtype == "auto":
+        return kf.bfloat16(), vf.bfloat16(), table, {}
+    kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+    return kc, vc, table, dict(k_scale=ks, v_scale=vs)
+
+
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
 def test_decode_sm90_matches_triton(kv_dtype: str) -> None:
     """Both kernels round P to the products' dtype and accumulate in float32 (8-bit: float16 products on exactly
     converted codes, the same per-key scales): they agree far inside the tolerance against float64."""
     ctx_lens = [4096, 3000, 77, 1]
-    kf, vf, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.float32, "cuda")
-    sc = {}
-    if kv_dtype == "auto":
-        kc, vc = kf.bfloat16(), vf.bfloat16()
-    else:
-        kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
-        sc = dict(k_scale=ks, v_scale=vs)
+    kc, vc, table, sc = caches(ctx_lens, kv_dtype)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(ctx_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
     for splits in (1, 16):
@@ -92,13 +95,7 @@ def test_decode_sm90_strided_q_and_graph(kv_dtype: str) -> None:
     """q as a slice of a fused qkv projection (row stride > Hq*D), the split kernel and the merge inside a CUDA
     graph, replayed after the contexts grew: how the engine's decode graphs run it."""
     ctx_lens = [700, 45, 3000]
-    kf, vf, table = make_paged_kv([c + 100 for c in ctx_lens], 8, 128, 16, torch.float32, "cuda")
-    sc = {}
-    if kv_dtype == "auto":
-        kc, vc = kf.bfloat16(), vf.bfloat16()
-    else:
-        kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
-        sc = dict(k_scale=ks, v_scale=vs)
+    kc, vc, table, sc = caches([c + 100 for c in ctx_lens], kv_dtype)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
     qkv = torch.randn(len(ctx_lens), (32 + 16) * 128, device="cuda", dtype=torch.bfloat16)
     q = qkv[:, :32 * 128].view(-1, 32, 128)
