@@ -281,14 +281,8 @@ def paged_decode_attention(
     cfg = config or default_config(q.device, head_dim, q.dtype, k_cache.dtype if quant else None)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    mid_o, mid_lse = split_partials(q, out, num_splits)
     direct = num_splits == 1
-    if direct:
-        mid_o = mid_lse = out  # unused by the kernel when DIRECT
-    else:
-        mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
     k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
     pdl = use_pdl(q.device)
@@ -303,11 +297,31 @@ def paged_decode_attention(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if not direct:
-        _decode_merge_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, CHUNK=16, PDL=pdl, num_warps=4, **launch_options(pdl),
-        )
+        merge_partials(mid_o, mid_lse, out)
     return out
+
+
+def split_partials(q: torch.Tensor, out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernels' partial outputs ``[B, Hq, num_splits, D]`` and log2-sum-exp2 ``[B, Hq, num_splits]``
+    (float32), after checking ``num_splits``; with one split the kernel writes ``out`` directly (both are ``out``,
+    unused)."""
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if num_splits == 1:
+        return out, out
+    batch, num_heads, head_dim = q.shape
+    return (torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device),
+            torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device))
+
+
+def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge the splits' partials (``split_partials``) into ``out`` ``[B, Hq, D]``."""
+    batch, num_heads, num_splits, head_dim = mid_o.shape
+    pdl = use_pdl(out.device)
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+        HEAD_DIM=head_dim, CHUNK=16, PDL=pdl, num_warps=4, **launch_options(pdl),
+    )
 
 
 def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,

@@ -29,15 +29,14 @@ import torch
 import triton
 
 from .decode_attention import (
-    MAX_SPLITS, SPLIT_TARGET_PER_SM, _decode_merge_kernel, choose_num_splits, paged_decode_attention,
+    SPLIT_TARGET_PER_SM, choose_num_splits, merge_partials, paged_decode_attention, split_partials,
 )
 from .gluon_sm90 import HALF, LOG2E, BuildGuard, gluon, sm90_available
-from .pdl import launch_options, use_pdl
 from .quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, converter, fence_async_shared, gl, issue_tile, mbarrier, partition_barrier,
+        TensorDescriptor, code_ring, converter, fence_async_shared, gl, issue_tile, mbarrier, partition_barrier,
         warpgroup_mma, warpgroup_mma_wait,
     )
 
@@ -231,17 +230,7 @@ if gluon is not None:
                 mbarrier.init(ready.index(i), count=1)
                 mbarrier.init(empty.index(i), count=1)
             if QUANT:
-                kc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF],
-                                                    k_desc.layout)
-                vc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF],
-                                                    k_desc.layout)
-                sc_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
-                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-                copied = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-                released = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-                for i in gl.static_range(CODE_STAGES):
-                    mbarrier.init(copied.index(i), count=1)
-                    mbarrier.init(released.index(i), count=1)
+                kc_smem, vc_smem, sc_smem, copied, released = code_ring(k_desc, CODE_STAGES, STAGES, HALVES, BLOCK_N)
                 gl.warp_specialize([
                     (_consumer, (Q, q_smem, k_smem, v_smem, p_smem, sc_smem, ready, empty, O, MID_O, MID_LSE,
                                  scale_log2e, b, kvh, split, num_splits, start, end, n_tiles, stride_qb, stride_qh,
@@ -320,14 +309,8 @@ def paged_decode_attention_sm90(
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device,
                                        SPLIT_TARGET_PER_SM if quant else SPLITS_PER_SM)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    mid_o, mid_lse = split_partials(q, out, num_splits)
     direct = num_splits == 1
-    if direct:
-        mid_o = mid_lse = out  # unused by the kernel when DIRECT
-    else:
-        mid_o = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     kv_layout = (gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2) if quant
                  else gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     kv_shape = [num_blocks * page, num_kv_heads * head_dim]
@@ -347,9 +330,5 @@ def paged_decode_attention_sm90(
     if not _guard.launch(quant, lambda: _decode_sm90_kernel[grid](*args, **params)):
         return fallback()
     if not direct:
-        pdl = use_pdl(q.device)
-        _decode_merge_kernel[(batch, num_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, CHUNK=16, PDL=pdl, num_warps=4, **launch_options(pdl),
-        )
+        merge_partials(mid_o, mid_lse, out)
     return out

@@ -56,16 +56,17 @@ def sm90_available(device: torch.device, head_dim: int, block_size: int) -> bool
 
 
 class BuildGuard:
-    """Launches a Gluon kernel, and on the first launch of each kind (a key: 8-bit cache or not, ...) catches a
-    build failure: Gluon is experimental and its API moves between Tritons, so a kernel that does not build
-    logs one warning and the caller's Triton kernel serves that kind from then on."""
+    """Launches a Gluon kernel, and on the first launch of each kind (whether the cache is 8-bit: the kernels
+    compile different partitions for it) catches a build failure: Gluon is experimental and its API moves
+    between Tritons, so a kernel that does not build logs one warning and the caller's Triton kernel serves that
+    kind from then on."""
 
     def __init__(self, what: str) -> None:
         self.what = what
-        self.launched: set = set()
-        self.failed: set = set()
+        self.launched: set[bool] = set()
+        self.failed: set[bool] = set()
 
-    def launch(self, kind, run: Callable[[], None]) -> bool:
+    def launch(self, kind: bool, run: Callable[[], None]) -> bool:
         """Run ``run`` (the launch); False if this kind does not build here (the caller falls back)."""
         if kind in self.launched:
             run()
@@ -76,8 +77,9 @@ class BuildGuard:
             run()
         except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving on the Triton kernel
             self.failed.add(kind)
-            logger.warning("the Hopper %s kernel (%s) failed to build on Triton %s; using the Triton kernel "
-                           "instead: %s: %s", self.what, kind, triton.__version__, type(exc).__name__, str(exc)[:300])
+            logger.warning("the Hopper %s kernel (%s caches) failed to build on Triton %s; using the Triton "
+                           "kernel instead: %s: %s", self.what, "8-bit" if kind else "16-bit", triton.__version__,
+                           type(exc).__name__, str(exc)[:300])
             return False
         self.launched.add(kind)
         return True
@@ -104,8 +106,9 @@ if gluon is not None:
             page = gl.load(bt_row + pos // PAGE, mask=pos < end, other=0)
             row = page * PAGE + pos % PAGE
             for hf in gl.static_range(HALVES):
-                _tma_load(k_desc, [row, kv_col + hf * _HALF], bar, k_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
-                _tma_load(v_desc, [row, kv_col + hf * _HALF], bar, v_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
+                col = kv_col + hf * _HALF
+                _tma_load(k_desc, [row, col], bar, k_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
+                _tma_load(v_desc, [row, col], bar, v_smem.index(slot * HALVES + hf).slice(c * ROWS, ROWS))
 
     @gluon.jit
     def codes_to_f16(x):
@@ -155,6 +158,23 @@ if gluon is not None:
             partition_barrier()  # every converter warp is done before one thread signals
             mbarrier.arrive(codes_empty.index(cs), count=1)
             mbarrier.arrive(conv_ready.index(cv), count=1)
+
+    @gluon.jit
+    def code_ring(k_desc, CODE_STAGES: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+        """8-bit caches: the shared memory the copy warp and the converter add (K and V code slots in the
+        descriptors' layout, the staged per-key scales of the ``STAGES`` float16 slots) and the code slots'
+        ``copied`` / ``released`` mbarriers, initialised."""
+        kc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF], k_desc.layout)
+        vc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF], k_desc.layout)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        copied = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
+        released = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(CODE_STAGES):
+            mbarrier.init(copied.index(i), count=1)
+            mbarrier.init(released.index(i), count=1)
+        return kc_smem, vc_smem, sc_smem, copied, released
 
     @gluon.jit
     def reinterpret(smem, dtype: gl.constexpr):

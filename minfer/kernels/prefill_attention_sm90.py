@@ -42,8 +42,8 @@ from .quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, _tma_load, converter, fence_async_shared, gl, issue_tile, mbarrier, partition_barrier,
-        reinterpret, warpgroup_mma, warpgroup_mma_wait,
+        TensorDescriptor, _tma_load, code_ring, converter, fence_async_shared, gl, issue_tile, mbarrier,
+        partition_barrier, reinterpret, warpgroup_mma, warpgroup_mma_wait,
     )
 
 BLOCK_M = 128
@@ -251,17 +251,7 @@ if gluon is not None:
                 mbarrier.init(ready.index(i), count=1)
                 mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
             if QUANT:
-                kc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF],
-                                                    k_desc.layout)
-                vc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF],
-                                                    k_desc.layout)
-                sc_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
-                                                    gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-                copied = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-                released = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-                for i in gl.static_range(CODE_STAGES):
-                    mbarrier.init(copied.index(i), count=1)
-                    mbarrier.init(released.index(i), count=1)
+                kc_smem, vc_smem, sc_smem, copied, released = code_ring(k_desc, CODE_STAGES, STAGES, HALVES, BLOCK_N)
                 gl.warp_specialize([
                     (_consumer, (q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e, m0,
                                  q_len, first_pos, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
