@@ -9,7 +9,8 @@
 # kernels: benchmarks/bench_kernels.py --only prefill,decode over bf16 / int8 / fp8 caches, with SDPA on
 #          contiguous K/V as the peer in the same run                    -> $OUT/kernels.md
 # sweep:   benchmarks/sweep_attention_sm90.py over the 8-bit variants (SWEEP_VARIANTS)  -> $OUT/sweep_*.md
-# dsweep:  benchmarks/sweep_decode_sm90.py: stages and splits at B=64 x 4k and B=1 x 32k  -> $OUT/dsweep_*.md
+# dsweep:  benchmarks/sweep_decode_sm90.py at B=64 x 4k and B=1 x 32k (8-bit variants: DSWEEP_VARIANTS)
+#                                                                        -> $OUT/dsweep_*.md
 # e2e:     workload A on qwen3-0.6b with an int8 cache, the Hopper kernels off (MINFER_SM90_ATTENTION=0) and on
 #                                                                        -> $OUT/wa_int8_sm{0,1}.json
 # serve:   llama-3.1-8b (weights drawn on the GPU), `minfer bench-serve` at 256 clients, off and on
@@ -42,11 +43,12 @@ esac
 case " $PARTS " in *" dsweep "*)
   for kd in ${DSWEEP_KV:-auto int8 fp8_e4m3}; do
     echo "== decode sweep $kd ($(left) s left)"
-    { timeout "$(cap 60)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --variants "${DSWEEP_VARIANTS:-2x2,3x2}" \
-        --splits 1,2
-      timeout "$(cap 60)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --batch 1 --ctx 32768 --splits ${DSWEEP_SPLITS:-12,16,17,20,33}
+    variants=shipped; [ "$kd" != auto ] && variants="${DSWEEP_VARIANTS:-shipped}"
+    { timeout "$(cap 90)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --variants "$variants" --splits 1
+      timeout "$(cap 60)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --batch 1 --ctx 32768 \
+        --variants "$variants" --splits ${DSWEEP_SPLITS:-16,33}
     } > "$OUT/dsweep_$kd.md" 2>&1 || echo "   exit $?"
-    grep "^|" "$OUT/dsweep_$kd.md" | grep -v "^| impl\|^|---" | head -20
+    grep "^|\|Error" "$OUT/dsweep_$kd.md" | grep -v "^| impl\|^|---" | head -24
   done ;;
 esac
 case " $PARTS " in *" e2e "*)

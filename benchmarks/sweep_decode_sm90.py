@@ -2,11 +2,12 @@
 shapes (llama-3.1-8b heads, pages of 16): each variant and split count checked against the Triton kernel and
 timed under a CUDA graph, next to the Triton kernel and (bf16) SDPA on contiguous K/V.
 
-    python benchmarks/sweep_decode_sm90.py --kv-dtype int8 --variants 2x2,3x2,2x3 --splits 1,2
+    python benchmarks/sweep_decode_sm90.py --kv-dtype int8 --variants r4,r6,r4x80,c2x2 --splits 1,2
     python benchmarks/sweep_decode_sm90.py --batch 1 --ctx 32768 --splits 16,33,64
 
-A variant is STAGES (the ring the consumer reads) [x CODE_STAGES (8-bit caches)]; the split counts default to
-the engine's heuristic.
+A variant is STAGES (16-bit caches); for 8-bit caches rSTAGES[xMAX_REGS] (the register-operand kernel,
+``decode_attention_sm90_8bit``) or cQUANT_STAGESxCODE_STAGES (the converter partition). The split counts default
+to the engine's heuristic.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
-    ap.add_argument("--variants", default="", help="STAGES[xCODE_STAGES], comma-separated (default: shipped)")
+    ap.add_argument("--variants", default="", help="comma-separated variants (see above; default: shipped)")
     ap.add_argument("--splits", default="", help="split counts, comma-separated (default: the heuristic's)")
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16) or an 8-bit format: int8, fp8_e4m3, fp8_e5m2")
     args = ap.parse_args()
@@ -51,17 +52,24 @@ def main() -> None:
                                            f"{100 * nbytes / ms / 1e9 / (PEAK_BW / 1e12):.0f}% | {err} |", flush=True)
     line(f"triton {args.kv_dtype}", heuristic, bench_graph(lambda: paged_decode_attention(q, kc, vc, table, lens, scale,
                                                                                           out, **sc)), "")
-    defaults = {name: getattr(sm90, name) for name in ("STAGES", "QUANT_STAGES", "CODE_STAGES")}
+    mods = {"STAGES": sm90, "QUANT_STAGES": sm90, "CODE_STAGES": sm90, "QUANT_VIA_CONVERTER": sm90,
+            "8bit.STAGES": sm90.sm90_8bit, "8bit.MAX_REGS": sm90.sm90_8bit}
+    defaults = {name: getattr(mod, name.split(".")[-1]) for name, mod in mods.items()}
     for v in (args.variants.split(",") if args.variants else ["shipped"]):
         for name, value in defaults.items():
-            setattr(sm90, name, value)
+            setattr(mods[name], name.split(".")[-1], value)
         if v != "shipped":
-            dims = list(map(int, v.split("x")))
-            if sc:
+            if sc and v[0] == "r":  # the register-operand 8-bit kernel: rSTAGES[xMAX_REGS]
+                dims = list(map(int, v[1:].split("x")))
+                sm90.sm90_8bit.STAGES = dims[0]
+                sm90.sm90_8bit.MAX_REGS = dims[1] if len(dims) > 1 else sm90.sm90_8bit.MAX_REGS
+            elif sc:  # the converter partition: cQUANT_STAGESxCODE_STAGES
+                dims = list(map(int, v.lstrip("c").split("x")))
+                sm90.QUANT_VIA_CONVERTER = True
                 sm90.QUANT_STAGES = dims[0]
                 sm90.CODE_STAGES = dims[1] if len(dims) > 1 else sm90.CODE_STAGES
             else:
-                sm90.STAGES = dims[0]
+                sm90.STAGES = int(v)
         for ns in splits:
             # A variant that does not build falls back to the Triton kernel inside the entry point: start each
             # variant afresh and report that instead of timing the fallback.

@@ -31,6 +31,7 @@ import triton
 from .decode_attention import (
     SPLIT_TARGET_PER_SM, choose_num_splits, merge_partials, paged_decode_attention, split_partials,
 )
+from . import decode_attention_sm90_8bit as sm90_8bit
 from .gluon_sm90 import HALF, LOG2E, BuildGuard, gluon, sm90_available
 from .quant import check_paged_attention
 
@@ -52,6 +53,7 @@ QUANT_MAX_REGS = 80
 # 16-bit caches split toward one program per SM, not two (H200, B=1 x 32k, llama-3.1-8b heads: 16 splits 50.0-50.8 us,
 # 33 splits 52.0-52.4); 8-bit ones keep the Triton kernel's two (fp8_e4m3: 33 splits 40.7 us, 16 splits 48.5).
 SPLITS_PER_SM = 1
+QUANT_VIA_CONVERTER = False  # 8-bit caches: the converter partition (True) or the register operands
 MAX_GROUP = 16  # query heads per KV head the kernel serves (the MMA's N, padded to 8 or 16)
 
 _guard = BuildGuard("decode attention")
@@ -311,23 +313,29 @@ def paged_decode_attention_sm90(
                                        SPLIT_TARGET_PER_SM if quant else SPLITS_PER_SM)
     mid_o, mid_lse = split_partials(q, out, num_splits)
     direct = num_splits == 1
-    kv_layout = (gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2) if quant
-                 else gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    kv_shape = [num_blocks * page, num_kv_heads * head_dim]
-    kv_strides = [num_kv_heads * head_dim, 1]
-    box = [min(page, BLOCK_N), HALF]
-    k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, box, kv_layout)
-    v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, box, kv_layout)
-    args = (q, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
-            context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0), q.stride(1), block_tables.stride(0),
-            out.stride(0), out.stride(1), num_splits)
+    common = (block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0), q.stride(1),
+              block_tables.stride(0), out.stride(0), out.stride(1), num_splits)
     params = dict(GROUP=group, NPAD=8 if group <= 8 else 16, HEAD_DIM=head_dim, PAGE=page,
-                  NUM_KV_HEADS=num_kv_heads, BLOCK_N=BLOCK_N, STAGES=QUANT_STAGES if quant else STAGES,
-                  CODE_STAGES=CODE_STAGES, QUANT=quant, CONVERT_Q=quant and q.dtype == torch.bfloat16,
-                  DIRECT=direct, CONVERTER_REGS_Q=CONVERTER_REGS, num_warps=4,
-                  maxnreg=QUANT_MAX_REGS if quant else MAX_REGS)
+                  NUM_KV_HEADS=num_kv_heads, BLOCK_N=BLOCK_N, CONVERT_Q=quant and q.dtype == torch.bfloat16,
+                  DIRECT=direct, num_warps=4)
+    if quant and not QUANT_VIA_CONVERTER:
+        kernel = sm90_8bit._decode_sm90_8bit_kernel
+        args = (q, *sm90_8bit.descriptors(k_cache, v_cache, k_scale, v_scale), *common)
+        params.update(STAGES=sm90_8bit.STAGES, maxnreg=sm90_8bit.MAX_REGS)
+    else:
+        kernel = _decode_sm90_kernel
+        kv_layout = (gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2) if quant
+                     else gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+        kv_shape = [num_blocks * page, num_kv_heads * head_dim]
+        kv_strides = [num_kv_heads * head_dim, 1]
+        box = [min(page, BLOCK_N), HALF]
+        k_desc = TensorDescriptor(k_cache, kv_shape, kv_strides, box, kv_layout)
+        v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, box, kv_layout)
+        args = (q, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache, *common)
+        params.update(STAGES=QUANT_STAGES if quant else STAGES, CODE_STAGES=CODE_STAGES, QUANT=quant,
+                      CONVERTER_REGS_Q=CONVERTER_REGS, maxnreg=QUANT_MAX_REGS if quant else MAX_REGS)
     grid = (num_kv_heads, batch, num_splits)
-    if not _guard.launch(quant, lambda: _decode_sm90_kernel[grid](*args, **params)):
+    if not _guard.launch(quant, lambda: kernel[grid](*args, **params)):
         return fallback()
     if not direct:
         merge_partials(mid_o, mid_lse, out)

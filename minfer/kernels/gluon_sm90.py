@@ -177,11 +177,11 @@ if gluon is not None:
         return kc_smem, vc_smem, sc_smem, copied, released
 
     @gluon.jit
-    def reinterpret(smem, dtype: gl.constexpr):
-        """The same shared memory viewed as ``dtype`` (same shape and layout): ``reinterpret`` since Triton
+    def reinterpret(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        """The same shared memory viewed as ``dtype`` of ``shape`` in ``layout``: ``reinterpret`` since Triton
         3.9, ``_reinterpret`` before."""
         if _NEW_REINTERPRET:
-            view = smem.reinterpret(dtype, smem.shape, smem.layout)
+            view = smem.reinterpret(dtype, shape, layout)
         else:
-            view = smem._reinterpret(dtype, smem.shape, smem.layout)
+            view = smem._reinterpret(dtype, shape, layout)
         return view
