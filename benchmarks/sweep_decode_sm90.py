@@ -2,12 +2,11 @@
 shapes (llama-3.1-8b heads, pages of 16): each variant and split count checked against the Triton kernel and
 timed under a CUDA graph, next to the Triton kernel and (bf16) SDPA on contiguous K/V.
 
-    python benchmarks/sweep_decode_sm90.py --kv-dtype int8 --variants r4,r6,r4x80,c2x2 --splits 1,2
+    python benchmarks/sweep_decode_sm90.py --kv-dtype int8 --variants 4,6,4x80 --splits 1,2
     python benchmarks/sweep_decode_sm90.py --batch 1 --ctx 32768 --splits 16,33,64
 
-A variant is STAGES (16-bit caches); for 8-bit caches rSTAGES[xMAX_REGS] (the register-operand kernel,
-``decode_attention_sm90_8bit``) or cQUANT_STAGESxCODE_STAGES (the converter partition). The split counts default
-to the engine's heuristic.
+A variant is STAGES for 16-bit caches, STAGES[xMAX_REGS] for 8-bit ones (``decode_attention_sm90_8bit``: registers
+per thread at launch, 128 for two programs an SM, 80 for three); the split counts default to the engine's heuristic.
 """
 from __future__ import annotations
 
@@ -52,24 +51,16 @@ def main() -> None:
                                            f"{100 * nbytes / ms / 1e9 / (PEAK_BW / 1e12):.0f}% | {err} |", flush=True)
     line(f"triton {args.kv_dtype}", heuristic, bench_graph(lambda: paged_decode_attention(q, kc, vc, table, lens, scale,
                                                                                           out, **sc)), "")
-    mods = {"STAGES": sm90, "QUANT_STAGES": sm90, "CODE_STAGES": sm90, "QUANT_VIA_CONVERTER": sm90,
-            "8bit.STAGES": sm90.sm90_8bit, "8bit.MAX_REGS": sm90.sm90_8bit}
-    defaults = {name: getattr(mod, name.split(".")[-1]) for name, mod in mods.items()}
+    sm90_8bit = sm90.sm90_8bit
+    defaults = (sm90.STAGES, sm90_8bit.STAGES, sm90_8bit.MAX_REGS)
     for v in (args.variants.split(",") if args.variants else ["shipped"]):
-        for name, value in defaults.items():
-            setattr(mods[name], name.split(".")[-1], value)
-        if v != "shipped":
-            if sc and v[0] == "r":  # the register-operand 8-bit kernel: rSTAGES[xMAX_REGS]
-                dims = list(map(int, v[1:].split("x")))
-                sm90.sm90_8bit.STAGES = dims[0]
-                sm90.sm90_8bit.MAX_REGS = dims[1] if len(dims) > 1 else sm90.sm90_8bit.MAX_REGS
-            elif sc:  # the converter partition: cQUANT_STAGESxCODE_STAGES
-                dims = list(map(int, v.lstrip("c").split("x")))
-                sm90.QUANT_VIA_CONVERTER = True
-                sm90.QUANT_STAGES = dims[0]
-                sm90.CODE_STAGES = dims[1] if len(dims) > 1 else sm90.CODE_STAGES
-            else:
-                sm90.STAGES = int(v)
+        sm90.STAGES, sm90_8bit.STAGES, sm90_8bit.MAX_REGS = defaults
+        if v != "shipped" and sc:  # STAGES[xMAX_REGS] of the 8-bit kernel
+            dims = list(map(int, v.split("x")))
+            sm90_8bit.STAGES = dims[0]
+            sm90_8bit.MAX_REGS = dims[1] if len(dims) > 1 else sm90_8bit.MAX_REGS
+        elif v != "shipped":
+            sm90.STAGES = int(v)
         for ns in splits:
             # A variant that does not build falls back to the Triton kernel inside the entry point: start each
             # variant afresh and report that instead of timing the fallback.

@@ -36,8 +36,9 @@ from .gluon_sm90 import gluon
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, _tma_load, codes_to_f16, fence_async_shared, gl, mbarrier, partition_barrier, reinterpret,
-        warpgroup_mma, warpgroup_mma_wait,
+        TensorDescriptor, _tma_load, codes_to_f16, fence_async_shared, gl, mbarrier, online_softmax,
+        partition_barrier, reinterpret, split_range, warpgroup_mma, warpgroup_mma_wait, write_decode_output,
+        write_empty_split,
     )
 
 BLOCK_N = 64  # keys per tile: the MMA's 64 rows
@@ -143,16 +144,11 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax(s, m_i, l_keys, n0, end, k_sc, v_sc, scale_log2e, key_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Online softmax of one Sᵀ tile per column (head): (Pᵀ with V's scales on its rows, the new running max,
-        the per-(key, head) denominators, the rescale factor)."""
-        offs = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
-        s = s * gl.expand_dims(k_sc * scale_log2e, 1)
-        s = gl.where(gl.expand_dims(offs < end, 1), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        p = gl.exp2(s - gl.expand_dims(m_new, 0))
-        alpha = gl.exp2(m_i - m_new)
-        l_keys = l_keys * gl.expand_dims(alpha, 0) + p
-        return p * gl.expand_dims(v_sc, 1), m_new, l_keys, alpha
+        """``online_softmax`` with the per-key scales: K's (with ``scale * log2 e``) on the score rows, V's on the
+        P rows."""
+        p, m_i, l_keys, alpha = online_softmax(s * gl.expand_dims(k_sc * scale_log2e, 1), m_i, l_keys, n0, end,
+                                               key_layout, BLOCK_N)
+        return p * gl.expand_dims(v_sc, 1), m_i, l_keys, alpha
 
     @gluon.jit
     def _consumer(Q, q_smem, kc_smem, vc_smem, sc_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e,
@@ -229,24 +225,9 @@ if gluon is not None:
         else:
             o0, v0 = warpgroup_mma_wait(0, deps=[o0, v0])
 
-        l_i = gl.sum(l_keys, axis=0)  # > 0: every split holds a key
-        inv_l = gl.expand_dims(1.0 / l_i, 0)
-        n = gl.arange(0, NPAD, layout=head_layout)
         r = gl.expand_dims(gl.arange(0, 64, layout=key_layout), 1)
-        heads = kvh * GROUP + n
-        keep = gl.expand_dims(n < GROUP, 0)
-        if DIRECT:
-            base = O + b.to(gl.int64) * stride_ob + gl.expand_dims(heads * stride_oh, 0)
-            gl.store(base + v_dim(r, 0, D), (o0 * inv_l).to(O.dtype.element_ty), mask=keep)
-            if D == 128:
-                gl.store(base + v_dim(r, 1, D), (o1 * inv_l).to(O.dtype.element_ty), mask=keep)
-        else:  # partials [B, Hq, num_splits, D] and [B, Hq, num_splits], as the Triton kernel writes them
-            idx = (b * (GROUP * gl.num_programs(0)) + heads).to(gl.int64) * num_splits + split
-            base = MID_O + gl.expand_dims(idx * D, 0)
-            gl.store(base + v_dim(r, 0, D), o0 * inv_l, mask=keep)
-            if D == 128:
-                gl.store(base + v_dim(r, 1, D), o1 * inv_l, mask=keep)
-            gl.store(MID_LSE + idx, m_i + gl.log2(l_i), mask=n < GROUP)
+        write_decode_output(o0, o1, v_dim(r, 0, D), v_dim(r, 1, D), m_i, l_keys, O, MID_O, MID_LSE, b, kvh, split,
+                            num_splits, stride_ob, stride_oh, head_layout, GROUP, NPAD, D, D == 128, DIRECT)
 
     @gluon.jit
     def _producer(kv_desc, vv_desc, ks_desc, vs_desc, kc_smem, vc_smem, sc_smem, ready, empty, bt_row, start, end,
@@ -288,10 +269,7 @@ if gluon is not None:
         kvh = gl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
         b = gl.program_id(1)
         split = gl.program_id(2)
-        ctx = gl.load(CL + b)
-        per_split = gl.cdiv(gl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = gl.minimum(start + per_split, ctx)
+        start, end = split_range(CL, b, split, num_splits, BLOCK_N)
         if start < end:
             n_tiles = gl.cdiv(end - start, BLOCK_N)
             lay16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -323,15 +301,8 @@ if gluon is not None:
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(i))
                 mbarrier.invalidate(empty.index(i))
-        else:  # an empty split (a sequence shorter than the splits): a zero partial whose -inf lse the merge ignores
-            blk: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
-            n = gl.arange(0, NPAD, layout=gl.SliceLayout(1, blk))
-            d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
-            idx = (b * (GROUP * gl.num_programs(0)) + kvh * GROUP + n).to(gl.int64) * num_splits + split
-            gl.store(MID_O + gl.expand_dims(idx * HEAD_DIM, 1) + gl.expand_dims(d, 0),
-                     gl.zeros([NPAD, HEAD_DIM], gl.float32, blk), mask=gl.expand_dims(n < GROUP, 1))
-            gl.store(MID_LSE + idx, gl.full([NPAD], float("-inf"), gl.float32, gl.SliceLayout(1, blk)),
-                     mask=n < GROUP)
+        else:
+            write_empty_split(MID_O, MID_LSE, b, kvh, split, num_splits, GROUP, NPAD, HEAD_DIM, num_warps)
 
 
 def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,

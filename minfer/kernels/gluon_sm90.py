@@ -185,3 +185,62 @@ if gluon is not None:
         else:
             view = smem._reinterpret(dtype, shape, layout)
         return view
+
+    # ------------------------------------------------------------------ what the two decode kernels share
+    @gluon.jit
+    def split_range(CL, b, split, num_splits, BLOCK_N: gl.constexpr):
+        """Keys [start, end) of split ``split`` of sequence ``b``: equal ranges of its own context, rounded up to
+        whole tiles (as the Triton kernel cuts them)."""
+        ctx = gl.load(CL + b)
+        per_split = gl.cdiv(gl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        return start, gl.minimum(start + per_split, ctx)
+
+    @gluon.jit
+    def online_softmax(s, m_i, l_keys, n0, end, key_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+        """One Sᵀ tile [keys, heads] (scaled to the log2 domain) of the online softmax, per column: (Pᵀ, the new
+        running max per head, the per-(key, head) denominators, the factor rescaling the output). Keys at or
+        past ``end`` are masked."""
+        offs = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
+        s = gl.where(gl.expand_dims(offs < end, 1), s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        p = gl.exp2(s - gl.expand_dims(m_new, 0))
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_keys * gl.expand_dims(alpha, 0) + p, alpha
+
+    @gluon.jit
+    def write_decode_output(o0, o1, d0, d1, m_i, l_keys, O, MID_O, MID_LSE, b, kvh, split, num_splits, stride_ob,
+                            stride_oh, head_layout: gl.constexpr, GROUP: gl.constexpr, NPAD: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, TWO: gl.constexpr, DIRECT: gl.constexpr):
+        """A decode program's result from Oᵀ's accumulators ``o0`` (and ``o1`` if ``TWO``), whose rows hold head dims
+        ``d0`` (``d1``) [rows, 1]: the output (``DIRECT``), or the split's normalised partial [B, Hq, num_splits, D]
+        and log2-sum-exp2 [B, Hq, num_splits], as the Triton kernel writes them for its merge."""
+        l_i = gl.sum(l_keys, axis=0)  # > 0: every split holds a key
+        inv_l = gl.expand_dims(1.0 / l_i, 0)
+        n = gl.arange(0, NPAD, layout=head_layout)
+        heads = kvh * GROUP + n
+        keep = gl.expand_dims(n < GROUP, 0)
+        if DIRECT:
+            base = O + b.to(gl.int64) * stride_ob + gl.expand_dims(heads * stride_oh, 0)
+            gl.store(base + d0, (o0 * inv_l).to(O.dtype.element_ty), mask=keep)
+            if TWO:
+                gl.store(base + d1, (o1 * inv_l).to(O.dtype.element_ty), mask=keep)
+        else:
+            idx = (b * (GROUP * gl.num_programs(0)) + heads).to(gl.int64) * num_splits + split
+            base = MID_O + gl.expand_dims(idx * HEAD_DIM, 0)
+            gl.store(base + d0, o0 * inv_l, mask=keep)
+            if TWO:
+                gl.store(base + d1, o1 * inv_l, mask=keep)
+            gl.store(MID_LSE + idx, m_i + gl.log2(l_i), mask=n < GROUP)
+
+    @gluon.jit
+    def write_empty_split(MID_O, MID_LSE, b, kvh, split, num_splits, GROUP: gl.constexpr, NPAD: gl.constexpr,
+                          HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+        """An empty split (a sequence shorter than the splits): a zero partial whose -inf lse the merge ignores."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+        n = gl.arange(0, NPAD, layout=gl.SliceLayout(1, blk))
+        d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, blk))
+        idx = (b * (GROUP * gl.num_programs(0)) + kvh * GROUP + n).to(gl.int64) * num_splits + split
+        gl.store(MID_O + gl.expand_dims(idx * HEAD_DIM, 1) + gl.expand_dims(d, 0),
+                 gl.zeros([NPAD, HEAD_DIM], gl.float32, blk), mask=gl.expand_dims(n < GROUP, 1))
+        gl.store(MID_LSE + idx, gl.full([NPAD], float("-inf"), gl.float32, gl.SliceLayout(1, blk)), mask=n < GROUP)

@@ -117,7 +117,8 @@ if gluon is not None:
         """Rewrite one warpgroup's bf16 Q rows as float16 in the same shared memory (values past float16's
         range saturate there, as in ``quant.q_to_f16``) and return the float16 view."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [32, 64], 8 a thread
-        q16 = reinterpret(q_smem, gl.float16, q_smem.shape, q_smem.layout)
+        q_layout: gl.constexpr = q_smem.layout
+        q16 = reinterpret(q_smem, gl.float16, [2 * HALVES, SUB_M, _HALF], q_layout)
         for hf in gl.static_range(HALVES):
             for r in gl.static_range(SUB_M // 32):
                 x = q_smem.index(WG * HALVES + hf).slice(r * 32, 32).load(blk).to(gl.float32)

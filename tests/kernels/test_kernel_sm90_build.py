@@ -28,9 +28,9 @@ def _compile(fn, sig: dict, consts: dict, maxnreg: int | None = None):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    names = list(sig) + list(consts)
-    src = GluonASTSource(fn, {**sig, **{k: "constexpr" for k in consts}},
-                         {(names.index(k),): v for k, v in consts.items()})
+    signature = {name: sig.get(name, "constexpr") for name in fn.arg_names}  # in the kernel's order
+    names = list(signature)
+    src = GluonASTSource(fn, signature, {(names.index(k),): v for k, v in consts.items()})
     options = {"num_warps": 4, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -57,21 +57,29 @@ def build_prefill(head_dim: int, page: int, kv: str):
 
 def build_decode(head_dim: int, page: int, kv: str, group: int = 4, direct: bool = False):
     from minfer.kernels import decode_attention_sm90 as sm90
+    from minfer.kernels import decode_attention_sm90_8bit as sm90_8bit
 
     gl = sm90.gl
-    quant = kv != "bf16"
     rows = min(page, sm90.BLOCK_N)
-    lay = gl.NVMMASharedLayout(swizzle_byte_width=64 if quant else 128, element_bitwidth=8 if quant else 16, rank=2)
-    kv_desc = _descriptor(CODES[kv] if quant else "bf16", rows, lay)
-    sig = dict(Q="*bf16", k_desc=kv_desc, v_desc=kv_desc, KS="*fp16" if quant else "*bf16",
-               VS="*fp16" if quant else "*bf16", BT="*i32", CL="*i32", O="*bf16", MID_O="*fp32", MID_LSE="*fp32",
-               scale_log2e="fp32", stride_qb="i32", stride_qh="i32", stride_btb="i32", stride_ob="i32",
-               stride_oh="i32", num_splits="i32")
-    consts = dict(GROUP=group, NPAD=8 if group <= 8 else 16, HEAD_DIM=head_dim, PAGE=page, NUM_KV_HEADS=8,
-                  BLOCK_N=sm90.BLOCK_N, STAGES=sm90.QUANT_STAGES if quant else sm90.STAGES,
-                  CODE_STAGES=sm90.CODE_STAGES, QUANT=quant, CONVERT_Q=quant, DIRECT=direct,
-                  CONVERTER_REGS_Q=sm90.CONVERTER_REGS, num_warps=4)
-    return _compile(sm90._decode_sm90_kernel, sig, consts, sm90.QUANT_MAX_REGS if quant else sm90.MAX_REGS)
+    sig = dict(Q="*bf16")
+    consts = dict(GROUP=group, NPAD=8 if group <= 8 else 16, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=sm90.BLOCK_N,
+                  DIRECT=direct, num_warps=4)
+    if kv == "bf16":
+        lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        sig.update(k_desc=_descriptor("bf16", rows, lay), v_desc=_descriptor("bf16", rows, lay))
+        consts.update(STAGES=sm90.STAGES)
+        kernel, maxnreg = sm90._decode_sm90_kernel, sm90.MAX_REGS
+    else:
+        codes = gl.NVMMASharedLayout(swizzle_byte_width=head_dim, element_bitwidth=8, rank=2)
+        scales = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        code_desc = f"tensordesc<{CODES[kv]}[{rows}, {head_dim}],{codes!r}>"
+        scale_desc = f"tensordesc<fp16[1, {rows}],{scales!r}>"
+        sig.update(kv_desc=code_desc, vv_desc=code_desc, ks_desc=scale_desc, vs_desc=scale_desc)
+        consts.update(NUM_KV_HEADS=8, STAGES=sm90_8bit.STAGES, CONVERT_Q=True)
+        kernel, maxnreg = sm90_8bit._decode_sm90_8bit_kernel, sm90_8bit.MAX_REGS
+    sig.update(BT="*i32", CL="*i32", O="*bf16", MID_O="*fp32", MID_LSE="*fp32", scale_log2e="fp32", stride_qb="i32",
+               stride_qh="i32", stride_btb="i32", stride_ob="i32", stride_oh="i32", num_splits="i32")
+    return _compile(kernel, sig, consts, maxnreg)
 
 
 def build(kernel: str, head_dim: int, page: int, kv: str) -> dict:
