@@ -9,7 +9,7 @@
 # kernels: benchmarks/bench_kernels.py --only prefill,decode over bf16 / int8 / fp8 caches, with SDPA on
 #          contiguous K/V as the peer in the same run                    -> $OUT/kernels.md
 # sweep:   benchmarks/sweep_attention_sm90.py over the 8-bit variants (SWEEP_VARIANTS)  -> $OUT/sweep_*.md
-# dsweep:  benchmarks/sweep_decode_sm90.py at B=64 x 4k and B=1 x 32k (8-bit variants: DSWEEP_VARIANTS)
+# dsweep:  benchmarks/sweep_decode_sm90.py at B=64 x 4k and B=1 x 32k (variants: DSWEEP_VARIANTS16, DSWEEP_VARIANTS8)
 #                                                                        -> $OUT/dsweep_*.md
 # e2e:     workload A on qwen3-0.6b with an int8 cache, the Hopper kernels off (MINFER_SM90_ATTENTION=0) and on
 #                                                                        -> $OUT/wa_int8_sm{0,1}.json
@@ -22,13 +22,13 @@ PARTS="${PARTS:-tests kernels}"
 
 case " $PARTS " in *" tests "*)
   echo "== tests ($(left) s left)"
-  timeout "$(cap 200)" python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -x ${TESTS:-tests/kernels/test_kernel_prefill_sm90_gpu.py tests/kernels/test_kernel_decode_sm90_gpu.py} \
+  timeout "$(cap ${TESTS_CAP:-200})" python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -x ${TESTS:-tests/kernels/test_kernel_prefill_sm90_gpu.py tests/kernels/test_kernel_decode_sm90_gpu.py} \
     > "$OUT/attention_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/attention_tests.log")"
   grep -E "^FAILED|^E " "$OUT/attention_tests.log" | cut -c1-240 | head -30 ;;
 esac
 case " $PARTS " in *" kernels "*)
   echo "== kernels ($(left) s left)"
-  OUT="$OUT" timeout "$(cap 300)" python3 benchmarks/bench_kernels.py --only "${ONLY:-prefill,decode}" \
+  OUT="$OUT" timeout "$(cap ${KERNELS_CAP:-300})" python3 benchmarks/bench_kernels.py --only "${ONLY:-prefill,decode}" \
     --kv-dtypes "${KV_DTYPES:-auto,int8,fp8_e4m3}" > "$OUT/kernels.log" 2>&1 || echo "   exit $? (124: cut by the time limit)"
   grep -E "^\| (prefill|decode)|check|FAIL|Error" "$OUT/kernels.log" | head -60 ;;
 esac
@@ -43,7 +43,7 @@ esac
 case " $PARTS " in *" dsweep "*)
   for kd in ${DSWEEP_KV:-auto int8 fp8_e4m3}; do
     echo "== decode sweep $kd ($(left) s left)"
-    variants=shipped; [ "$kd" != auto ] && variants="${DSWEEP_VARIANTS:-shipped}"
+    variants="${DSWEEP_VARIANTS16:-shipped}"; [ "$kd" != auto ] && variants="${DSWEEP_VARIANTS8:-shipped}"
     { timeout "$(cap 90)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --variants "$variants" --splits 1
       timeout "$(cap 60)" python3 benchmarks/sweep_decode_sm90.py --kv-dtype "$kd" --batch 1 --ctx 32768 \
         --variants "$variants" --splits ${DSWEEP_SPLITS:-16,33}

@@ -52,15 +52,15 @@ def main() -> None:
     line(f"triton {args.kv_dtype}", heuristic, bench_graph(lambda: paged_decode_attention(q, kc, vc, table, lens, scale,
                                                                                           out, **sc)), "")
     sm90_8bit = sm90.sm90_8bit
-    defaults = (sm90.STAGES, sm90_8bit.STAGES, sm90_8bit.MAX_REGS)
+    defaults = (sm90.STAGES, sm90.SOLE_STAGES, sm90_8bit.STAGES, sm90_8bit.MAX_REGS)
     for v in (args.variants.split(",") if args.variants else ["shipped"]):
-        sm90.STAGES, sm90_8bit.STAGES, sm90_8bit.MAX_REGS = defaults
+        sm90.STAGES, sm90.SOLE_STAGES, sm90_8bit.STAGES, sm90_8bit.MAX_REGS = defaults
         if v != "shipped" and sc:  # STAGES[xMAX_REGS] of the 8-bit kernel
             dims = list(map(int, v.split("x")))
             sm90_8bit.STAGES = dims[0]
             sm90_8bit.MAX_REGS = dims[1] if len(dims) > 1 else sm90_8bit.MAX_REGS
         elif v != "shipped":
-            sm90.STAGES = int(v)
+            sm90.STAGES = sm90.SOLE_STAGES = int(v)
         for ns in splits:
             # A variant that does not build falls back to the Triton kernel inside the entry point: start each
             # variant afresh and report that instead of timing the fallback.
