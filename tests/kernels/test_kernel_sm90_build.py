@@ -89,7 +89,9 @@ def build(kernel: str, head_dim: int, page: int, kv: str) -> dict:
     compiled = (build_prefill if kernel == "prefill" else build_decode)(head_dim, page, kv)
     ptx = compiled.asm["ptx"]
     return dict(shared=compiled.metadata.shared, sm90a=".target sm_90a" in ptx, wgmma="wgmma.mma_async" in ptx,
-                tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, local=".local" in ptx)
+                tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, local=".local" in ptx,
+                loads={width: ptx.count(f"ld.shared.{width} ") + ptx.count(f"ld.shared.{width}\t")
+                       for width in ("v4.b32", "v2.b16", "b32", "b16", "b8")})
 
 
 def _child(*args: str) -> dict:
@@ -109,12 +111,22 @@ def test_the_hopper_prefill_kernel_builds(head_dim: int, page: int, kv: str) -> 
 
 
 @pytest.mark.parametrize("head_dim,page,kv", [(128, 16, "bf16"), (64, 128, "bf16"), (128, 16, "int8"),
-                                              (128, 64, "fp8_e5m2")])
+                                              (128, 64, "fp8_e5m2"), (64, 32, "fp8_e4m3")])
 def test_the_hopper_decode_kernel_builds(head_dim: int, page: int, kv: str) -> None:
     got = _child("decode", str(head_dim), str(page), kv)
     assert got["sm90a"] and got["wgmma"] and got["tma"] and got["setmaxnreg"], got
-    tiles = 2 * 64 * head_dim * 2  # at least one 64-key K and V tile of 16-bit values
+    tiles = 2 * 64 * head_dim * (2 if kv == "bf16" else 1)  # at least one 64-key K and V tile
     assert tiles <= got["shared"] <= SMEM_LIMIT // 2, got
+
+
+def test_the_8bit_decode_kernel_reads_codes_in_wide_loads() -> None:
+    """The 8-bit decode kernel's register operands come from the TMA's slot in wide loads, which is what its dim
+    reorderings are for: per tile, four 16-byte loads of K codes and sixteen 4-byte loads of V codes a thread
+    (in the prologue's tile and the loop's), not byte by byte. The one byte load is the partitions' state."""
+    got = _child("decode", "128", "16", "int8")
+    assert got["loads"]["v4.b32"] >= 2 * 4, got
+    assert got["loads"]["b32"] >= 2 * 16, got
+    assert got["loads"]["b8"] <= 1, got
 
 
 if __name__ == "__main__":
