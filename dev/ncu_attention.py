@@ -2,7 +2,7 @@
 llama-3.1-8b heads, pages of 16, bf16 or an 8-bit cache): the launch it reads is the second, after the build.
 
     ncu --clock-control none --kernel-name regex:_prefill_sm90 --launch-skip 1 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats --section SourceCounters python3 dev/ncu_attention.py prefill int8
+        --section WarpStateStats --print-details all python3 dev/ncu_attention.py prefill int8
 """
 import os
 import sys

@@ -4,8 +4,8 @@ tile is ever written to shared memory.
 
 The same computation as ``decode_attention.py``'s 8-bit path (its Triton kernel is this one's reference and the
 path everywhere else), in the frame of ``decode_attention_sm90.py``: a program owns one KV head of one sequence
-and one split of its context, with every query head of the GQA group; Sᵀ = K·Qᵀ and Oᵀ += Vᵀ·Pᵀ put the tile's 64
-keys (Sᵀ) and the head dims (Oᵀ) along the MMA's 64 rows; a TMA copy warp streams each page's codes and its
+and one split of its context, with every query head of the GQA group; Sᵀ = K·Qᵀ and Oᵀ += Vᵀ·Pᵀ put the tile's
+64 keys (Sᵀ) and the head dims (Oᵀ) along the MMA's 64 rows; a TMA copy warp streams each page's codes and its
 per-key scales into a ring of ``STAGES`` slots.
 
 Why registers: an 8-bit operand can be read by ``wgmma`` from shared memory only K-major, and V's codes are not
@@ -26,6 +26,8 @@ released as soon as its codes are in registers, before the products that use the
 
 Codes convert exactly (``gluon_sm90.codes_to_f16``), so the products are float16 on exact values as in the
 Triton kernel; K's per-key scales (with ``scale * log2 e``) multiply the score rows, V's the P rows.
+
+H200, B=64 x 4k, llama-3.1-8b heads: int8 / fp8_e4m3 145-148 us, 88-89% of 4.22 TB/s, 1.75x the bf16 kernel.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ if gluon is not None:
 
 BLOCK_N = 64  # keys per tile: the MMA's 64 rows
 STAGES = 4  # code slots (16 KB + scales at head_dim 128)
-MAX_REGS = 128  # registers per thread at launch (2 warpgroups): two programs share an SM; the copy warp gives the consumer its spare ones
+# Registers per thread at launch (2 warpgroups), so that two programs share an SM; setmaxnreg gives the consumer the
+# copy warp's group's spare ones.
+MAX_REGS = 128
 
 if gluon is not None:
     PRODUCER_REGS = gl.constexpr(24)
@@ -98,7 +102,7 @@ if gluon is not None:
 
     @gluon.jit
     def _k_operand(codes, a_layout: gl.constexpr, D: gl.constexpr):
-        """K codes in ``k_codes_layout`` → the float16 A operand [64, D] of Sᵀ = K·Qᵀ, columns in ``k_dim_order``."""
+        """K codes in ``k_codes_layout`` → the float16 A operand [64, D] of Sᵀ = K·Qᵀ, in ``k_dim_order``."""
         x = codes_to_f16(codes)
         x = gl.reshape(gl.permute(gl.reshape(x, [64, 4, D // 8, 2]), (0, 2, 1, 3)), [64, D])
         return gl.convert_layout(x, a_layout, assert_trivial=True)
@@ -305,12 +309,12 @@ if gluon is not None:
             write_empty_split(MID_O, MID_LSE, b, kvh, split, num_splits, GROUP, NPAD, HEAD_DIM, num_warps)
 
 
-def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                block_n: int = BLOCK_N) -> tuple:
+def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
+                ) -> tuple:
     """TMA descriptors of an 8-bit cache: K and V codes as [slots, Hkv * D] with whole-row boxes of one page
-    (up to ``block_n`` keys), the scales as [num_blocks * Hkv, block_size] with one box per page."""
+    (up to a tile's ``BLOCK_N`` keys), the scales as [num_blocks * Hkv, block_size] with one box per page."""
     num_blocks, page, num_kv_heads, head_dim = k_cache.shape
-    rows = min(page, block_n)
+    rows = min(page, BLOCK_N)
     code_layout = gl.NVMMASharedLayout(swizzle_byte_width=head_dim, element_bitwidth=8, rank=2)
     shape, strides = [num_blocks * page, num_kv_heads * head_dim], [num_kv_heads * head_dim, 1]
     scale_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * k_scale.element_size(), rank=2)

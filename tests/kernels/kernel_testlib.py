@@ -190,7 +190,8 @@ def _outlier_kv(shape: tuple[int, ...], device: str) -> torch.Tensor:
 
 def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
                        kv_dtype: str, dtype: torch.dtype, device: str, num_splits: int | None = None,
-                       max_quant_err: float | None = None, config=None, kernel=paged_decode_attention) -> None:
+                       max_quant_err: float | None = None, config=None, kernel=paged_decode_attention,
+                       scale_dtype: torch.dtype = torch.float16) -> None:
     """The kernel on an 8-bit cache vs the float64 reference on the same codes and scales (K/V with
     outliers). With ``max_quant_err``, K/V are plain N(0, 1) instead, and the quantization's own
     effect (vs attention over the unquantized cache) must stay under it. ``config``: a
@@ -198,7 +199,7 @@ def check_decode_quant(ctx_lens: list[int], num_heads: int, num_kv_heads: int, h
     kf, vf, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, torch.float32, device)
     if max_quant_err is None:
         kf, vf = _outlier_kv(kf.shape, device), _outlier_kv(vf.shape, device)
-    kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+    kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype, scale_dtype)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
     q = torch.randn(len(ctx_lens), num_heads, head_dim, device=device).to(dtype)
     scale = head_dim ** -0.5

@@ -66,6 +66,13 @@ def test_decode_sm90_quant_fp16_q(kv_dtype: str) -> None:
     check_decode_quant(CTX_LENS, 32, 8, 128, 16, kv_dtype, torch.float16, "cuda", kernel=paged_decode_attention_sm90)
 
 
+@pytest.mark.parametrize("kv_dtype,page", [("int8", 16), ("fp8_e4m3", 64), ("fp8_e5m2", 32)])
+def test_decode_sm90_quant_fp32_scales(kv_dtype: str, page: int) -> None:
+    """float32 scales (the engine keeps float16 ones): the copy warp's scale boxes are twice as wide."""
+    check_decode_quant(CTX_LENS, 32, 8, 128, page, kv_dtype, torch.bfloat16, "cuda", num_splits=3,
+                       kernel=paged_decode_attention_sm90, scale_dtype=torch.float32)
+
+
 def caches(ctx_lens: list[int], kv_dtype: str) -> tuple:
     """(k cache, v cache, block table, scale keywords): bf16 caches for "auto", else 8-bit codes and scales."""
     kf, vf, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.float32, "cuda")
