@@ -25,7 +25,6 @@ the cache must hold finite values there, which the engine's zeroed cache does.
 from __future__ import annotations
 
 import torch
-import triton
 
 from .decode_attention import (
     SPLIT_TARGET_PER_SM, choose_num_splits, merge_partials, paged_decode_attention, split_partials,
@@ -50,7 +49,7 @@ SOLE_STAGES = 4
 # gives the consumer the copy warp's group's spare ones.
 MAX_REGS = 128
 # 16-bit caches split toward one program per SM, not two (H200, B=1 x 32k, llama-3.1-8b heads: 16 splits 50.0-50.8 us,
-# 33 splits 52.0-52.4); 8-bit ones keep the Triton kernel's two (fp8_e4m3: 33 splits 40.7 us, 16 splits 48.5).
+# 33 splits 52.0-52.4); 8-bit ones keep the Triton kernel's two (int8: 33 splits 35.2 us, 16 splits 34.7-35.5).
 SPLITS_PER_SM = 1
 MAX_GROUP = 16  # query heads per KV head the kernel serves (the MMA's N, padded to 8 or 16)
 
