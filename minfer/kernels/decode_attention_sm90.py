@@ -36,8 +36,9 @@ from .quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, fence_async_shared, gl, issue_tile, mbarrier, online_softmax, partition_barrier,
-        split_range, warpgroup_mma, warpgroup_mma_wait, write_decode_output, write_empty_split,
+        TensorDescriptor, barrier_ring, fence_async_shared, gl, invalidate_ring, issue_tile, mbarrier,
+        online_softmax, partition_barrier, split_range, warpgroup_mma, warpgroup_mma_wait, write_decode_output,
+        write_empty_split,
     )
 
 BLOCK_N = 64  # keys per tile: the MMA's 64 rows
@@ -176,11 +177,7 @@ if gluon is not None:
             p_smem = gl.allocate_shared_memory(dtype, [2, NPAD, BLOCK_N], layout16)
             k_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, _HALF], layout16)
             v_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, _HALF], layout16)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty.index(i), count=1)
+            ready, empty = barrier_ring(STAGES, 1)
             gl.warp_specialize([
                 (_consumer, (Q, q_smem, k_smem, v_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e, b,
                              kvh, split, num_splits, start, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
@@ -188,9 +185,7 @@ if gluon is not None:
                 (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, BT + b.to(gl.int64) * stride_btb, start,
                              end, n_tiles, kvh * HEAD_DIM, PAGE, HALVES, STAGES, BLOCK_N)),
             ], [1], [PRODUCER_REGS])
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(i))
-                mbarrier.invalidate(empty.index(i))
+            invalidate_ring(ready, empty, STAGES)
         else:
             write_empty_split(MID_O, MID_LSE, b, kvh, split, num_splits, GROUP, NPAD, HEAD_DIM, num_warps)
 

@@ -38,9 +38,9 @@ from .gluon_sm90 import gluon
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, _tma_load, codes_to_f16, fence_async_shared, gl, mbarrier, online_softmax,
-        partition_barrier, reinterpret, split_range, warpgroup_mma, warpgroup_mma_wait, write_decode_output,
-        write_empty_split,
+        TensorDescriptor, _tma_load, barrier_ring, codes_to_f16, fence_async_shared, gl, invalidate_ring, mbarrier,
+        online_softmax, partition_barrier, reinterpret, split_range, warpgroup_mma, warpgroup_mma_wait,
+        write_decode_output, write_empty_split,
     )
 
 BLOCK_N = 64  # keys per tile: the MMA's 64 rows
@@ -285,11 +285,7 @@ if gluon is not None:
             COPIES: gl.constexpr = BLOCK_N // ROWS
             CHUNK: gl.constexpr = max(ROWS, 1024 // ks_desc.dtype.primitive_bitwidth)  # scales per 128-byte chunk
             sc_smem = gl.allocate_shared_memory(ks_desc.dtype, [2 * STAGES * COPIES, 1, CHUNK], ks_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty.index(i), count=1)
+            ready, empty = barrier_ring(STAGES, 1)
             # The consumer reads a slot's K (or V) scales as [COPIES, CHUNK].
             sc_pages = reinterpret(sc_smem, ks_desc.dtype, [2 * STAGES, COPIES, CHUNK],
                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -302,9 +298,7 @@ if gluon is not None:
                              BT + b.to(gl.int64) * stride_btb, start, end, n_tiles, kvh, NUM_KV_HEADS, HEAD_DIM,
                              PAGE, STAGES, BLOCK_N)),
             ], [1], [PRODUCER_REGS])
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(i))
-                mbarrier.invalidate(empty.index(i))
+            invalidate_ring(ready, empty, STAGES)
         else:
             write_empty_split(MID_O, MID_LSE, b, kvh, split, num_splits, GROUP, NPAD, HEAD_DIM, num_warps)
 

@@ -160,6 +160,24 @@ if gluon is not None:
             mbarrier.arrive(conv_ready.index(cv), count=1)
 
     @gluon.jit
+    def barrier_ring(STAGES: gl.constexpr, RELEASES: gl.constexpr):
+        """A ring's mbarriers, initialised: ``ready`` (one arrival: the copy warp's expected bytes) and ``empty``
+        (``RELEASES`` arrivals: the partitions that read a slot) per slot."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=RELEASES)
+        return ready, empty
+
+    @gluon.jit
+    def invalidate_ring(ready, empty, STAGES: gl.constexpr):
+        """The end of a ``barrier_ring``'s use."""
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+
+    @gluon.jit
     def code_ring(k_desc, CODE_STAGES: gl.constexpr, STAGES: gl.constexpr, HALVES: gl.constexpr,
                   BLOCK_N: gl.constexpr):
         """8-bit caches: the shared memory the copy warp and the converter add (K and V code slots in the
@@ -169,11 +187,7 @@ if gluon is not None:
         vc_smem = gl.allocate_shared_memory(k_desc.dtype, [CODE_STAGES * HALVES, BLOCK_N, _HALF], k_desc.layout)
         sc_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_N],
                                             gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-        copied = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-        released = gl.allocate_shared_memory(gl.int64, [CODE_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(CODE_STAGES):
-            mbarrier.init(copied.index(i), count=1)
-            mbarrier.init(released.index(i), count=1)
+        copied, released = barrier_ring(CODE_STAGES, 1)
         return kc_smem, vc_smem, sc_smem, copied, released
 
     @gluon.jit

@@ -42,8 +42,8 @@ from .quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, _tma_load, code_ring, converter, fence_async_shared, gl, issue_tile, mbarrier,
-        partition_barrier, reinterpret, warpgroup_mma, warpgroup_mma_wait,
+        TensorDescriptor, _tma_load, barrier_ring, code_ring, converter, fence_async_shared, gl, invalidate_ring,
+        issue_tile, mbarrier, partition_barrier, reinterpret, warpgroup_mma, warpgroup_mma_wait,
     )
 
 BLOCK_M = 128
@@ -246,11 +246,7 @@ if gluon is not None:
             k_smem = gl.allocate_shared_memory(gl.float16 if QUANT else k_desc.dtype, [STAGES * HALVES, BLOCK_N, _HALF],
                                                q_desc.layout if QUANT else k_desc.layout)
             v_smem = gl.allocate_shared_memory(k_smem.dtype, [STAGES * HALVES, BLOCK_N, _HALF], k_smem.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for i in gl.static_range(STAGES):
-                mbarrier.init(ready.index(i), count=1)
-                mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+            ready, empty = barrier_ring(STAGES, 2)  # a slot is released by both consumer warpgroups
             if QUANT:
                 kc_smem, vc_smem, sc_smem, copied, released = code_ring(k_desc, CODE_STAGES, STAGES, HALVES, BLOCK_N)
                 gl.warp_specialize([
@@ -267,9 +263,7 @@ if gluon is not None:
                                  KS, VS, bt_row, kvh * PAGE, NUM_KV_HEADS * PAGE, 0, ctx, n_tiles, scale_log2e,
                                  PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N, CONVERT_ROWS)),
                 ], [4, 1, 4], [CONSUMER_REGS_Q, PRODUCER_REGS_Q, CONVERTER_REGS_Q])
-                for i in gl.static_range(CODE_STAGES):
-                    mbarrier.invalidate(copied.index(i))
-                    mbarrier.invalidate(released.index(i))
+                invalidate_ring(copied, released, CODE_STAGES)
             else:
                 gl.warp_specialize([
                     (_consumer, (q_smem, k_smem, v_smem, q_smem, q_bar, ready, empty, O, scale_log2e, m0,
@@ -282,9 +276,7 @@ if gluon is not None:
                                  q_start + m0, h * HEAD_DIM, ctx, n_tiles, kvh * HEAD_DIM,
                                  PAGE, HALVES, STAGES, SUB_M, BLOCK_N)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-            for i in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(i))
-                mbarrier.invalidate(empty.index(i))
+            invalidate_ring(ready, empty, STAGES)
             mbarrier.invalidate(q_bar)
 
 
