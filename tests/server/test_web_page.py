@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 
-sync_api = pytest.importorskip("playwright.sync_api")
-
 CHROMIUM = os.environ.get("MINFER_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
@@ -28,6 +26,8 @@ def artifacts() -> Path:
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="chromium is not installed (apt-get install chromium)")
 def test_two_panes_stream_side_by_side(server: Any, artifacts: Path, capsys: pytest.CaptureFixture) -> None:
+    # imported here, not at collection: a `pytest -m gpu` run (which deselects this test) then needs no playwright
+    sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         try:
