@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
@@ -25,23 +26,49 @@ class LLM:
 
     ``LLM()`` with no model loads the built-in model. Every engine argument of ``EngineConfig``
     (vLLM's names) is accepted as a keyword; an unknown or invalid one fails here.
+
+    An LLM ends with ``shutdown()``, at the end of a ``with LLM(...) as llm:`` block, or when its last
+    reference goes: its tensor-parallel workers stop and the process leaves their process group, so another
+    LLM (tensor-parallel or not) can run in the same process.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         config = EngineConfig.from_kwargs(model=str(model or builtin_model_path()), **kwargs)
-        self.llm_engine = LLMEngine(config, RequestOutputKind.FINAL_ONLY)
+        self.llm_engine: LLMEngine | None = LLMEngine(config, RequestOutputKind.FINAL_ONLY)
         self._counter = 0
+        # A finalizer rather than __del__: it holds the engine, not the LLM, runs once however the LLM goes
+        # (a reference count reaching zero, a collection, interpreter exit), and shutdown() can run it early.
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave their process group, stop the grammar threads, and drop
+        the engine (its weights and KV cache go with it). Idempotent; generating afterwards is an error."""
+        self._finalizer()
+        self.llm_engine = None
+
+    @property
+    def _engine(self) -> LLMEngine:
+        if self.llm_engine is None:
+            raise RuntimeError("this LLM has been shut down (shutdown() or the end of its `with` block); "
+                               "create a new LLM to generate again")
+        return self.llm_engine
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no SamplingParams: the model's generation_config.json
         settings (temperature, top_p, top_k, min_p, repetition_penalty) over SamplingParams' defaults."""
-        return self.llm_engine.processor.default_sampling_params()
+        return self._engine.processor.default_sampling_params()
 
     def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+        return self._engine.tokenizer
 
     def get_stats(self) -> dict[str, int | str]:
-        return self.llm_engine.get_stats()
+        return self._engine.get_stats()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -56,7 +83,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        engine = self.llm_engine
+        engine = self._engine
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -88,7 +115,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
+        engine = self._engine
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0

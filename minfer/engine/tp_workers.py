@@ -99,7 +99,7 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, model
     check_tensor_parallel(model_config, size, device)
     if torch.distributed.is_initialized():
         raise ValueError("tensor_parallel_size > 1: this process already belongs to a process group (another "
-                         "tensor-parallel engine is running here: call its llm_engine.shutdown() first)")
+                         "tensor-parallel engine is running here: call its LLM's shutdown() first)")
     init = f"tcp://127.0.0.1:{_free_port()}"
     ctx = multiprocessing.get_context("spawn")
     ready = [ctx.Event() for _ in range(1, size)]
@@ -233,6 +233,7 @@ class Workers:
         if self._stopping:
             return
         self._stopping = True
+        atexit.unregister(self.shutdown)  # nothing left to do at exit; and the exit hooks no longer hold it
         if self.channel is not None and self.failure is None:  # after a failure they cannot follow: kill
             try:
                 self.channel.send(Command.SHUTDOWN)
