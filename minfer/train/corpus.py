@@ -4,7 +4,9 @@ The default corpus is the running interpreter's standard library (``*.py`` under
 ``sysconfig.get_paths()["stdlib"]``), tests included: ``Lib/test`` is more than half of the
 stdlib's Python and a small model is starved of data far sooner than of compute.
 Left out: ``site-packages`` (not the stdlib, and it differs from machine to machine),
-``lib2to3/tests/data`` (Python 2 sources) and files that are not valid UTF-8.
+``lib2to3/tests/data`` (Python 2 sources) and files that are not valid UTF-8. Which files a folder
+contributes is ``minfer.eval_ppl.text_files_under``'s rule, so ``minfer eval-ppl`` on a folder scores
+the text this module would train on.
 
 Held-out set (validation loss, ``minfer eval-ppl``): whole packages, so that the model is
 scored on code it has never seen rather than on neighbouring lines of files it trained on:
@@ -20,16 +22,15 @@ from __future__ import annotations
 import sysconfig
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
+
+from minfer.eval_ppl import TEXT_PATTERNS, read_text, text_files_under
 
 HELDOUT_PREFIXES: tuple[str, ...] = (
     "email/", "json/", "tomllib/",
     "test/test_email/", "test/test_json/", "test/test_tomllib/",
 )
-EXCLUDED_PREFIXES: tuple[str, ...] = ("site-packages/", "lib2to3/tests/data/")
-EXCLUDED_DIR_NAMES: frozenset[str] = frozenset({"__pycache__", "site-packages"})
-DEFAULT_PATTERNS: tuple[str, ...] = ("*.py", "*.pyi", "*.txt", "*.md", "*.rst")
+DEFAULT_PATTERNS: tuple[str, ...] = TEXT_PATTERNS
 FALLBACK_HELDOUT_FRACTION = 0.05
 
 
@@ -73,18 +74,7 @@ def is_heldout(relative: str | PurePosixPath) -> bool:
 
 def _walk(root: Path, patterns: Sequence[str]) -> list[tuple[Path, Path]]:
     """(file, root) pairs under a folder, sorted for a reproducible corpus order."""
-    found = []
-    for path in sorted(root.rglob("*")):
-        if not path.is_file():
-            continue
-        rel = path.relative_to(root)
-        if any(part in EXCLUDED_DIR_NAMES or part.startswith(".") for part in rel.parts[:-1]):
-            continue
-        if any(rel.as_posix().startswith(p) for p in EXCLUDED_PREFIXES):
-            continue
-        if any(fnmatch(path.name, pat) for pat in patterns):
-            found.append((path, root))
-    return found
+    return [(path, root) for path in text_files_under(root, patterns)]
 
 
 def collect_files(paths: Sequence[str | Path] | None = None,
@@ -120,13 +110,6 @@ def heldout_files(root: str | Path | None = None,
     return [f for f, r in _walk(base, patterns) if is_heldout(f.relative_to(r).as_posix())]
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_bytes().decode("utf-8")
-    except (UnicodeDecodeError, OSError):
-        return None
-
-
 def _tail_split(docs: list[Document]) -> tuple[list[Document], list[Document]]:
     """Hold out the last documents (~5% of the text); cut a lone document at a line."""
     total = sum(len(d.text) for d in docs)
@@ -154,7 +137,7 @@ def load_corpus(paths: Sequence[str | Path] | None = None,
     corpus = Corpus()
     docs: list[tuple[Document, bool]] = []
     for path, root in files:
-        text = _read(path)
+        text = read_text(path)
         if text is None:
             corpus.skipped.append(path)
             continue
