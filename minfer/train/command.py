@@ -47,7 +47,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     opt.add_argument("--steps", type=int, default=d.steps)
     opt.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
     opt.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio)
-    opt.add_argument("--warmup", type=int, default=d.warmup, help="warmup steps")
+    opt.add_argument("--warmup", type=int, default=d.warmup,
+                     help="warm-up steps (default: the first 10%% of the run: of --steps, or of --max-time when "
+                          "that ends the run first)")
     opt.add_argument("--weight-decay", type=float, default=d.weight_decay)
     opt.add_argument("--grad-clip", type=float, default=d.grad_clip)
     opt.add_argument("--eval-every", type=int, default=d.eval_every)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from minfer.config import DTYPE_NAMES
 
 HELDOUT_RULES = ("auto", "packages", "tail")
+WARMUP_FRACTION = 0.1  # of the run, when --warmup is not given
 
 if TYPE_CHECKING:
     from minfer.train.model import ModelConfig
@@ -42,7 +43,9 @@ class TrainConfig:
     steps: int = 2000
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 200
+    # Warm-up steps; None: the first WARMUP_FRACTION of the run, which under --max-time is counted in time
+    # as the decay is (200 steps of the default 2000; a fixed count would outlast a short or time-boxed run).
+    warmup: int | None = None
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every: int = 250
@@ -61,7 +64,7 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "steps", "eval_every", "eval_windows"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.warmup < 0:
+        if self.warmup is not None and self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.heldout not in HELDOUT_RULES:
             raise ValueError(f"heldout must be one of {list(HELDOUT_RULES)}, got {self.heldout!r}")

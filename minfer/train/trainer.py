@@ -10,7 +10,9 @@ Layout of an output folder (``--out``)::
 
 The learning-rate schedule runs on *progress*, the larger of ``step / steps`` and
 ``elapsed / max_time``: a time-boxed run (``--max-time``) then ends its cosine decay exactly
-when its time runs out, which is what a fixed device budget needs.
+when its time runs out, which is what a fixed device budget needs. Warm-up is the first 10% of
+progress unless ``--warmup`` fixes a step count, so it scales with the budget too: a fixed count
+can outlast a short or time-boxed run, which then never leaves warm-up.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minfer.config import torch_dtype
-from minfer.train.config import TrainConfig
+from minfer.train.config import WARMUP_FRACTION, TrainConfig
 from minfer.train.corpus import load_corpus, texts
 from minfer.train.export import export_hf, hf_checkpoint_bytes
 from minfer.train.model import Llama
@@ -52,8 +54,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+    """The learning rate of ``step``, at ``progress`` (the larger of ``step / steps`` and ``elapsed / max_time``):
+    a linear warm-up over ``cfg.warmup`` steps, or when that is None over the first WARMUP_FRACTION of progress
+    (so it scales with a time budget as the decay does), then a cosine decay to ``min_lr_ratio`` at progress 1."""
+    if cfg.warmup is not None:
+        if step < cfg.warmup:
+            return cfg.lr * (step + 1) / cfg.warmup
+    elif progress < WARMUP_FRACTION:  # this step counted done: with 2000 steps the same ramp as 200 warm-up steps
+        return cfg.lr * min(1.0, max(progress, (step + 1) / cfg.steps) / WARMUP_FRACTION)
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
@@ -143,9 +151,10 @@ def train(cfg: TrainConfig) -> dict:
 
     corpus = load_corpus(cfg.paths or None, heldout=cfg.heldout)
     log(f"corpus: {corpus.describe()}")
-    if cfg.warmup > cfg.steps:
-        log(f"warning: --warmup {cfg.warmup} is longer than --steps {cfg.steps}: the learning rate never reaches "
-            f"its peak {cfg.lr}")
+    if cfg.warmup is not None and cfg.warmup >= cfg.steps:
+        log(f"warning: --warmup {cfg.warmup} is not shorter than --steps {cfg.steps}: the learning rate "
+            f"{'never reaches' if cfg.warmup > cfg.steps else 'reaches only at the last step'} its peak {cfg.lr} "
+            "and never decays (leave --warmup out for 10% of the run)")
     tok = _tokenizer_for(cfg, texts(corpus.train))
     save_tokenizer(tok, cfg.out, model_max_length=cfg.seq_len)
     train_stream = encode_documents(tok, texts(corpus.train))
@@ -168,6 +177,7 @@ def train(cfg: TrainConfig) -> dict:
         for stale in (ckpt_path, best_path, state_dir / "log.jsonl"):
             stale.unlink(missing_ok=True)
     step, elapsed, tokens_seen, best_val = 0, 0.0, 0, math.inf
+    lr, lr_max = 0.0, 0.0  # the latest and the highest learning rate since this run (re)started: log, metrics
     if cfg.resume and ckpt_path.is_file():
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
         if ckpt["model_config"] != mcfg.to_dict():
@@ -204,7 +214,7 @@ def train(cfg: TrainConfig) -> dict:
         save(improved)
         record = {"step": step, "tokens_seen": tokens_seen, "elapsed": round(elapsed, 1),
                   "train_loss": round(last_loss, 4) if last_loss is not None else None,
-                  "val_loss": round(val, 4)}
+                  "val_loss": round(val, 4), "lr": float(f"{lr:.4g}")}
         with open(state_dir / "log.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         if not cfg.quiet:
@@ -217,6 +227,7 @@ def train(cfg: TrainConfig) -> dict:
     bar = tqdm(total=cfg.steps, initial=step, disable=cfg.quiet, dynamic_ncols=True,
                mininterval=1.0 if sys.stderr.isatty() else 30.0, desc="train")
     start = time.perf_counter() - elapsed
+    session_start, session_step = time.perf_counter(), step  # a resumed run measures its own steps
     while step < cfg.steps:
         elapsed = time.perf_counter() - start
         progress = step / cfg.steps
@@ -225,6 +236,7 @@ def train(cfg: TrainConfig) -> dict:
                 break
             progress = max(progress, elapsed / cfg.max_time)
         lr = lr_at(cfg, step, progress)
+        lr_max = max(lr_max, lr)
         for group in optim.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
@@ -255,6 +267,15 @@ def train(cfg: TrainConfig) -> dict:
         else:
             train_time += time.perf_counter() - t0
         bar.update(1)
+        if step == session_step + 3 and cfg.max_time is not None:
+            per_step = (time.perf_counter() - session_start) / 3
+            fit = step + int(max(cfg.max_time - (time.perf_counter() - start), 0) / per_step)
+            if fit < cfg.steps:
+                log(f"--max-time {cfg.max_time:g} s fits about {fit} of {cfg.steps} steps ({per_step:.2f} s a step): "
+                    "the learning-rate schedule follows the clock")
+            if cfg.warmup is not None and cfg.warmup > fit:
+                log(f"warning: --warmup {cfg.warmup} is longer than the ~{fit} steps that fit in --max-time: the "
+                    f"learning rate will not reach its peak {cfg.lr} (leave --warmup out to scale it to the budget)")
         if step == 3 and device.type == "cpu" and cfg.max_time is None:
             per_step = (time.perf_counter() - start) / 3
             if per_step * (cfg.steps - step) > 3600:
@@ -288,6 +309,7 @@ def train(cfg: TrainConfig) -> dict:
         "kv_heads": mcfg.num_key_value_heads, "intermediate_size": mcfg.intermediate_size,
         "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "lr": cfg.lr,
         "dropout": cfg.dropout, "steps": step, "best_step": best["step"],
+        "lr_max": float(f"{lr_max:.4g}"), "lr_last": float(f"{lr:.4g}"),
         "tokens_seen": tokens_seen, "train_tokens": int(train_stream.numel()),
         "epochs": round(tokens_seen / train_stream.numel(), 2),
         "tokens_per_s": round(train_tokens / max(train_time, 1e-9)),

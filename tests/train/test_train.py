@@ -16,7 +16,7 @@ from minfer.train.export import export_hf
 from minfer.train.model import Llama, ModelConfig
 from minfer.train.tokenizer import (BOS_ID, EOS_ID, PAD_ID, encode_documents, load_tokenizer,
                                     save_tokenizer, train_tokenizer)
-from minfer.train.trainer import TrainConfig, resolve_device, train
+from minfer.train.trainer import TrainConfig, lr_at, resolve_device, train
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,6 +203,26 @@ def test_cli_parser():
     cfg = config_from_args(args)
     assert cfg.paths == ["a.py", "dir"] and cfg.vocab_size == 4096 and cfg.layers == 3
     assert cfg.max_time == 60.0 and cfg.dtype == "float16" and args.func.__name__ == "run_train"
+
+
+def test_the_readme_cpu_recipe_warms_up_and_decays_within_its_budget():
+    """README: ``--steps 200 --max-time 1800``. A fixed 200-step warm-up equal to --steps kept the run warming up to
+    its end (it stopped at step 19, at 5% of the peak). Warm-up is now the first 10% of the run, counted in steps or,
+    when --max-time ends the run first, in time, as the cosine decay already was."""
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    cfg = config_from_args(parser.parse_args(
+        "train my_code/ --out tiny --vocab-size 2048 --hidden-size 128 --layers 4 --seq-len 256 --batch-size 8 "
+        "--steps 200 --max-time 1800".split()))
+    floor = cfg.lr * cfg.min_lr_ratio
+    by_steps = [lr_at(cfg, s, s / cfg.steps) for s in range(cfg.steps)]  # steps run out before the time
+    assert by_steps[0] == pytest.approx(cfg.lr / 20) and max(by_steps) == by_steps[19] == pytest.approx(cfg.lr)
+    assert by_steps[-1] == pytest.approx(floor, rel=0.01)
+    by_time = [lr_at(cfg, s, s / 19) for s in range(19)]  # 19 steps fit in the time: the clock is ahead
+    assert max(by_time) > 0.95 * cfg.lr and by_time.index(max(by_time)) == 2  # the decay has begun at the peak
+    assert by_time[-1] < 1.1 * floor and by_time == sorted(by_time[:3]) + sorted(by_time[3:], reverse=True)
+    fixed = TrainConfig(out=Path("x"), steps=200, warmup=50)  # an explicit --warmup stays a step count
+    assert lr_at(fixed, 24, 0.9) == pytest.approx(fixed.lr / 2)
 
 
 def test_minfer_generates_hf_greedy_tokens_from_export(trained):
