@@ -15,21 +15,26 @@ When no request is unfinished the thread blocks on the command queue (no busy sp
 next command wakes it. Aborts travel the same queue, so they take effect before the next step.
 If a step raises a host-side error from the values it was given (``RECOVERABLE_STEP_ERRORS``), the
 requests in flight fail with ``StepFailedError`` and the loop goes on with an empty engine. If the
-loop raises anything else, every in-flight stream receives the error, later requests are refused
-with ``EngineDeadError`` and ``healthy`` turns False; nothing waits forever.
+loop raises anything else, or a tensor-parallel worker dies (an idle loop is woken to it), the engine is
+dead: every in-flight stream and every later request fails with ``EngineDeadError``, ``healthy`` turns
+False and ``on_dead`` is called (the server exits there); nothing waits forever. What a client reads of
+the failure is its ``failure`` summary, never the error's own text (a device's or gloo's message can hold
+build paths), which goes to the log.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import EngineRequest, Processor
+from minfer.engine.tp_workers import TensorParallelError
 from minfer.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger("minfer.async_engine")
@@ -137,6 +142,7 @@ class AsyncLLMEngine:
         self.processor: Processor = engine.processor.clone()
         self.max_waiting_requests = max_waiting_requests
         self.observer: EngineObserver | None = None  # told of every step and abort, on the engine thread
+        self.on_dead: Callable[[str], None] | None = None  # called on the event loop with ``failure`` once dead
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._num_waiting = 0
@@ -153,6 +159,8 @@ class AsyncLLMEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        if self.engine.workers is not None:  # a worker that dies while the loop idles wakes it
+            self.engine.workers.on_failure = functools.partial(self._commands.put, ("wake",))
         self._thread = threading.Thread(target=self._run, name="minfer-engine", daemon=True)
         self._thread.start()
 
@@ -172,9 +180,22 @@ class AsyncLLMEngine:
 
     @property
     def error(self) -> BaseException | None:
-        if self._error is None and self.engine.failure is not None:
-            return EngineDeadError(self.engine.failure)
+        """Why the engine died (its full text is for the log), or None."""
+        if self._error is None and self.engine.workers is not None:
+            return self.engine.workers.error  # a dead worker, before the loop has woken to it
         return self._error
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve, as a client may read it: what failed, without the error's text."""
+        if self.healthy:
+            return None
+        error = self.error
+        if error is None:
+            return "the engine loop is not running"
+        if isinstance(error, TensorParallelError):
+            return error.summary
+        return f"the engine step raised {type(error).__name__}"
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters as of its last step with the KV usage and prefix-cache hit rate
@@ -194,7 +215,7 @@ class AsyncLLMEngine:
         """Queue a request (checked by ``self.processor``) for the engine thread and return the stream
         its outputs arrive on."""
         if not self.healthy:
-            raise EngineDeadError(f"the engine loop is not running: {self.error!r}")
+            raise EngineDeadError(f"the engine has stopped: {self.failure} (the server log has the details)")
         limit = self.max_waiting_requests
         if limit is not None and self._num_waiting >= limit:
             raise QueueFullError(f"{self._num_waiting} requests are already waiting (limit {limit})")
@@ -252,6 +273,8 @@ class AsyncLLMEngine:
         failures = 0  # steps failed in a row
         try:
             while True:
+                if engine.workers is not None:
+                    engine.workers.check()  # a worker died while the loop was idle ("wake")
                 # Block only when there is nothing to compute: that is the idle sleep.
                 if not self._handle_commands(block=not engine.has_unfinished_requests()):
                     return
@@ -276,7 +299,13 @@ class AsyncLLMEngine:
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting clients
             logger.exception("the engine loop died; failing all in-flight requests")
             self._error = exc
-            self._call_on_loop(self._fail_all, EngineDeadError(f"the engine loop died: {exc!r}"))
+            self._call_on_loop(self._died)
+
+    def _died(self) -> None:
+        failure = self.failure or "the engine loop died"
+        self._fail_all(EngineDeadError(f"the engine has stopped: {failure} (the server log has the details)"))
+        if self.on_dead is not None:
+            self.on_dead(failure)
 
     def _recover(self, exc: BaseException) -> None:
         """After a step raised on the host: abort everything in the engine, fail those requests, go on."""
@@ -310,6 +339,8 @@ class AsyncLLMEngine:
             kind = cmd[0]
             if kind == "stop":
                 return False
+            if kind == "wake":
+                continue
             if kind == "abort":
                 known = cmd[1] in self.engine.requests  # it may have finished meanwhile
                 self.engine.abort_request(cmd[1])

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -42,7 +43,12 @@ TIMEOUT_S = float(os.environ.get("MINFER_TP_TIMEOUT", "30"))
 
 
 class TensorParallelError(RuntimeError):
-    """A worker died or stopped answering: the engine cannot go on."""
+    """A worker died or stopped answering: the engine cannot go on. ``summary`` names the failure as a
+    client may read it: no pid, and not the underlying error's text, which can hold build paths."""
+
+    def __init__(self, message: str, summary: str = "a tensor-parallel step failed") -> None:
+        super().__init__(message)
+        self.summary = summary
 
 
 def shardable(config: ModelConfig, size: int) -> bool:
@@ -166,7 +172,8 @@ class Workers:
 
     def __init__(self, procs: list, channel: StepChannel | None, tp: TensorParallel | None) -> None:
         self.procs, self.channel, self.tp = procs, channel, tp
-        self.failure: str | None = None
+        self.error: TensorParallelError | None = None  # the first failure; the engine cannot go on after it
+        self.on_failure: Callable[[], None] | None = None  # called on the watch thread when a worker dies
         self._stopping = False
         atexit.register(self.shutdown)
 
@@ -176,7 +183,7 @@ class Workers:
         while not all(e.is_set() for e in ready):
             dead = self._dead()
             if dead:
-                raise TensorParallelError(f"tensor-parallel {dead} while starting")
+                raise TensorParallelError(f"tensor-parallel {dead[0]} while starting", dead[1])
             time.sleep(0.02)
 
     def watch(self) -> None:
@@ -190,25 +197,35 @@ class Workers:
         for p in self.procs:
             if p.sentinel in ended:
                 p.join(1.0)  # reaped, so that its exit code can be named
-        self.failure = f"tensor-parallel {self._dead()}"
-        logger.error("%s; the engine stops", self.failure)
+        dead = self._dead() or ("worker ended", "a tensor-parallel worker died")
+        error = TensorParallelError(f"tensor-parallel {dead[0]}", dead[1])
+        self.error = self.error or error  # a step that failed on the closed socket may have named it first
+        logger.error("%s; the engine stops", error)
+        if self.on_failure is not None:
+            self.on_failure()
         if self.tp is not None and torch.distributed.get_backend(self.tp.group) == "nccl":
             try:  # a collective waiting on the dead rank would spin on the GPU forever
                 torch.distributed.distributed_c10d._abort_process_group(self.tp.group)
             except Exception as exc:  # noqa: BLE001 - best effort; the engine fails either way
                 logger.warning("could not abort the NCCL communicator: %r", exc)
 
-    def _dead(self) -> str | None:
+    def _dead(self) -> tuple[str, str] | None:
+        """The first dead worker found: (its description for the log, its summary for a client), or None."""
         for rank, p in enumerate(self.procs, start=1):
             if p.exitcode is not None:
                 code = p.exitcode
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                return f"worker rank {rank} (pid {p.pid}) exited with {how}"
+                return (f"worker rank {rank} (pid {p.pid}) exited with {how}",
+                        f"a tensor-parallel worker died (rank {rank}, {how})")
         return None
 
+    @property
+    def failure(self) -> str | None:
+        return None if self.error is None else str(self.error)
+
     def check(self) -> None:
-        if self.failure is not None:
-            raise TensorParallelError(self.failure)
+        if self.error is not None:
+            raise TensorParallelError(str(self.error), self.error.summary)
 
     def explain(self, exc: BaseException) -> TensorParallelError:
         """The error to raise for ``exc`` from a step: which rank failed, or that one is stuck. Waits a
@@ -218,14 +235,15 @@ class Workers:
             time.sleep(0.02)
         dead = self._dead()
         if dead is not None:
-            error = TensorParallelError(f"tensor-parallel {dead}: {exc}")
+            error = TensorParallelError(f"tensor-parallel {dead[0]}: {exc}", dead[1])
         elif "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             error = TensorParallelError(f"a tensor-parallel collective timed out after {TIMEOUT_S:g} s (a worker is "
-                                        f"stuck; MINFER_TP_TIMEOUT sets the limit): {exc}")
+                                        f"stuck; MINFER_TP_TIMEOUT sets the limit): {exc}",
+                                        f"a tensor-parallel collective timed out after {TIMEOUT_S:g} s")
         else:
             error = TensorParallelError(f"a tensor-parallel step failed, so the ranks may disagree on what runs "
                                         f"next; the engine stops: {exc!r}")
-        self.failure = self.failure or str(error)
+        self.error = self.error or error
         return error
 
     def shutdown(self) -> None:
@@ -234,7 +252,7 @@ class Workers:
             return
         self._stopping = True
         atexit.unregister(self.shutdown)  # nothing left to do at exit; and the exit hooks no longer hold it
-        if self.channel is not None and self.failure is None:  # after a failure they cannot follow: kill
+        if self.channel is not None and self.error is None:  # after a failure they cannot follow: kill
             try:
                 self.channel.send(Command.SHUTDOWN)
             except Exception:  # noqa: BLE001 - a worker is gone already; the kill below covers the rest

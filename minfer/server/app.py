@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -36,7 +36,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
               max_waiting_requests: int | None = 1024, api_key: str | None = None,
               chat_template: str | None = None,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
     """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
@@ -46,6 +46,9 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     ``max_request_bytes``: larger bodies get a 413 before anything parses them (None: no cap).
     ``enable_auto_tool_choice``, ``tool_call_parser``: ``tool_choice="auto"`` is allowed, its answers read by
     that parser (a name in ``tool_parsers.TOOL_PARSERS``); vLLM's pair of flags, the first needing the second.
+    ``on_engine_dead``: called on the event loop, with the failure's summary, once the engine has died and the
+    requests in flight have failed (``minfer serve`` exits there, so that a supervisor restarts it); without
+    it the app goes on answering 503 on /health and 500 to requests.
     """
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     if chat_template is not None:
@@ -57,6 +60,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
                         auto_tool_parser=tool_call_parser if enable_auto_tool_choice else None)
     metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy, ctx.model_name, ctx.max_model_len)
     async_engine.observer = metrics
+    async_engine.on_dead = on_engine_dead
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -111,11 +115,12 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/health", responses={503: {"description": "the engine loop has died"}})
+    @app.get("/health", responses={503: {"description": "the engine has died"}})
     async def health() -> JSONResponse:
-        if async_engine.healthy:
+        failure = async_engine.failure  # open to all (a probe): what failed, never the error's text (paths)
+        if failure is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "error": repr(async_engine.error)}, status_code=503)
+        return JSONResponse({"status": "engine_dead", "error": failure}, status_code=503)
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:

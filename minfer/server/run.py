@@ -16,6 +16,7 @@ from typing import Any
 from minfer.server.tool_parsers import check_tool_flags
 
 DEFAULT_MAX_WAITING = 1024
+ENGINE_DEAD_EXIT_STATUS = 70  # sysexits' EX_SOFTWARE: the engine died while serving (for a supervisor to restart)
 SERVER_EXTRA = ("fastapi", "fastapi_offline", "uvicorn", "pydantic", "prometheus_client")
 _INSTALL = "pip install 'minfer[server]'"
 
@@ -44,8 +45,10 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                log_level: str = "info", access_log: bool = True, api_key: str | None = None,
                chat_template: str | None = None, max_request_bytes: int | None = None,
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
-    """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully); the engine's
-    tensor-parallel workers stop however serving ends.
+    """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
+    dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
+    the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
+    would never be restarted. The engine's tensor-parallel workers stop however serving ends.
 
     ``engine_kwargs``: ``EngineConfig`` fields but ``model``; ``model`` None serves the built-in model.
     ``chat_template``: the template's text (``chat_template.load_chat_template`` reads a file).
@@ -84,13 +87,30 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     catching = threading.current_thread() is threading.main_thread()  # handlers can be set there only
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if catching else None
     terminated = False
+    died: list[str] = []
+    server: Any = None
+
+    def engine_dead(failure: str) -> None:  # on the event loop, once the requests in flight have failed
+        logger.error("the engine has stopped (%s): the server stops, exit status %d", failure, ENGINE_DEAD_EXIT_STATUS)
+        died.append(failure)
+        server.should_exit = True
+
     try:
         logger.info("serving %s as %s on http://%s:%d", model, names, host, port)
         limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes or None}  # 0: no cap
         app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
-                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser, **limit)
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                    timeout_graceful_shutdown=5)
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                        on_engine_dead=engine_dead, **limit)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                                               timeout_graceful_shutdown=5))
+        try:
+            server.run()
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn has stopped gracefully and raised it again; end quietly
+            pass
+        if not server.started and not died:
+            from uvicorn.main import STARTUP_FAILURE
+
+            raise SystemExit(STARTUP_FAILURE)  # as uvicorn.run ends when it cannot start (the port is taken)
     except _Terminated:
         terminated = True
     finally:  # a normal stop, Ctrl-C, SIGTERM, or a crash in uvicorn or the app: the tensor-parallel workers stop
@@ -101,6 +121,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
             logger.info("the tensor-parallel workers have stopped")
     if terminated:  # end as SIGTERM ends the process (its exit status says so), now that the workers are gone
         signal.raise_signal(signal.SIGTERM)
+    if died:
+        raise SystemExit(ENGINE_DEAD_EXIT_STATUS)
 
 
 class _Terminated(BaseException):

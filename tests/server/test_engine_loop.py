@@ -55,7 +55,7 @@ def test_engine_death_fails_requests_and_health(own_server: Any, caplog: pytest.
 
     def step() -> Any:
         if boom.is_set():
-            raise RuntimeError("boom: simulated device failure")
+            raise RuntimeError("boom: simulated device failure at /build/src/kernel.cu:12")
         return real()
 
     live.engine.step = step  # the engine thread looks the method up on the instance every step
@@ -74,21 +74,49 @@ def test_engine_death_fails_requests_and_health(own_server: Any, caplog: pytest.
                 time.sleep(0.01)
             boom.set()  # ...then the engine dies with both requests running
             rest = [line for line in lines if line.startswith("data:")]
-        assert any('"error"' in line and "boom" in line for line in rest), rest[-3:]
+        # clients read what failed, not the error's text (which can hold paths): that goes to the log
+        failure = "the engine step raised RuntimeError"
+        assert any('"error"' in line and failure in line for line in rest), rest[-3:]
+        assert not any("boom" in line or "/build" in line for line in rest), rest[-3:]
         assert rest[-1] == "data: [DONE]"
         resp = whole.result(timeout=30)
-        assert resp.status_code == 500 and "boom" in resp.json()["error"]["message"]
+        assert resp.status_code == 500 and failure in resp.json()["error"]["message"], resp.json()
+        assert "boom" not in resp.text and resp.json()["error"]["code"] == "engine_dead"
         health = c.get("/health")
-        assert health.status_code == 503 and "boom" in health.json()["error"]
+        assert health.status_code == 503 and health.json() == {"status": "engine_dead", "error": failure}
         start = time.monotonic()
         late = c.post("/v1/completions", json=BODY)
         assert late.status_code == 500 and time.monotonic() - start < 5
-        assert late.json()["error"]["code"] == "engine_dead"
+        assert late.json()["error"]["code"] == "engine_dead" and "boom" not in late.text
         late_stream = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "stream": True})
         assert late_stream.status_code == 500
         assert "minfer_engine_healthy 0.0" in c.get("/metrics").text
-    assert any("engine loop died" in r.getMessage() for r in caplog.records)
+    died = [r for r in caplog.records if "engine loop died" in r.getMessage()]
+    assert died and died[0].exc_info and "boom" in str(died[0].exc_info[1])  # the full error, in the log
+
+
+def test_a_tensor_parallel_failure_is_named_without_its_text(own_server: Any) -> None:
+    """/health and the requests name a failed rank as the error's summary says, never its text (gloo's names a
+    source file of the build); and the app's ``on_engine_dead`` hook hears of it once."""
+    from minfer.engine.tp_workers import TensorParallelError
+
+    live = own_server()
+    heard: list[str] = []
+    live.async_engine.on_dead = heard.append
+    summary = "a tensor-parallel worker died (rank 1, signal SIGKILL)"
+
+    def step() -> Any:
+        raise TensorParallelError("tensor-parallel worker rank 1 (pid 4242) exited with signal SIGKILL: "
+                                  "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed", summary)
+
+    live.engine.step = step
+    with httpx.Client(base_url=live.base_url, timeout=30) as c:
+        resp = c.post("/v1/completions", json=BODY)
+        assert resp.status_code == 500 and summary in resp.json()["error"]["message"], resp.json()
+        assert "pair.cc" not in resp.text and "4242" not in resp.text
+        assert c.get("/health").json() == {"status": "engine_dead", "error": summary}
+    assert heard == [summary]
 
 
 def test_step_failure_on_bad_values_fails_only_the_requests_in_flight(own_server: Any,
@@ -149,7 +177,8 @@ def test_steps_failing_in_a_row_end_the_loop(own_server: Any) -> None:
             assert resp.status_code == 500 and "simulated: always" in resp.json()["error"]["message"]
             assert c.get("/health").status_code == 200
         last = c.post("/v1/completions", json=BODY)
-        assert last.status_code == 500 and "simulated: always" in last.json()["error"]["message"]
+        assert last.status_code == 500 and last.json()["error"]["code"] == "engine_dead"
+        assert "the engine step raised ValueError" in last.json()["error"]["message"]
         assert c.get("/health").status_code == 503
         assert c.post("/v1/completions", json=BODY).json()["error"]["code"] == "engine_dead"
 

@@ -1,9 +1,9 @@
 """``minfer serve --tensor-parallel-size 2`` as a real process tree: the server (rank 0) and its worker.
 
 On the CPU the ranks are processes over gloo. Checked here from outside, as an operator sees it:
-greedy tokens equal one process's, /metrics and /stats report the world size, a killed worker turns
-/health to 503 and requests into 5xx errors (never a hang), and SIGTERM or Ctrl-C leave no process
-behind.
+greedy tokens equal one process's, /metrics and /stats report the world size, a killed worker fails the
+requests in flight with 5xx errors (never a hang) and ends the server with a failure status (for a
+supervisor to restart it), and SIGTERM, Ctrl-C or a dead worker leave no process behind.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -21,6 +22,8 @@ import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
+
+from minfer.server.run import ENGINE_DEAD_EXIT_STATUS  # noqa: E402
 
 if not sys.platform.startswith("linux"):
     pytest.skip("reads /proc", allow_module_level=True)
@@ -194,48 +197,88 @@ def test_tp2_server_matches_tp1_reports_its_size_and_stops_on_sigterm(start: Cal
     assert "the tensor-parallel workers have stopped" in server.log(), server.log()
 
 
-def test_a_killed_worker_fails_health_and_requests_fast(start: Callable[..., TPServer]) -> None:
+def _watch_health_until_gone(server: TPServer) -> list[dict[str, Any]]:
+    """/health's answers until the server stops answering (it exits), each checked to hide the internals."""
+    bodies = []
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while server.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            health = httpx.get(server.base_url + "/health", timeout=5)
+        except httpx.HTTPError:  # no longer listening
+            break
+        if health.status_code != 200:
+            assert health.status_code == 503, health.text
+            bodies.append(health.json())
+            _assert_no_internals(health.text)
+            assert health.json()["status"] == "engine_dead", health.json()
+        time.sleep(0.02)
+    return bodies
+
+
+def _assert_no_internals(text: str) -> None:
+    """A client sees what failed, never a build path, a source line or a traceback (those go to the log)."""
+    assert "/" not in text and ".cc" not in text and ".py" not in text, text
+    assert "Traceback" not in text and "pid" not in text, text
+
+
+def test_a_worker_killed_while_idle_ends_the_server_with_a_failure_status(start: Callable[..., TPServer]) -> None:
+    """The server exits non-zero (for a supervisor to restart it) instead of serving 503s forever; until then
+    /health names the failure without internals; nothing it started is left behind."""
     server = start()
     client = server.client(timeout=10.0)  # a hang fails as a timeout
     assert client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2, temperature=0).choices[0].text
 
     os.kill(server.worker, signal.SIGKILL)
-    deadline = time.monotonic() + 10.0
-    while (health := httpx.get(server.base_url + "/health", timeout=5)).status_code == 200:
-        assert time.monotonic() < deadline, "/health still 200 10 s after the worker was killed"
-        time.sleep(0.05)
-    assert health.status_code == 503 and health.json()["status"] == "unhealthy"
-    assert "worker rank 1" in health.json()["error"] and "SIGKILL" in health.json()["error"], health.json()
-
-    began = time.monotonic()
-    with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
-    assert time.monotonic() - began < 10.0
-    assert info.value.status_code >= 500
-    error = info.value.response.json()["error"]  # OpenAI's error shape
-    assert {"message", "type", "param", "code"} <= error.keys() and "worker rank 1" in error["message"], error
-    assert "minfer_engine_healthy 0.0" in httpx.get(server.base_url + "/metrics", timeout=10).text
-
-    server.proc.send_signal(signal.SIGTERM)  # a broken server still stops, and cleanly
-    assert server.wait_gone() == -signal.SIGTERM, server.log()
+    for body in _watch_health_until_gone(server):
+        assert body["error"] == "a tensor-parallel worker died (rank 1, signal SIGKILL)", body
+    assert server.wait_gone() == ENGINE_DEAD_EXIT_STATUS, server.log()
+    log = server.log()
+    assert "worker rank 1" in log and "SIGKILL" in log and "the server stops" in log, log
+    assert "the tensor-parallel workers have stopped" in log, log
 
 
-def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(start: Callable[..., TPServer]) -> None:
+def test_a_worker_killed_mid_request_fails_the_requests_and_ends_the_server(start: Callable[..., TPServer]) -> None:
+    """A streamed request ends with an error event, a whole one with a 5xx in OpenAI's error shape (never a
+    hang), neither showing internals; then the server exits non-zero and leaves nothing behind."""
     server = start()
-    stream = server.client(timeout=10.0).completions.create(model=NAME, prompt=PROMPT, max_tokens=480,
-                                                            temperature=0, stream=True)
-    chunks, killed = 0, 0.0
+    client = server.client(timeout=10.0)
+    whole: dict[str, Any] = {}
+
+    def request_whole() -> None:
+        try:
+            whole["response"] = httpx.post(server.base_url + "/v1/completions", timeout=10.0,
+                                           json={"model": NAME, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True})
+        except httpx.HTTPError as exc:  # a hang, or the connection dropped without an answer
+            whole["response"] = exc
+
+    stream = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=480, temperature=0, stream=True)
+    chunks = 0
+    thread = threading.Thread(target=request_whole)
     with pytest.raises(openai.APIError) as info:  # the SSE error event, raised by the client
         for _ in stream:
             chunks += 1
-            if chunks == 3:
+            if chunks == 2:
+                thread.start()
+                deadline = time.monotonic() + 10.0
+                while httpx.get(server.base_url + "/stats", timeout=5).json()["num_running"] < 2:
+                    assert time.monotonic() < deadline, "the second request never ran"
+                    time.sleep(0.02)
                 os.kill(server.worker, signal.SIGKILL)
-                killed = time.monotonic()
-    assert chunks >= 3 and time.monotonic() - killed < 10.0
-    assert "worker rank 1" in str(info.value) and "SIGKILL" in str(info.value), info.value
-    assert httpx.get(server.base_url + "/health", timeout=5).status_code == 503
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.wait_gone() == -signal.SIGTERM, server.log()
+    assert chunks >= 2
+    message = str(info.value)
+    assert "a tensor-parallel worker died (rank 1, signal SIGKILL)" in message, message
+    _assert_no_internals(message)
+    thread.join(15.0)
+    response = whole["response"]
+    assert isinstance(response, httpx.Response), response
+    assert response.status_code >= 500, response.text
+    error = response.json()["error"]  # OpenAI's error shape
+    assert {"message", "type", "param", "code"} <= error.keys() and error["code"] == "engine_dead", error
+    assert "a tensor-parallel worker died (rank 1, signal SIGKILL)" in error["message"], error
+    _assert_no_internals(error["message"])
+    _watch_health_until_gone(server)
+    assert server.wait_gone() == ENGINE_DEAD_EXIT_STATUS, server.log()
+    assert "worker rank 1 (pid" in server.log(), server.log()  # the full text goes to the log
 
 
 def test_ctrl_c_leaves_no_process_behind(start: Callable[..., TPServer]) -> None:
