@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from minfer.structured_outputs import DEFAULT_LIMITS, StructuredOutputsLimits
+
 if TYPE_CHECKING:
     import torch
 
@@ -251,8 +253,25 @@ class EngineConfig:
                              "as the model loads (normal x 0.02, norm weights 1, as minfer bench --shape writes "
                              "them), so the folder needs only config.json (and the tokenizer's files unless "
                              "skipped): benchmarks of shapes too big for the disk", LOAD_FORMATS)
+    # Bounds on a request's structured-outputs constraint, checked before jsonschema or xgrammar reads it
+    # (minfer.structured_outputs.StructuredOutputsLimits): a 400 naming the flag past them.
+    structured_outputs_max_bytes: int = _knob(DEFAULT_LIMITS.max_bytes, "structured outputs: most bytes of a "
+                                              "schema, grammar, regex or choice list")
+    structured_outputs_max_depth: int = _knob(DEFAULT_LIMITS.max_depth, "structured outputs: deepest nesting of "
+                                              "a schema's objects and arrays ($refs followed), or of a grammar's "
+                                              "or regex's brackets")
+    structured_outputs_max_nodes: int = _knob(DEFAULT_LIMITS.max_nodes, "structured outputs: most objects and "
+                                              "arrays in a schema")
+    structured_outputs_max_enum_entries: int = _knob(DEFAULT_LIMITS.max_enum_entries, "structured outputs: most "
+                                                     "enum values and consts in a schema, or choices")
+    structured_outputs_max_rules: int = _knob(DEFAULT_LIMITS.max_rules, "structured outputs: most rules in an "
+                                              "EBNF grammar")
+    structured_outputs_max_regex_length: int = _knob(DEFAULT_LIMITS.max_regex_length, "structured outputs: most "
+                                                     "characters in a regex, a schema's pattern or "
+                                                     "patternProperties key")
 
     def __post_init__(self) -> None:
+        self.structured_outputs_limits()  # checks them
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("device", self.device, DEVICES)
@@ -296,6 +315,11 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; allowed: {sorted(names)}")
         return cls(**kwargs)
+
+    def structured_outputs_limits(self) -> StructuredOutputsLimits:
+        """The ``structured_outputs_max_*`` fields as the limits object the checks take."""
+        return StructuredOutputsLimits(**{f.name: getattr(self, "structured_outputs_" + f.name)
+                                          for f in fields(StructuredOutputsLimits)})
 
     def resolved_device(self) -> "torch.device":
         import torch

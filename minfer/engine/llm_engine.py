@@ -69,7 +69,8 @@ class LLMEngine:
             raise error from exc
         defaults = self.model_config.sampling_defaults if config.generation_config == "auto" else {}
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
-                                   self.runner.num_kv_blocks, config.block_size, defaults)
+                                   self.runner.num_kv_blocks, config.block_size, defaults,
+                                   config.structured_outputs_limits())
         self.output_processor = OutputProcessor(self.tokenizer, output_kind)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

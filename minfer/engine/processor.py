@@ -15,12 +15,14 @@ from typing import Any
 
 from minfer.config import cdiv
 from minfer.sampling_params import SamplingParams
+from minfer.structured_outputs import DEFAULT_LIMITS, StructuredOutputsLimits
 
 PromptType = str | dict[str, Any] | list[int]
 
 
 class PromptError(ValueError):
-    """A request the engine can never serve; ``field`` names what to change: 'prompt' or 'max_tokens'."""
+    """A request the engine can never serve; ``field`` names what to change: 'prompt', 'max_tokens', or the
+    request field that set an output constraint (``StructuredOutputsParams.source``)."""
 
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
@@ -49,8 +51,10 @@ class Processor:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int,
-                 block_size: int, sampling_defaults: dict[str, Any] | None = None) -> None:
+                 block_size: int, sampling_defaults: dict[str, Any] | None = None,
+                 structured_outputs_limits: StructuredOutputsLimits = DEFAULT_LIMITS) -> None:
         self.tokenizer = tokenizer
+        self.structured_outputs_limits = structured_outputs_limits
         self.sampling_defaults = dict(sampling_defaults or {})  # the model's (generation_config.json)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -118,6 +122,15 @@ class Processor:
                 raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), got {k}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
+        constraint = params.structured_outputs
+        if constraint is not None:  # the engine's limits (construction checked against the defaults)
+            try:
+                constraint.check(self.structured_outputs_limits)
+            except ValueError as exc:
+                if not constraint.source:
+                    raise
+                why = str(exc).split(": ", 1)[-1]
+                raise PromptError(f"{constraint.source}: {why}", constraint.source) from None
 
     def check_text_length(self, num_chars: int, field: str = "prompt") -> None:
         """``PromptError`` for a text that is longer than any prompt the context can hold (see ``max_prompt_chars``)."""

@@ -111,7 +111,8 @@ class StreamOptions(_Request):
 class JsonSchemaFormat(_Request):
     """``response_format.json_schema``; ``strict`` is accepted and changes nothing: the schema is always enforced."""
 
-    name: Text = Field(min_length=1, max_length=64)
+    # OpenAI's rule: 1-64 of a-z, A-Z, 0-9, '_' and '-' (a plain str: Text's min_length=0 would win over 1)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: Text | None = None
     schema_: JsonObject = Field(alias="schema")
     strict: bool | None = None

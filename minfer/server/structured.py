@@ -41,9 +41,11 @@ def request_constraint(req: SamplingFields) -> tuple[dict[str, Any], str] | None
 def build(kwargs: dict[str, Any], field: str) -> StructuredOutputsParams:
     """``StructuredOutputsParams(**kwargs)``; its refusal is a 400 naming ``field``."""
     try:
-        return StructuredOutputsParams(**kwargs)
+        params = StructuredOutputsParams(**kwargs)
     except ValueError as exc:
         raise constraint_error(exc, field) from exc
+    params.source = field + ("." + params.kind if field == "structured_outputs" else "")
+    return params
 
 
 def constraint_error(exc: ValueError, field: str) -> APIError:

@@ -1,0 +1,404 @@
+"""xgrammar's EBNF as text: what ``minfer.structured_outputs`` reads in and writes into a grammar.
+
+xgrammar prints a ``Grammar`` as EBNF that ``Grammar.from_ebnf`` reads back unchanged, so a grammar can be
+checked and mended between the two:
+
+- ``productive``: whether a rule derives at least one string (a least fixpoint over the rules; an empty
+  character class derives nothing), so a grammar or regex whose language is empty is refused instead of
+  "finishing" with an empty output.
+- ``replace_terminals``: swaps a character class or a macro for an expression, outside string literals.
+  xgrammar 0.2.9 writes length-bounded JSON strings with the class ``[^"\\\\\\r\\n]``, which admits raw
+  control characters and no escapes; ``JSON_CHAR`` is one character of a JSON string as RFC 8259 has it.
+- ``regex_to_json_ebnf``: a JSON Schema ``pattern`` (Python ``re``, the dialect ``jsonschema`` validates
+  with) as the EBNF of the JSON string text whose decoded value matches it; characters JSON must escape
+  come out escaped. xgrammar's own ``Regex(..., json_string=true)`` writes a quote, a backslash or a
+  control character of the pattern raw, and reads ``\\W``/``\\S``/``.`` otherwise than ``re``.
+
+Character sets are sorted lists of inclusive ``(lo, hi)`` code-point ranges.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable, Iterator
+
+MAX_CODE_POINT = 0x10FFFF
+Ranges = list[tuple[int, int]]
+
+_HEX4_NOT_SURROGATE = '([0-9a-cA-CefEF] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2})'
+# One character of a JSON string: unescaped (U+0020.. except '"' and '\'), or one escape; a \\u escape of a
+# surrogate is left out so that every match is exactly one code point (maxLength counts code points).
+JSON_CHAR = '([^\\0-\\x1f\\"\\\\] | "\\\\" ([\\"\\\\/bfnrt] | "u" ' + _HEX4_NOT_SURROGATE + '))'
+XGRAMMAR_BOUNDED_STRING_CLASS = '[^\\"\\\\\\r\\n]'  # as xgrammar 0.2.9 prints it
+
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|::=|[A-Za-z_][A-Za-z0-9_]*|-?\d+|\s+|.', re.S)
+_SIMPLE_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
+
+
+def tokens(text: str) -> Iterator[str]:
+    """The printed grammar's tokens, whitespace included (so that joining them gives the text back)."""
+    return (m.group(0) for m in _TOKEN.finditer(text))
+
+
+def replace_terminals(text: str, replace: Callable[[str, list[str]], str | None]) -> str:
+    """The grammar text with each class token, or each ``Name(...)`` macro call, that ``replace(token, rest)``
+    maps to a string swapped for it (``rest``: the tokens after a macro's name, up to its closing parenthesis)."""
+    toks = list(tokens(text))
+    out: list[str] = []
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        if tok[0] == "[":
+            new = replace(tok, [])
+            out.append(tok if new is None else new)
+        elif tok[0].isalpha() and i + 1 < len(toks) and toks[i + 1] == "(":
+            depth, j = 0, i + 1
+            while j < len(toks):
+                depth += (toks[j] == "(") - (toks[j] == ")")
+                if depth == 0:
+                    break
+                j += 1
+            new = replace(tok, toks[i + 1:j + 1])
+            if new is not None:
+                out.append(new)
+                i = j + 1
+                continue
+            out.append(tok)
+        else:
+            out.append(tok)
+        i += 1
+    return "".join(out)
+
+
+def unescape(body: str) -> list[int]:
+    """The code points of a string literal's or class's inside, as xgrammar prints escapes."""
+    out, i = [], 0
+    while i < len(body):
+        c = body[i]
+        if c != "\\":
+            out.append(ord(c))
+            i += 1
+            continue
+        e = body[i + 1]
+        width = {"x": 2, "u": 4, "U": 8}.get(e)
+        if width:
+            out.append(int(body[i + 2:i + 2 + width], 16))
+            i += 2 + width
+        else:
+            out.append(_SIMPLE_ESCAPES.get(e, ord(e)))
+            i += 2
+    return out
+
+
+def class_ranges(cls: str) -> Ranges:
+    """The code points a printed class ``[...]`` or ``[^...]`` admits (surrogates, which UTF-8 cannot
+    spell, left out)."""
+    negated = cls.startswith("[^")
+    points = unescape(cls[2 if negated else 1:-1])
+    ranges: Ranges = []
+    i = 0
+    while i < len(points):
+        if i + 2 < len(points) and points[i + 1] == ord("-"):
+            ranges.append((points[i], points[i + 2]))
+            i += 3
+        else:
+            ranges.append((points[i], points[i]))
+            i += 1
+    ranges = normalize(ranges)
+    return subtract(complement(ranges) if negated else ranges, [(0xD800, 0xDFFF)])
+
+
+def normalize(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(r for r in ranges if r[0] <= r[1]):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def complement(ranges: Ranges) -> Ranges:
+    out, start = [], 0
+    for lo, hi in normalize(ranges):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX_CODE_POINT:
+        out.append((start, MAX_CODE_POINT))
+    return out
+
+
+def subtract(a: Ranges, b: Ranges) -> Ranges:
+    return intersect(a, complement(b))
+
+
+def intersect(a: Ranges, b: Ranges) -> Ranges:
+    out, i, j = [], 0, 0
+    a, b = normalize(a), normalize(b)
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+# ---- emptiness -----------------------------------------------------------------------------------------
+
+class _Reader:
+    """Recursive descent over one rule's tokens into a node: ('lit',) ('cls', nonempty) ('ref', name)
+    ('alt', [nodes]) ('seq', [nodes]) ('rep', min, node)."""
+
+    def __init__(self, toks: list[str], regex_productive: Callable[[str], bool]) -> None:
+        self.toks = [t for t in toks if not t.isspace()]
+        self.i = 0
+        self.regex_productive = regex_productive
+
+    def peek(self) -> str | None:
+        return self.toks[self.i] if self.i < len(self.toks) else None
+
+    def expr(self) -> tuple:
+        alts = [self.seq()]
+        while self.peek() == "|":
+            self.i += 1
+            alts.append(self.seq())
+        return ("alt", alts)
+
+    def seq(self) -> tuple:
+        items = []
+        while self.peek() not in (None, "|", ")", ","):
+            item = self.item()
+            if item is not None:
+                items.append(item)
+        return ("seq", items)
+
+    def item(self) -> tuple | None:
+        tok = self.toks[self.i]
+        self.i += 1
+        if tok == "(" and self.peek() == "=":  # a lookahead: it constrains what follows, not what is derived
+            self.i += 1
+            self.expr()
+            self.i += 1
+            return None
+        if tok == "(":
+            node = self.expr()
+            self.i += 1
+        elif tok[0] == '"':
+            node = ("lit",)
+        elif tok[0] == "[":
+            node = ("cls", bool(class_ranges(tok)))
+        elif tok[0].isalpha() and self.peek() == "(":  # a macro: Regex("..."), TagDispatch(...), ...
+            start, depth = self.i, 0
+            while True:
+                t = self.toks[self.i]
+                depth += (t == "(") - (t == ")")
+                self.i += 1
+                if depth == 0:
+                    break
+            args = self.toks[start:self.i]
+            node = ("cls", self.regex_productive("".join(chr(c) for c in unescape(args[1][1:-1])))) \
+                if tok == "Regex" and len(args) > 1 and args[1][0] == '"' else ("lit",)
+        elif tok[0].isalpha():
+            node = ("ref", tok)
+        else:
+            raise ValueError(f"unexpected {tok!r} in the grammar")
+        while self.peek() in ("*", "+", "?", "{"):
+            op = self.toks[self.i]
+            self.i += 1
+            if op == "{":
+                low = int(self.toks[self.i])
+                while self.toks[self.i] != "}":
+                    self.i += 1
+                self.i += 1
+            else:
+                low = 1 if op == "+" else 0
+            node = ("rep", low, node)
+        return node
+
+
+def rules(text: str) -> dict[str, list[str]]:
+    """Rule name -> the tokens of its body, from a printed grammar."""
+    toks = list(tokens(text))
+    starts = [i for i in range(len(toks) - 2) if toks[i + 2 if toks[i + 1].isspace() else i + 1] == "::="
+              and toks[i][0].isalpha() and (i == 0 or "\n" in toks[i - 1])]
+    out = {}
+    for k, i in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(toks)
+        body = toks[i + 1:end]
+        out[toks[i]] = body[body.index("::=") + 1:]
+    return out
+
+
+def productive(text: str, root: str = "root") -> bool:
+    """Whether rule ``root`` of the printed grammar derives any string: the least fixpoint of "a rule is
+    productive when one of its alternatives is a sequence of productive items" (a literal is, a class is
+    when non-empty, a repetition is when it may repeat zero times or its item is). Each rule is evaluated
+    again only when a rule it names has become productive."""
+    trees = {name: _Reader(body, regex_productive).expr() for name, body in rules(text).items()}
+    users: dict[str, set[str]] = {}
+    for name, tree in trees.items():
+        stack = [tree]
+        while stack:
+            node = stack.pop()
+            if node[0] == "ref":
+                users.setdefault(node[1], set()).add(name)
+            elif node[0] in ("alt", "seq"):
+                stack.extend(node[1])
+            elif node[0] == "rep":
+                stack.append(node[2])
+    done: set[str] = set()
+    work = list(trees)
+    while work:
+        name = work.pop()
+        if name not in done and _derives(trees[name], done):
+            done.add(name)
+            work.extend(users.get(name, ()))
+    return root in done
+
+
+def _derives(tree: tuple, done: set[str]) -> bool:
+    kind = tree[0]
+    if kind == "lit":
+        return True
+    if kind == "cls":
+        return tree[1]
+    if kind == "ref":
+        return tree[1] in done
+    if kind == "rep":
+        return tree[1] == 0 or _derives(tree[2], done)
+    if kind == "seq":
+        return all(_derives(t, done) for t in tree[1])
+    return any(_derives(t, done) for t in tree[1])
+
+
+def regex_productive(pattern: str) -> bool:
+    """Whether an xgrammar regex matches any string (through xgrammar's own reading of it)."""
+    import xgrammar
+
+    return productive(str(xgrammar.Grammar.from_regex(pattern)))
+
+
+# ---- JSON Schema patterns ---------------------------------------------------------------------------
+
+_UNSAFE = [(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]  # what a JSON string must escape
+_SHORT = {0x22: '\\"', 0x5C: "\\\\", 8: "\\b", 12: "\\f", 10: "\\n", 13: "\\r", 9: "\\t"}
+_ASCII = [(0, 0x7F)]
+_DIGIT = [(0x30, 0x39)]
+_WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+
+
+@functools.lru_cache(maxsize=1)
+def _unicode_space() -> Ranges:
+    """Python's ``\\s`` on str patterns (``str.isspace``; every such character is below U+3001)."""
+    return normalize([(c, c) for c in range(0x3001) if chr(c).isspace()])
+
+
+def _category(name: str, ascii_only: bool) -> tuple[Ranges, Ranges]:
+    """(a subset, a superset) of what ``re``'s category matches: exact where cheap (ASCII mode, spaces),
+    else the ASCII part below and everything non-ASCII added above."""
+    space = [(9, 13), (0x20, 0x20)] if ascii_only else _unicode_space()
+    base = {"DIGIT": _DIGIT, "WORD": _WORD, "SPACE": space}[name.split("_")[-1]]
+    exact = ascii_only or name.endswith("SPACE")
+    lo, hi = base, base if exact else normalize(base + [(0x80, MAX_CODE_POINT)])
+    return (complement(hi), complement(lo)) if name.startswith("NOT_") else (lo, hi)
+
+
+def _json_text(points: Ranges) -> str:
+    """EBNF for the JSON string text of one character of ``points``: unescaped where JSON allows, else its
+    one escape."""
+    points = subtract(points, [(0xD800, 0xDFFF)])
+    parts = []
+    safe = subtract(points, _UNSAFE)
+    if safe:
+        parts.append("[" + "".join(_class_char(lo) if lo == hi else f"{_class_char(lo)}-{_class_char(hi)}"
+                                   for lo, hi in safe) + "]")
+    for lo, hi in intersect(points, _UNSAFE):
+        for c in range(lo, hi + 1):
+            parts.append(_literal(_SHORT.get(c, f"\\u{c:04x}")))
+    return "(" + " | ".join(parts) + ")" if parts else "[^\\0-\\U0010ffff]"
+
+
+def _class_char(c: int) -> str:
+    return f"\\U{c:08x}"
+
+
+def _literal(s: str) -> str:
+    return '"' + "".join(f"\\U{ord(c):08x}" for c in s) + '"'
+
+
+def regex_to_json_ebnf(pattern: str) -> str:
+    """An EBNF expression for the JSON text (without its quotes) of strings that ``re.fullmatch(pattern)``
+    (so also ``re.search``, which JSON Schema's ``pattern`` means) accepts. Categories are read as ``re``
+    reads them, or as a subset (``\\w`` is ASCII letters, digits and '_'). ValueError for what has no
+    grammar: look-arounds, backreferences, word boundaries, possessive repeats, an anchor that is not at
+    the start or the end."""
+    import re._constants as C
+    import re._parser as P
+
+    try:
+        tree = P.parse(pattern)
+    except re.error as exc:
+        raise ValueError(f"the pattern {pattern!r} is not a valid regular expression: {exc}") from None
+    flags = tree.state.flags
+
+    def charset(items: list, fl: int) -> Ranges:
+        lo_union: Ranges = []
+        hi_union: Ranges = []
+        negate = False
+        for op, av in items:
+            if op is C.NEGATE:
+                negate = True
+            elif op is C.LITERAL:
+                lo_union.append((av, av))
+                hi_union.append((av, av))
+            elif op is C.RANGE:
+                lo_union.append(av)
+                hi_union.append(av)
+            elif op is C.CATEGORY:
+                lo, hi = _category(str(av).replace("CATEGORY_", ""), bool(fl & re.ASCII))
+                lo_union += lo
+                hi_union += hi
+            else:
+                raise ValueError(f"the pattern {pattern!r}: {op} in a class is not supported")
+        return complement(normalize(hi_union)) if negate else normalize(lo_union)
+
+    def seq(sub: list, fl: int, at_start: bool, at_end: bool) -> str:
+        parts = []
+        for k, (op, av) in enumerate(sub):
+            start = at_start and all(o is C.AT for o, _ in sub[:k])
+            end = at_end and all(o is C.AT for o, _ in sub[k + 1:])
+            if op is C.AT:
+                if av in (C.AT_BEGINNING, C.AT_BEGINNING_STRING) and start:
+                    continue
+                if av in (C.AT_END, C.AT_END_STRING) and end:
+                    continue
+                raise ValueError(f"the pattern {pattern!r}: an anchor or word boundary is supported only "
+                                 f"at its start (^) or end ($)")
+            parts.append(item(op, av, fl, start, end))
+        return " ".join(parts) if parts else '""'
+
+    def item(op: object, av: object, fl: int, start: bool, end: bool) -> str:
+        if op is C.LITERAL:
+            return _json_text([(av, av)])
+        if op is C.NOT_LITERAL:
+            return _json_text(complement([(av, av)]))
+        if op is C.ANY:
+            return _json_text(complement([]) if fl & re.DOTALL else complement([(10, 10)]))
+        if op is C.IN:
+            return _json_text(charset(av, fl))
+        if op is C.BRANCH:
+            return "(" + " | ".join(seq(list(b), fl, start, end) for b in av[1]) + ")"
+        if op is C.SUBPATTERN:
+            _, add, drop, sub = av
+            return "(" + seq(list(sub), (fl | add) & ~drop, start, end) + ")"
+        if op in (C.MAX_REPEAT, C.MIN_REPEAT):
+            low, high, sub = av
+            inner = "(" + seq(list(sub), fl, False, False) + ")"
+            return f"{inner}{{{low}, {-1 if high is C.MAXREPEAT else high}}}"
+        raise ValueError(f"the pattern {pattern!r}: {str(op).lower()} is not supported by the grammar engine")
+
+    return "(" + seq(list(tree), flags, True, True) + ")"
