@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from minfer.benchmark.workload import WORKLOAD_A_MAX_TOKEN_ID, fixed_workload, workload_a
+from minfer.benchmark.workload import fit_note, fixed_workload, workload_a
 from minfer.config import ModelConfig
 from minfer.llm import LLM
+from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams
 
 HBM_BYTES_PER_S = 4.22e12  # measured H200 copy bandwidth, per GPU (BENCHMARKS.md)
@@ -140,6 +142,69 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+def cpu_rates(seconds: float = 0.1) -> tuple[float, float]:
+    """This machine's float32 matmul FLOP/s and copy bytes/s (read + write), each measured for about
+    ``seconds``: the rates a CPU run's time is estimated at (the engine runs float32 there)."""
+    a, b = torch.randn(256, 1024), torch.randn(1024, 1024)
+    src = torch.randn(16 << 20)  # 64 MB, past the caches
+    dst = torch.empty_like(src)
+    rates = []
+    for work, amount in ((lambda: a @ b, 2 * 256 * 1024 * 1024), (lambda: dst.copy_(src), 2 * src.nbytes)):
+        work()
+        reps, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds or reps < 2:
+            work()
+            reps += 1
+        rates.append(amount * reps / elapsed)
+    return rates[0], rates[1]
+
+
+def estimate_seconds(cfg: ModelConfig, prompt_lens: list[int], output_lens: list[int], flop_s: float,
+                     bandwidth: float) -> float:
+    """A lower bound on a run's time at these rates: ``throughput_bounds``' "sum" bound (bytes and FLOPs one
+    after the other) for float32 weights and KV cache, every request resident."""
+    cost = DecodeCost.for_model(cfg, 1, weight_element_bytes=4.0, kv_element_bytes=4.0)
+    bounds = throughput_bounds(cost, prompt_lens, output_lens, bandwidth=bandwidth, flop_s=flop_s)
+    return bounds["byte_s"] + bounds["flop_s"]
+
+
+def generate_with_progress(llm: LLM, prompts: list[dict], params: list[SamplingParams],
+                           progress: bool) -> list[RequestOutput]:
+    """``llm.generate``, with a bar that moves before the first request ends (workload A's all end near the
+    close): requests finished / total, the output tok/s of every token so far (running requests' too) and
+    the time left at that rate (the requests ignore EOS: their output tokens are known)."""
+    if not progress:
+        return llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    results: dict[str, RequestOutput] = {}
+    bar = tqdm(total=len(ids), desc="bench", unit="req", dynamic_ncols=True)
+    start = shown = time.perf_counter()
+    finished_tokens, total_tokens = 0, sum(p.max_tokens or 0 for p in params)
+    try:
+        for rid, prompt, p in zip(ids, prompts, params):
+            engine.add_request(rid, prompt, p)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    finished_tokens += len(out.outputs[0].token_ids)
+                    bar.update(1)
+            if (now := time.perf_counter()) - shown >= 1.0:  # a pass over the running requests, once a second
+                shown = now
+                done = finished_tokens + sum(s.num_output_tokens for s in engine.scheduler.running)
+                rate = done / (now - start)
+                left = f", ~{(total_tokens - done) / rate / 60:,.1f} min left" if done and total_tokens > done else ""
+                bar.set_postfix_str(f"{done:,}/{total_tokens:,} out tokens, {rate:,.1f} tok/s{left}")
+    except BaseException:
+        for rid in ids:
+            engine.abort_request(rid)
+        raise
+    finally:
+        bar.close()
+    return [results[rid] for rid in ids]
+
+
 def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], progress: bool) -> dict[str, Any]:
     """One timed ``generate`` (after a warm-up request). Under tensor parallelism the KV blocks are per GPU
     (each holds its KV heads of every block, so blocks = cached tokens / block size) and the peak memory
@@ -150,7 +215,7 @@ def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], 
         torch.cuda.reset_peak_memory_stats()
     preempted_before = llm.get_stats()["num_preemptions"]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=progress)
+    outs = generate_with_progress(llm, prompts, params, progress)
     elapsed = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
@@ -230,10 +295,7 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
         raise ValueError("compare_hf needs the weights on disk (HF loads them), not load_format='dummy'")
     llm = LLM(model, **(engine_kwargs | {"skip_tokenizer_init": True}))  # the prompts are token ids
     try:
-        vocab = llm.llm_engine.model_config.vocab_size
-        if not batch1 and input_len is None and vocab <= WORKLOAD_A_MAX_TOKEN_ID:
-            raise ValueError(f"workload A draws token ids up to {WORKLOAD_A_MAX_TOKEN_ID:,}, but this model's "
-                             f"vocabulary has {vocab:,}; give --input-len/--output-len for a fixed-length workload")
+        vocab, max_len = llm.llm_engine.model_config.vocab_size, llm.llm_engine.max_model_len
         result: dict[str, Any] = {"model": shape or model, "device": _device(),
                                   "tensor_parallel_size": llm.get_stats()["tensor_parallel_size"],
                                   "engine": {k: v for k, v in engine_kwargs.items() if v is not None}}
@@ -244,8 +306,10 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
             prompts, params = fixed_workload(num_prompts, input_len, output_len, vocab_size=vocab)
             result["workload"] = f"fixed: {num_prompts} x {input_len} in / {output_len} out"
         else:
-            prompts, params = workload_a(num_prompts)
-            result["workload"] = "A" if num_prompts == 256 else f"A (first {num_prompts})"
+            prompts, params = workload_a(num_prompts, max_len, vocab)
+            note = "; ".join(filter(None, [f"first {num_prompts}" if num_prompts != 256 else "",
+                                           fit_note(max_len, vocab)]))
+            result["workload"] = f"A ({note})" if note else "A"
         result |= run_throughput(llm, prompts, params, progress)
         bounds = throughput_bounds(DecodeCost.of_engine(llm), [len(p["prompt_token_ids"]) for p in prompts],
                                    [p.max_tokens for p in params])

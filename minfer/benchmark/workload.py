@@ -14,15 +14,42 @@ WORKLOAD_A_MAX_TOKEN_ID = 10_000  # prompt ids are randint(0, 10000): the model 
 BENCH_MAX_MODEL_LEN = 4096
 
 
-def workload_a(num_requests: int = 256) -> tuple[list[dict], list[SamplingParams]]:
+WORKLOAD_A_LONGEST = 2 * 1024  # the longest prompt + output workload A can draw (1,024 + 1,024)
+
+
+def workload_a(num_requests: int = 256, max_model_len: int | None = None,
+               vocab_size: int | None = None) -> tuple[list[dict], list[SamplingParams]]:
     """The nano-vllm offline benchmark, exactly: random prompts of 100-1024 ids < 10001, then
-    (second loop) temperature 0.6, ignore_eos, 100-1024 new tokens."""
+    (second loop) temperature 0.6, ignore_eos, 100-1024 new tokens.
+
+    Fitted to a smaller model with the same draws (``fit_note`` says how): under a ``max_model_len``
+    below 2,048 every prompt and output length is scaled by ``max_model_len / 2048``, so each request
+    fits (the built-in model's 1,024: half as long); under a ``vocab_size`` of 10,001 or fewer the ids
+    are taken modulo it (throughput does not depend on which ids a random prompt holds)."""
     random.seed(0)
     prompts = [{"prompt_token_ids": [random.randint(0, WORKLOAD_A_MAX_TOKEN_ID)
                                      for _ in range(random.randint(100, 1024))]} for _ in range(num_requests)]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, 1024))
               for _ in range(num_requests)]
+    if max_model_len is not None and max_model_len < WORKLOAD_A_LONGEST:
+        for p, sp in zip(prompts, params):
+            ids = p["prompt_token_ids"]
+            del ids[max(1, len(ids) * max_model_len // WORKLOAD_A_LONGEST):]
+            sp.max_tokens = max(1, sp.max_tokens * max_model_len // WORKLOAD_A_LONGEST)
+    if vocab_size is not None and vocab_size <= WORKLOAD_A_MAX_TOKEN_ID:
+        for p in prompts:
+            p["prompt_token_ids"] = [t % vocab_size for t in p["prompt_token_ids"]]
     return prompts, params
+
+
+def fit_note(max_model_len: int | None, vocab_size: int | None) -> str:
+    """How ``workload_a`` changed the workload for such a model ("" when it did not)."""
+    notes = []
+    if max_model_len is not None and max_model_len < WORKLOAD_A_LONGEST:
+        notes.append(f"lengths x {max_model_len}/{WORKLOAD_A_LONGEST} for max_model_len {max_model_len}")
+    if vocab_size is not None and vocab_size <= WORKLOAD_A_MAX_TOKEN_ID:
+        notes.append(f"ids mod {vocab_size}")
+    return ", ".join(notes)
 
 
 def fixed_workload(num_requests: int, input_len: int, output_len: int, seed: int = 0,

@@ -8,6 +8,7 @@ import pytest
 from minfer import LLM, SamplingParams
 from minfer.benchmark import shapes
 from minfer.benchmark.offline import bench, write_outputs
+from minfer.benchmark.workload import workload_a
 from minfer.cli import main as cli_main
 
 TINY = dict(num_kv_blocks=64, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
@@ -51,9 +52,49 @@ def test_random_shape_checkpoint_is_a_loadable_sharded_hf_folder(tmp_path, monke
         shapes.write_random_checkpoint("gpt-5", tmp_path / "x")
 
 
-def test_bench_cli_needs_a_model(capsys):
-    assert cli_main(["bench", "--quiet"]) == 2
-    assert "--model or --shape" in capsys.readouterr().err
+def test_bench_cli_defaults_to_the_builtin_model(monkeypatch):
+    """--model's help says the built-in model is the default; bench used to demand --model or --shape."""
+    import minfer.benchmark.offline as offline
+    from minfer.llm import builtin_model_path
+
+    seen = {}
+    monkeypatch.setattr(offline, "bench", lambda model, shape, kwargs, **kw: seen.update(model=model, kwargs=kwargs))
+    monkeypatch.setattr(offline, "write_outputs", lambda *a: None)
+    assert cli_main(["bench", "--quiet", "--num-prompts", "4"]) == 0
+    assert seen["model"] == str(builtin_model_path()) and seen["kwargs"]["max_model_len"] == 1024
+
+
+def test_a_cpu_run_past_the_limit_is_refused_before_anything_is_written(monkeypatch, tmp_path, capsys):
+    """`bench --shape qwen3-0.6b` on a CPU wrote 11 GB and ran for hours without a word: it is refused at once,
+    with its estimated time, unless --allow-slow."""
+    import minfer.benchmark.offline as offline
+
+    def no_checkpoint(*args, **kwargs):
+        raise AssertionError("the shape's checkpoint was written before the run was estimated")
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr(shapes, "shape_checkpoint", no_checkpoint)
+    monkeypatch.setattr(offline, "bench", lambda *a, **kw: {"ran": True})
+    monkeypatch.setattr(offline, "write_outputs", lambda *a: None)
+    argv = ["bench", "--shape", "qwen3-0.6b", "--checkpoint-dir", str(tmp_path)]
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "would take at least" in err and " h at this CPU" in err and "--allow-slow" in err
+    monkeypatch.setattr(shapes, "shape_checkpoint", lambda *a, **kw: tmp_path)
+    assert cli_main(argv + ["--allow-slow"]) == 0
+    assert "at least" in capsys.readouterr().err  # said, not refused
+
+
+def test_the_estimate_is_the_sum_bound_at_the_rates_given():
+    from minfer.benchmark.offline import DecodeCost, estimate_seconds, throughput_bounds
+    from minfer.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(shapes.shape_config("qwen3-0.6b"))
+    lens = ([100, 1000], [50, 500])
+    fp32 = throughput_bounds(DecodeCost.for_model(cfg, 1, 4.0, 4.0), *lens, bandwidth=1e10, flop_s=1e11)
+    seconds = estimate_seconds(cfg, *lens, flop_s=1e11, bandwidth=1e10)
+    assert seconds == pytest.approx(fp32["byte_s"] + fp32["flop_s"], rel=1e-3)
+    assert estimate_seconds(cfg, *lens, flop_s=2e11, bandwidth=2e10) == pytest.approx(seconds / 2, rel=1e-3)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -65,13 +106,30 @@ def test_bench_rejects_empty_workloads(checkpoints, kwargs, field):
         bench(str(checkpoints["llama3"]), None, TINY, progress=False, **kwargs)
 
 
-def test_workload_a_needs_a_vocabulary_above_its_token_ids(checkpoints):
-    with pytest.raises(ValueError, match="--input-len"):  # the tiny test models have a few hundred tokens
-        bench(str(checkpoints["llama3"]), None, TINY, progress=False)
+def test_workload_a_fits_a_small_model(checkpoints):
+    """Workload A on a model with a small vocabulary and context (the built-in model: 4,096 and 1,024; the tiny
+    test model: a few hundred and 128 here): the same draws, ids folded into the vocabulary, lengths scaled."""
+    result = bench(str(checkpoints["llama3"]), None, TINY, num_prompts=4, progress=True)
+    assert result["requests"] == 4 and result["num_preemptions"] == 0
+    assert result["workload"] == "A (first 4; lengths x 128/2048 for max_model_len 128, ids mod 320)"
+    prompts, params = workload_a(4, 128, 320)
+    assert result["prompt_tokens"] == sum(len(p["prompt_token_ids"]) for p in prompts)
+    assert result["output_tokens"] == sum(sp.max_tokens for sp in params)
+
+
+def test_workload_a_scaled_to_a_context():
+    full, full_params = workload_a()
+    assert sum(len(p["prompt_token_ids"]) for p in full) == 142_827 and sum(sp.max_tokens for sp in full_params) == 133_966
+    prompts, params = workload_a(256, 1024, 4096)
+    lens = [(len(p["prompt_token_ids"]), sp.max_tokens) for p, sp in zip(prompts, params)]
+    assert max(i + o for i, o in lens) <= 1024 and max(i for i, _ in lens) > 500
+    assert all(t < 4096 for p in prompts for t in p["prompt_token_ids"])
+    assert [i for i, _ in lens] == [len(p["prompt_token_ids"]) // 2 for p in full]
 
 
 @pytest.mark.parametrize("argv,expected", [
     (["--batch1"], 512), (["--input-len", "8"], 128), (["--batch1", "--output-len", "32"], 32),
+    (["--output-len", "32"], 32),
 ])
 def test_cli_output_len_defaults(checkpoints, monkeypatch, argv, expected):
     """A batch-1 run measures 512 tokens unless told otherwise: 128 tokens last ~0.1 s on an H200, too short
@@ -83,3 +141,5 @@ def test_cli_output_len_defaults(checkpoints, monkeypatch, argv, expected):
     monkeypatch.setattr(offline, "write_outputs", lambda *a: None)
     assert cli_main(["bench", "--quiet", "--model", str(checkpoints["llama3"])] + argv) == 0
     assert seen["output_len"] == expected
+    if "--batch1" not in argv:  # --output-len alone asks for fixed lengths too (workload A ignored it)
+        assert seen["input_len"] == (8 if "--input-len" in argv else 128)
