@@ -269,6 +269,9 @@ class EngineConfig:
     structured_outputs_max_regex_length: int = _knob(DEFAULT_LIMITS.max_regex_length, "structured outputs: most "
                                                      "characters in a regex, a schema's pattern or "
                                                      "patternProperties key")
+    structured_outputs_compile_timeout: float = _knob(30.0, "structured outputs: seconds a grammar may take to "
+                                                      "compile (in its compiler process, which is killed past "
+                                                      "them); the request then fails naming this flag")
 
     def __post_init__(self) -> None:
         self.structured_outputs_limits()  # checks them
@@ -297,6 +300,9 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, 256)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}")
+        timeout = self.structured_outputs_compile_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"structured_outputs_compile_timeout must be a number of seconds > 0, got {timeout!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
