@@ -3,9 +3,10 @@
 Closed loop (``--concurrency 1,16,64``: that many clients, each sending its next request when
 the last one ends) or open loop (``--request-rate 2,8``: Poisson arrivals, optionally capped by
 ``--max-concurrency``). Every request streams from /v1/completions with a token-id prompt, so no
-tokenizer is needed and lengths are exact: workload A's (random 100-1024 in, 100-1024 out) or
-fixed ones. ``--launch`` starts the server itself in a child process first. ``run`` takes the
-parsed arguments of ``minfer.cli.bench_serve``.
+tokenizer is needed and lengths are exact: workload A's (random 100-1024 in, 100-1024 out, scaled
+down to the served model's ``max_model_len``, read from ``/v1/models`` as vLLM serves it) or fixed
+ones (``--input-len`` / ``--output-len``, which choose it). ``--launch`` starts the server itself in
+a child process first. ``run`` takes the parsed arguments of ``minfer.cli.bench_serve``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from minfer.benchmark.serve_report import plot, print_table, summarize
-from minfer.benchmark.workload import WORKLOAD_A_MAX_TOKEN_ID
+from minfer.benchmark.workload import WORKLOAD_A_MAX_TOKEN_ID, fit_note
 from minfer.benchmark.sse_client import get_json, post_sse, split_url
 
 
@@ -36,15 +37,33 @@ class RequestResult:
     error: str = ""
 
 
-def build_requests(args: argparse.Namespace, n: int, level: int) -> list[dict[str, Any]]:
+FIXED_LEN = 128  # a fixed workload's --input-len / --output-len when not given
+
+
+def choose_workload(args: argparse.Namespace) -> None:
+    """``--input-len`` / ``--output-len`` choose the fixed workload (as lengths do in vLLM's random dataset); with
+    an explicit ``--workload a``, which draws its own, they are an error rather than ignored."""
+    given = [flag for flag, v in (("--input-len", args.input_len), ("--output-len", args.output_len)) if v is not None]
+    if args.workload == "a" and given:
+        raise ValueError(f"{' and '.join(given)} set the fixed workload's lengths, but --workload a draws its own: "
+                         "drop them, or pass --workload fixed")
+    args.workload = args.workload or ("fixed" if given else "a")
+    if args.workload == "fixed":
+        args.input_len = FIXED_LEN if args.input_len is None else args.input_len
+        args.output_len = FIXED_LEN if args.output_len is None else args.output_len
+
+
+def build_requests(args: argparse.Namespace, n: int, level: int,
+                   max_model_len: int | None = None) -> list[dict[str, Any]]:
     """Request bodies; each level's prompts start with a different token so that the prefix
-    cache cannot turn a level's prefills into hits on the previous level's identical prompts."""
+    cache cannot turn a level's prefills into hits on the previous level's identical prompts.
+    Workload A's lengths are scaled to ``max_model_len`` (the served model's) when it is below 2,048."""
     rng = random.Random(args.seed * 1_000_003 + level)
     top = args.token_id_max
     if args.workload == "a":
         from minfer.benchmark.workload import workload_a
 
-        prompts, params = workload_a(n)
+        prompts, params = workload_a(n, max_model_len)
         pairs = [(p["prompt_token_ids"], sp.max_tokens) for p, sp in zip(prompts, params)]
     else:
         pairs = [([rng.randint(0, top) for _ in range(args.input_len)], args.output_len) for _ in range(n)]
@@ -123,6 +142,7 @@ def parse_levels(args: argparse.Namespace) -> list[tuple[str, float]]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if (args.token_id_max is not None and args.token_id_max < 0) or args.warmup < 0:
         raise ValueError(f"--token-id-max and --warmup must be >= 0, got {args.token_id_max} and {args.warmup}")
+    choose_workload(args)
     if args.request_rate:
         kind, flag, text, cast = "rate", "--request-rate", args.request_rate, float
     else:
@@ -145,28 +165,43 @@ def served_token_id_max(base_url: str) -> int:
         return WORKLOAD_A_MAX_TOKEN_ID
 
 
+def served_model(base_url: str) -> tuple[str, int | None]:
+    """The served model's id and its ``max_model_len`` from /v1/models (minfer and vLLM list it; None when a
+    server does not)."""
+    try:
+        card = get_json(base_url + "/v1/models")["data"][0]
+    except OSError as exc:
+        raise ValueError(f"cannot reach a server at {base_url} ({exc}); start one with `minfer serve`, "
+                         f"or pass --launch") from None
+    max_len = card.get("max_model_len")
+    return card["id"], int(max_len) if isinstance(max_len, int) and max_len > 0 else None
+
+
 def run(args: argparse.Namespace) -> int:
     from minfer.benchmark.launch import launched_server
 
     levels = parse_levels(args)
     with launched_server(args) as base_url:
-        try:
-            model = get_json(base_url + "/v1/models")["data"][0]["id"]
-        except OSError as exc:
-            raise ValueError(f"cannot reach a server at {base_url} ({exc}); start one with `minfer serve`, "
-                             f"or pass --launch") from None
+        model, max_len = served_model(base_url)
+        if args.workload == "fixed" and max_len is not None and args.input_len + args.output_len > max_len:
+            raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} tokens do not fit the "
+                             f"served model's max_model_len of {max_len}")
         if args.token_id_max is None:
             args.token_id_max = served_token_id_max(base_url)
+        note = fit_note(max_len, None) if args.workload == "a" else ""
+        if note and not args.quiet:
+            print(f"workload A: {note}", flush=True)
         results = []
         for i, (kind, value) in enumerate(levels):
             n = args.num_prompts or max(16, 2 * int(value))
             conc = int(value) if kind == "concurrency" else args.max_concurrency
             rate = value if kind == "rate" else None
             if args.warmup:  # short requests: compile/allocate paths, not measure them
-                warm = [dict(b, max_tokens=16) for b in build_requests(args, args.warmup, 10_000 + i)]
+                warm = [dict(b, max_tokens=16) for b in build_requests(args, args.warmup, 10_000 + i, max_len)]
                 asyncio.run(run_level(base_url, model, warm, len(warm), None, args.seed))
             t0 = time.perf_counter()
-            reqs = asyncio.run(run_level(base_url, model, build_requests(args, n, i), conc, rate, args.seed + i))
+            bodies = build_requests(args, n, i, max_len)
+            reqs = asyncio.run(run_level(base_url, model, bodies, conc, rate, args.seed + i))
             summary = summarize(reqs, time.perf_counter() - t0)
             summary.update({kind: value, "num_prompts": n, "max_concurrency": conc})
             results.append(summary)
@@ -179,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
             stats = get_json(base_url + "/stats")
         except OSError:
             stats = None
-    report = {"base_url": base_url, "model": model, "workload": args.workload, "levels": results,
+    report = {"base_url": base_url, "model": model, "max_model_len": max_len,
+              "workload": args.workload + (f" ({note})" if note else ""), "levels": results,
               "engine_stats_after": stats, "args": {k: v for k, v in vars(args).items() if k != "func"}}
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from minfer.benchmark.serve_report import percentile
 from minfer.cli.bench_serve import add_bench_serve_parser
 
@@ -101,3 +103,37 @@ def test_prompt_ids_fit_the_served_vocabulary(server: Any, tmp_path: Path) -> No
     assert args.token_id_max is None and run(args) == 0 and args.token_id_max == vocab - 1
     report = json.loads((tmp_path / "results.json").read_text())
     assert report["levels"][0]["completed"] == 4 and report["levels"][0]["failed"] == 0
+
+
+def test_the_default_workload_fits_the_served_context(server: Any, tmp_path: Path) -> None:
+    """Workload A asks for up to 2,048 tokens; against a smaller context (the built-in model's 1,024: 3 of 4
+    requests were 400s) its lengths are scaled to the max_model_len that /v1/models lists."""
+    from minfer.benchmark.serve import run, served_model
+
+    max_len = served_model(server.base_url)[1]
+    assert max_len is not None and max_len < 2048
+    args = _parse(["--base-url", server.base_url, "--concurrency", "2", "--num-prompts", "4", "--warmup", "0",
+                   "--quiet", "--output-dir", str(tmp_path)])
+    assert run(args) == 0
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["max_model_len"] == max_len and report["workload"] == f"a (lengths x {max_len}/2048 for " \
+        f"max_model_len {max_len})"
+    assert report["levels"][0]["completed"] == 4 and report["levels"][0]["failed"] == 0
+
+
+def test_lengths_choose_the_fixed_workload_and_conflicts_are_named(server: Any) -> None:
+    """--input-len / --output-len were ignored unless --workload fixed: they now choose it, and beside an explicit
+    --workload a they are an error naming both."""
+    from minfer.benchmark.serve import parse_levels, run
+
+    args = _parse(["--input-len", "24"])
+    parse_levels(args)
+    assert (args.workload, args.input_len, args.output_len) == ("fixed", 24, 128)
+    args = _parse([])
+    parse_levels(args)
+    assert (args.workload, args.input_len, args.output_len) == ("a", None, None)
+    with pytest.raises(ValueError, match="--output-len set the fixed workload's lengths, but --workload a"):
+        parse_levels(_parse(["--workload", "a", "--output-len", "8"]))
+    too_long = _parse(["--base-url", server.base_url, "--input-len", "500", "--output-len", "100", "--quiet"])
+    with pytest.raises(ValueError, match="do not fit the served model's max_model_len"):
+        run(too_long)
