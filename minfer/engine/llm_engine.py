@@ -82,6 +82,9 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # structured outputs: built on the first such request
         self._bitmask: BitmaskFiller | None = None
         self._compiling: dict[str, tuple[Future, list[Sequence]]] = {}  # waiting for their grammar
+        # Why the requests that this step's outputs end with "abort" failed (a grammar that did not compile):
+        # for a caller that reports errors (the server); refilled every step.
+        self.step_errors: dict[str, Exception] = {}
         self._constrained: set[str] = set()  # live requests with structured outputs
         self._ready: tuple[SchedulerOutput, StepArrays | None] | None = None  # the next step, prepared early
 
@@ -132,7 +135,8 @@ class LLMEngine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                             self.config.structured_outputs_compile_timeout)
             self._bitmask = BitmaskFiller(self.model_config.vocab_size, self.config.max_num_seqs, self.runner.device)
         self._constrained.add(request.request_id)
         self._compiling[request.request_id] = (self._grammars.submit(params.structured_outputs), seqs)
@@ -143,8 +147,12 @@ class LLMEngine:
         if seqs is None:
             return
         self._ready = None  # it may hold this request's sequences: the next step schedules afresh
-        if self._compiling.pop(request_id, None) is not None:
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
             self.scheduler.finish_unqueued(seqs)
+            future = compiling[0]
+            if all(f is not future for f, _ in self._compiling.values()):  # nobody else waits for it
+                self._grammars.cancel(future)
         else:
             self.scheduler.abort_request(seqs)
         self.output_processor.abort_request(request_id)
@@ -190,6 +198,8 @@ class LLMEngine:
             raise self.workers.explain(exc) from exc
 
     def _step(self) -> list[RequestOutput]:
+        if self.step_errors:
+            self.step_errors = {}
         outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
         if self._inflight is not None and self._penalized and any(
                 s.params.has_penalties for s in self.scheduler.running):
@@ -267,13 +277,14 @@ class LLMEngine:
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Queue the requests whose grammar has compiled, each sample with its own matcher; a compile
-        that failed finishes its request ("abort") with the error logged."""
+        that failed (an error, past its time limit, its process died) finishes its request ("abort"), the
+        error logged and kept in ``step_errors``. Never waits: it only looks at finished futures."""
         failed: list[str] = []
         for request_id, (future, seqs) in list(self._compiling.items()):
             if not future.done():
                 continue
             del self._compiling[request_id]
-            error = future.exception()
+            error = future.exception() if not future.cancelled() else RuntimeError("the compile was cancelled")
             if error is None:
                 compiled = future.result()
                 for seq in seqs:
@@ -282,6 +293,7 @@ class LLMEngine:
                 continue
             logger.error("request %s: its structured_outputs failed to compile: %s", request_id, error)
             self.scheduler.finish_unqueued(seqs)
+            self.step_errors[request_id] = error
             failed.append(request_id)
         if not failed:
             return []
@@ -292,7 +304,7 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the grammar threads. Also runs at exit."""
+        """Stop the tensor-parallel workers and the grammar compiler's processes. Also runs at exit."""
         if self._grammars is not None:
             self._grammars.shutdown()
         if self.workers is not None:

@@ -19,6 +19,7 @@ import pytest
 import xgrammar
 
 from minfer import LLM, SamplingParams, StructuredOutputsParams
+from minfer.engine import grammar
 
 PROMPT = "data = "
 FORMATS = jsonschema.FormatChecker()  # checks date, email, ipv4, ipv6, uuid (date-time needs an extra package)
@@ -455,17 +456,18 @@ def test_compiled_grammars_are_cached(llm):
 
 def test_a_slow_compile_does_not_hold_up_other_requests(llm, monkeypatch):
     """A constrained request waits for its grammar outside the scheduler: an unconstrained request added after
-    it runs to its end meanwhile. The compile is held on a gate (not a timing guess): it is released only once
-    the unconstrained request has finished, and the constrained one then completes validly."""
+    it runs to its end meanwhile. The compiled grammar is held on a gate before it reaches the engine (not a
+    timing guess): it is released only once the unconstrained request has finished, and the constrained one
+    then completes validly."""
     gate = threading.Event()
-    real = xgrammar.GrammarCompiler.compile_grammar
+    real = grammar._CompilerPool._load
 
     def gated(self, *args, **kwargs):
         if not gate.wait(timeout=60):
             raise TimeoutError("the gate was never opened")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_grammar", gated)
+    monkeypatch.setattr(grammar._CompilerPool, "_load", gated)
     engine = llm.llm_engine
     schema = dict(SMALL, title=f"slow {uuid.uuid4()}")
     try:
@@ -489,9 +491,8 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm, monkeypatch):
 
 def test_abort_while_compiling(llm, monkeypatch):
     gate = threading.Event()
-    real = xgrammar.GrammarCompiler.compile_grammar
-    monkeypatch.setattr(xgrammar.GrammarCompiler, "compile_grammar",
-                        lambda self, *a, **k: (gate.wait(60), real(self, *a, **k))[1])
+    real = grammar._CompilerPool._load
+    monkeypatch.setattr(grammar._CompilerPool, "_load", lambda self, *a, **k: (gate.wait(60), real(self, *a, **k))[1])
     engine = llm.llm_engine
     try:
         engine.add_request("doomed", PROMPT, SamplingParams(max_tokens=8, structured_outputs=so(
