@@ -294,6 +294,8 @@ class AsyncLLMEngine:
                 self._publish_stats(sum(new_tokens), now)
                 if self.observer is not None:
                     self.observer.on_step(outputs, new_tokens, now)
+                for request_id, error in engine.step_errors.items():  # its "abort" output is then not delivered
+                    self._call_on_loop(self._fail, request_id, error)
                 if outputs:
                     self._call_on_loop(self._deliver, outputs)
         except BaseException as exc:  # noqa: BLE001 - any failure must reach the waiting clients
