@@ -19,7 +19,7 @@ import pytest
 import xgrammar
 
 from minfer import LLM, SamplingParams, StructuredOutputsParams
-from minfer.engine import grammar
+from minfer.engine import grammar_worker
 
 PROMPT = "data = "
 FORMATS = jsonschema.FormatChecker()  # checks date, email, ipv4, ipv6, uuid (date-time needs an extra package)
@@ -460,14 +460,14 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm, monkeypatch):
     timing guess): it is released only once the unconstrained request has finished, and the constrained one
     then completes validly."""
     gate = threading.Event()
-    real = grammar._CompilerPool._load
+    real = grammar_worker.CompilerPool._load
 
     def gated(self, *args, **kwargs):
         if not gate.wait(timeout=60):
             raise TimeoutError("the gate was never opened")
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(grammar._CompilerPool, "_load", gated)
+    monkeypatch.setattr(grammar_worker.CompilerPool, "_load", gated)
     engine = llm.llm_engine
     schema = dict(SMALL, title=f"slow {uuid.uuid4()}")
     try:
@@ -491,8 +491,9 @@ def test_a_slow_compile_does_not_hold_up_other_requests(llm, monkeypatch):
 
 def test_abort_while_compiling(llm, monkeypatch):
     gate = threading.Event()
-    real = grammar._CompilerPool._load
-    monkeypatch.setattr(grammar._CompilerPool, "_load", lambda self, *a, **k: (gate.wait(60), real(self, *a, **k))[1])
+    real = grammar_worker.CompilerPool._load
+    monkeypatch.setattr(grammar_worker.CompilerPool, "_load",
+                        lambda self, *a, **k: (gate.wait(60), real(self, *a, **k))[1])
     engine = llm.llm_engine
     try:
         engine.add_request("doomed", PROMPT, SamplingParams(max_tokens=8, structured_outputs=so(
