@@ -6,23 +6,23 @@ import json
 import shutil
 
 import pytest
-import torch
 
-from conftest import assert_greedy_match, assert_same_outputs, hf_greedy, make_checkpoint
+from compare import assert_runs_agree, assert_within_quant_noise, hf_model
+from conftest import make_checkpoint
 from fp8_checkpoints import (
-    assert_same_distributions, fake_quant_reference, greedy, write_block_fp8, write_compressed_tensors,
-    write_dequantized, write_tensor_fp8,
+    assert_same_distributions, fake_quant_reference, write_block_fp8, write_compressed_tensors, write_dequantized,
+    write_tensor_fp8,
 )
 from minfer import LLM, SamplingParams
 
 PROMPTS = [[5], list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
 NEW = 8
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=3)
-# Both sides round each activation to e4m3. Where float32 noise (a different order of summation)
-# puts a value on the other side of a rounding boundary, that element moves by a whole e4m3 step
-# (up to 6%), and these small random models pass that on to the steps after it: most steps agree to
-# ~1e-5; measured, one sequence in ~20 differs by up to ~0.13 nats from the step of a flip on.
-TOL, MOST, WORST = 2e-3, 0.75, 0.25
+# Both sides round each activation to e4m3, from float32 values whose summation order differs (this
+# CPU's kernels against HF's, a batch of prompts against one, an all-reduce): a value on a rounding
+# boundary lands a whole e4m3 step away and moves the logprobs of every later step. So each run is
+# held to its reference teacher-forced, against FP8's own distance from the float model
+# (``compare.assert_within_quant_noise``).
 
 
 @pytest.fixture(scope="module")
@@ -38,37 +38,20 @@ def _generate(model_dir, **kwargs):
     return llm, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
 
 
-def _logprob_errors(out, ref_logits) -> list[float]:
-    """Per step, the largest |ours - reference| over the logprobs ours reports."""
-    errors = []
-    for step, entries in enumerate(out.logprobs):
-        ref = torch.log_softmax(ref_logits[step], -1)
-        errors.append(max(abs(v - float(ref[t])) for t, v in entries.items()))
-    return errors
-
-
-def _check_against(outs, references) -> None:
-    """Greedy tokens equal where the reference has no near-tie; logprobs within TOL at MOST of the steps
-    of the sequences whose tokens agree, and within WORST everywhere."""
-    errors = []
-    for out, (ref, ref_logits) in zip(outs, references):
-        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
-        if out.outputs[0].token_ids == ref:
-            errors += _logprob_errors(out.outputs[0], ref_logits)
-    assert errors, "no sequence agreed token for token"
-    assert sum(e < TOL for e in errors) >= MOST * len(errors) and max(errors) < WORST, sorted(errors)[-5:]
+def _check_against(outs, reference, unquantized) -> None:
+    assert_within_quant_noise(outs, PROMPTS, reference, hf_model(unquantized))
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 @pytest.mark.parametrize("strategy,static", [("channel", False), ("tensor", True), ("block", False)])
 def test_compressed_tensors_checkpoint_matches_hf(float_ckpts, tmp_path, arch, strategy, static):
     """Written by compressed-tensors itself; HF's forward of it rounds the activations to e4m3 as we do,
-    so the logprobs agree to float32 rounding."""
+    so the logprobs agree to float32 rounding where no rounding flips, and within FP8's noise where one does."""
     ckpt = write_compressed_tensors(float_ckpts[arch], tmp_path / "ct", strategy, static)
     llm, outs = _generate(ckpt)
     quant = llm.llm_engine.runner.model.quant
     assert quant.block == (strategy == "block") and quant.static_input_scale == static
-    _check_against(outs, [hf_greedy(ckpt, prompt, NEW) for prompt in PROMPTS])
+    _check_against(outs, hf_model(ckpt), float_ckpts[arch])
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
@@ -80,7 +63,7 @@ def test_block_fp8_checkpoint_matches_its_dequantized_reference(float_ckpts, tmp
     llm, outs = _generate(ckpt)
     assert llm.llm_engine.runner.model.quant.block
     assert llm.get_stats()["weight_dtype"].startswith("fp8_e4m3")
-    _check_against(outs, [greedy(reference, prompt, NEW) for prompt in PROMPTS])
+    _check_against(outs, reference, float_ckpts[arch])
 
 
 def test_per_tensor_fp8_checkpoint_matches_its_dequantized_reference(float_ckpts, tmp_path):
@@ -89,14 +72,14 @@ def test_per_tensor_fp8_checkpoint_matches_its_dequantized_reference(float_ckpts
     reference = fake_quant_reference(write_dequantized(ckpt, tmp_path / "deq"), block=False)
     llm, outs = _generate(ckpt)
     assert not llm.llm_engine.runner.model.quant.block
-    _check_against(outs, [greedy(reference, prompt, NEW) for prompt in PROMPTS])
+    _check_against(outs, reference, float_ckpts["qwen2"])
 
 
 def test_online_fp8_matches_its_reference_and_halves_the_weights(float_ckpts):
     ckpt = float_ckpts["qwen3"]
     llm, outs = _generate(ckpt, quantization="fp8")
     reference = fake_quant_reference(ckpt, block=False, quantize_weights=True)
-    _check_against(outs, [greedy(reference, prompt, NEW) for prompt in PROMPTS])
+    _check_against(outs, reference, ckpt)
     fp8, plain = llm.get_stats(), LLM(str(ckpt), num_kv_blocks=64).get_stats()
     assert fp8["weight_dtype"] == "fp8_e4m3 per channel (online)" and plain["weight_dtype"] == "float32"
     linear = sum(p.numel() for n, p in llm.llm_engine.runner.model.named_parameters() if n.endswith("proj.weight"))
@@ -105,16 +88,22 @@ def test_online_fp8_matches_its_reference_and_halves_the_weights(float_ckpts):
 
 def test_fp8_under_tensor_parallelism_equals_one_process(tmp_path):
     """Block scales shard with their rows and columns (each rank's share of o_proj's and down's inputs
-    starts on a 128-column block: 4 heads of 64, MLP 512, over 2 ranks)."""
+    starts on a 128-column block: 4 heads of 64, MLP 512, over 2 ranks). The all-reduce sums the ranks'
+    partial products in another order than one process's GEMM, so an e4m3 rounding can flip between the
+    two: both runs are held to the dequantized reference within FP8's noise, and to each other token for
+    token until one process's top two are a near-tie on that scale."""
     src = make_checkpoint(tmp_path / "src", "qwen2", hidden=256, intermediate=512, scale=1.0)
     ckpt = write_block_fp8(src, tmp_path / "fp8")
+    reference = fake_quant_reference(write_dequantized(ckpt, tmp_path / "deq"), block=True)
     _, one = _generate(ckpt)
     llm = LLM(str(ckpt), num_kv_blocks=64, tensor_parallel_size=2)
     try:
         two = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
-    assert_same_outputs(one, two)
+    noise = assert_within_quant_noise(one, PROMPTS, reference, hf_model(src)).mean_noise
+    assert_within_quant_noise(two, PROMPTS, reference, hf_model(src))
+    assert assert_runs_agree(two, one, tol=noise, tie_gap=noise) >= len(PROMPTS)
 
 
 @pytest.mark.parametrize("qc,match", [
