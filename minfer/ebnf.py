@@ -28,8 +28,12 @@ Ranges = list[tuple[int, int]]
 _HEX4_NOT_SURROGATE = '([0-9a-cA-CefEF] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2})'
 # One character of a JSON string: unescaped (U+0020.. except '"' and '\'), or one escape; a \\u escape of a
 # surrogate is left out so that every match is exactly one code point (maxLength counts code points).
-JSON_CHAR = '([^\\0-\\x1f\\"\\\\] | "\\\\" ([\\"\\\\/bfnrt] | "u" ' + _HEX4_NOT_SURROGATE + '))'
-XGRAMMAR_BOUNDED_STRING_CLASS = '[^\\"\\\\\\r\\n]'  # as xgrammar 0.2.9 prints it
+# Surrogates are left out of the unescaped class: xgrammar matches their 3-byte (invalid UTF-8) spelling, which
+# decodes to three U+FFFD.
+UNESCAPED_CLASS = '[^\\0-\\x1f\\"\\\\\\ud800-\\udfff]'
+JSON_CHAR = '(' + UNESCAPED_CLASS + ' | "\\\\" ([\\"\\\\/bfnrt] | "u" ' + _HEX4_NOT_SURROGATE + '))'
+XGRAMMAR_BOUNDED_STRING_CLASS = '[^\\"\\\\\\r\\n]'  # as xgrammar 0.2.9 prints them
+XGRAMMAR_STRING_CLASS = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 _TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|::=|[A-Za-z_][A-Za-z0-9_]*|-?\d+|\s+|.', re.S)
 _SIMPLE_ESCAPES = {"0": 0, "a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "e": 27}
@@ -190,7 +194,7 @@ class _Reader:
         elif tok[0] == '"':
             node = ("lit",)
         elif tok[0] == "[":
-            node = ("cls", bool(class_ranges(tok)))
+            node = ("cls", _nonempty(tok))
         elif tok[0].isalpha() and self.peek() == "(":  # a macro: Regex("..."), TagDispatch(...), ...
             start, depth = self.i, 0
             while True:
@@ -218,6 +222,11 @@ class _Reader:
                 low = 1 if op == "+" else 0
             node = ("rep", low, node)
         return node
+
+
+@functools.lru_cache(maxsize=1024)
+def _nonempty(cls: str) -> bool:
+    return bool(class_ranges(cls))
 
 
 def rules(text: str) -> dict[str, list[str]]:
@@ -251,12 +260,11 @@ def productive(text: str, root: str = "root") -> bool:
             elif node[0] == "rep":
                 stack.append(node[2])
     done: set[str] = set()
-    work = list(trees)
-    while work:
-        name = work.pop()
-        if name not in done and _derives(trees[name], done):
-            done.add(name)
-            work.extend(users.get(name, ()))
+    pending = set(trees)
+    while pending:  # in rounds, so that a rule naming many others is evaluated once a round, not once each
+        found = {name for name in pending if _derives(trees[name], done)}
+        done |= found
+        pending = {user for name in found for user in users.get(name, ()) if user not in done}
     return root in done
 
 

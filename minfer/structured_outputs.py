@@ -56,9 +56,9 @@ class StructuredOutputsLimits:
 
     max_bytes: int = 1 << 20  # the schema, grammar, regex or choices as UTF-8 text
     max_depth: int = 64  # JSON containers of a schema, $refs followed; brackets of a grammar or regex
-    max_nodes: int = 20_000  # JSON objects and arrays in a schema
+    max_nodes: int = 10_000  # JSON objects and arrays in a schema
     max_enum_entries: int = 10_000  # enum values + consts of a schema; choices
-    max_rules: int = 5_000  # rules of an EBNF grammar
+    max_rules: int = 1_000  # rules of an EBNF grammar
     max_regex_length: int = 10_000  # characters of a regex, a schema's pattern or patternProperties key
 
     def __post_init__(self) -> None:
@@ -478,8 +478,10 @@ def build_grammar(grammar_kind: str, text: str) -> Any:
     if grammar_kind == "grammar":
         return xgrammar.Grammar.from_ebnf(text)
     if grammar_kind == "json_object":  # any object (xgrammar's built-in JSON grammar allows any value)
-        return xgrammar.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=True,
-                                                 max_whitespace_cnt=MAX_WHITESPACE)
+        grammar = xgrammar.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, any_whitespace=True,
+                                                    max_whitespace_cnt=MAX_WHITESPACE)
+        return xgrammar.Grammar.from_ebnf(ebnf.replace_terminals(
+            str(grammar), lambda tok, _: ebnf.UNESCAPED_CLASS if tok == ebnf.XGRAMMAR_STRING_CLASS else None))
     raise ValueError(f"unknown structured-outputs grammar kind {grammar_kind!r}")
 
 
@@ -526,6 +528,8 @@ def _json_schema_grammar(text: str, loose: bool) -> Any:
     def replace(tok: str, rest: list[str]) -> str | None:
         if tok == ebnf.XGRAMMAR_BOUNDED_STRING_CLASS:
             return ebnf.JSON_CHAR
+        if tok == ebnf.XGRAMMAR_STRING_CLASS:  # an unbounded string's unescaped character
+            return ebnf.UNESCAPED_CLASS
         if tok == "Regex" and len(rest) > 1 and rest[1].startswith(f'"{_PLACEHOLDER}'):
             return bodies[int(rest[1][len(_PLACEHOLDER) + 1:-1])]
         return None

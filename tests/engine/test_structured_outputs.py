@@ -525,3 +525,152 @@ def test_preemption_and_sync_scheduling(small_cache_sync_llm):
     assert llm.get_stats()["num_preemptions"] > before, "the cache was large enough: nothing was preempted"
     assert_stopped_and_valid(outputs[:6], [schema] * 6, [f"seed {s}" for s in range(6)])
     assert all(len(o.outputs[0].token_ids) == 64 for o in outputs[6:])
+
+
+# ------------------------------------------------------------------------- strict JSON, emptiness, limits
+
+def _accepts(schema: dict, text: str) -> bool:
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from minfer.structured_outputs import build_grammar
+    return _is_grammar_accept_string(build_grammar(*so(json=schema, disable_any_whitespace=True).key), text)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "maxLength": 3}, ['"a\\"b"', '"\\n\\t\\\\"', '"\\u00e9x"', '"日本語"', '""'],
+     ['"a\x01"', '"\t"', '"a\\"bc"', '"\\ud800"', '"abcd"']),
+    ({"type": "string", "minLength": 2}, ['"\\n\\u0001"', '"ab"'], ['"a"', '"\x1b\x1b"', '"\\n"']),
+    ({"type": "string", "pattern": '^a"b$'}, ['"a\\"b"'], ['"a"b"']),
+    ({"type": "string", "pattern": "^[\\x00-\\x1f]+$"}, ['"\\u0001\\n"'], ['"\x01"', '"\n"']),
+    ({"type": "string", "pattern": "^a.b$"}, ['"a\\\\b"', '"a\\tb"'], ['"a\\nb"', '"a\nb"']),  # re's . is not \n
+    ({"type": "string", "pattern": "^\\Wx$"}, ['"!x"'], ['"éx"']),  # é is a word character to re
+    ({"type": "object", "propertyNames": {"maxLength": 2}, "additionalProperties": {"type": "integer"}},
+     ['{"\\n": 1}'], ['{"\x01": 1}']),
+    ({"type": "object", "patternProperties": {"^\\s$": {"type": "integer"}}}, ['{"\\t": 1}', '{" ": 1}'],
+     ['{"\t": 1}']),
+], ids=["maxLength", "minLength", "pattern quote", "pattern controls", "pattern dot", "pattern \\W",
+        "propertyNames", "patternProperties"])
+def test_string_rules_write_strict_json_only(schema, good, bad):
+    """xgrammar 0.2.9 writes a bounded string as raw characters but '"', '\\', CR and LF (control characters
+    in, escapes out) and a pattern's quotes, backslashes and control characters raw: every one of ``bad``
+    was accepted before the grammar was mended. An escape is one character of maxLength."""
+    for text in good:
+        assert _accepts(schema, text), text
+        assert "pattern" not in schema or re.fullmatch(schema["pattern"], json.loads(text))
+    for text in bad:
+        assert not _accepts(schema, text), text
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(grammar="root ::= [^\\x00-\\U0010ffff]"), "structured_outputs.grammar"),
+    (dict(grammar="root ::= root"), "structured_outputs.grammar"),
+    (dict(grammar='root ::= a "x"\na ::= b\nb ::= a | "(" a ")"'), "structured_outputs.grammar"),
+    (dict(grammar='root ::= "x" | y\ny ::= Regex("[^\\\\s\\\\S]") "y"'), None),  # "x" is derivable
+    (dict(regex="[^\\s\\S]"), "structured_outputs.regex"),
+    (dict(regex="a[^\\s\\S]+b"), "structured_outputs.regex"),
+    (dict(json={"type": "string", "pattern": "^[^\\s\\S]$"}), "structured_outputs.json"),
+    (dict(json={"type": "object", "properties": {"a": False}, "required": ["a"]}), "structured_outputs.json"),
+])
+def test_an_empty_language_is_refused(kwargs, field):
+    if field is None:
+        so(**kwargs)
+        return
+    with pytest.raises(ValueError, match=f"^{re.escape(field)}: .*(empty|no string|no value|any value)"):
+        so(**kwargs)
+
+
+@pytest.mark.parametrize("ref", ["http://example.com/s.json", "https://example.com/s.json#/$defs/a",
+                                 "file:///etc/passwd", "other.json", "#anchor"])
+def test_a_ref_outside_the_schema_is_refused(ref):
+    with pytest.raises(ValueError, match=f"^structured_outputs.json: the \\$ref {re.escape(repr(ref))}"):
+        so(json={"type": "object", "properties": {"a": {"$ref": ref}}})
+
+
+def _chain(n: int) -> dict:
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def _nested(n: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(n):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+OVER_LIMITS = [  # (a constraint just past one default limit, the flag its refusal names)
+    (dict(json=_chain(5_000)), "max-depth"),  # (10,000 links killed the process in xgrammar, SIGSEGV)
+    (dict(json=_chain(10_000)), "max-nodes"),
+    (dict(json=_nested(150)), "max-depth"),  # jsonschema's meta-schema check raised RecursionError
+    (dict(json={"type": "object", "properties": {"a": {"enum": list(range(6000))},
+                                                 "b": {"enum": list(range(6000))}}}), "max-enum-entries"),
+    (dict(json={"type": "object", "properties": {f"p{i}": {"type": "array"} for i in range(11_000)}}),
+     "max-nodes"),
+    (dict(json={"type": "string", "description": "x" * (1 << 20)}), "max-bytes"),
+    (dict(grammar="root ::= r0\n" + "\n".join(f"r{i} ::= \"{i}\" | r{i + 1}" for i in range(6000)) +
+          '\nr6000 ::= "e"'), "max-rules"),
+    (dict(regex="a" * 10_001), "max-regex-length"),
+    (dict(json={"type": "string", "pattern": "b" * 10_001}), "max-regex-length"),
+    (dict(regex="(" * 70 + ")" * 70), "max-depth"),
+]
+
+
+@pytest.mark.parametrize("kwargs, flag", OVER_LIMITS, ids=[f for _, f in OVER_LIMITS])
+def test_limits_refuse_before_jsonschema_or_xgrammar(kwargs, flag):
+    """Past a default limit, construction defers (the engine's limits may be higher) and the check against
+    the defaults refuses, naming the limit and its flag, before jsonschema or xgrammar reads the input."""
+    from minfer.structured_outputs import DEFAULT_LIMITS
+
+    params = so(**kwargs)
+    with pytest.raises(ValueError, match=f"over the limit of .*--structured-outputs-{flag}"):
+        params.check(DEFAULT_LIMITS)
+
+
+def test_the_engines_limits_decide(monkeypatch):
+    """The Processor checks with the engine's limits: a raised limit admits what the default refuses, a lowered
+    one refuses what the default admits; a server-built constraint's refusal names the request's field."""
+    from minfer.engine.processor import Processor, PromptError
+    from minfer.structured_outputs import StructuredOutputsLimits
+
+    def processor(**limits) -> Processor:
+        return Processor(None, 320, 64, 16, 16, structured_outputs_limits=StructuredOutputsLimits(**limits))
+
+    deep = so(json=_nested(80))
+    with pytest.raises(ValueError, match="--structured-outputs-max-depth"):
+        processor().check_params(SamplingParams(structured_outputs=deep))
+    processor(max_depth=100).check_params(SamplingParams(structured_outputs=deep))
+    small = so(json=_nested(10))
+    with pytest.raises(ValueError, match="--structured-outputs-max-depth"):
+        processor(max_depth=5).check_params(SamplingParams(structured_outputs=small))
+    small.source = "response_format.json_schema.schema"
+    with pytest.raises(PromptError, match="^response_format.json_schema.schema: the nesting depth") as info:
+        processor(max_depth=5).check_params(SamplingParams(structured_outputs=small))
+    assert info.value.field == "response_format.json_schema.schema"
+
+
+def test_engine_config_carries_the_limits():
+    import argparse
+
+    from minfer.config import EngineConfig
+    from minfer.engine_args import add_engine_args
+
+    assert EngineConfig(structured_outputs_max_depth=100).structured_outputs_limits().max_depth == 100
+    with pytest.raises(ValueError, match="structured_outputs_max_rules must be an integer >= 1"):
+        EngineConfig(structured_outputs_max_rules=0)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--structured-outputs-max-enum-entries", "7"]).structured_outputs_max_enum_entries == 7
+
+
+def test_inputs_nested_past_pythons_recursion_are_an_error_not_a_crash():
+    deep = "[" * 100_000 + "]" * 100_000
+    with pytest.raises(ValueError, match="structured_outputs.json"):
+        so(json='{"enum": ' + deep + "}")
+    with pytest.raises(ValueError, match="structured_outputs.grammar: the nesting depth"):
+        so(grammar="root ::= " + "(" * 5000 + '"a"' + ")" * 5000).check()
+
+
+def test_the_engine_refuses_a_constraint_past_its_limits(llm):
+    with pytest.raises(ValueError, match="--structured-outputs-max-depth"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=4, structured_outputs=so(json=_chain(100))), use_tqdm=False)

@@ -188,6 +188,17 @@ BAD_REQUESTS = [  # (path, body, param)
                                 "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
      "response_format.json_schema.schema"),
     (CHAT, {"response_format": {"type": "json_schema"}}, "response_format"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "", "schema": {}}}},
+     "response_format.json_schema.name"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+     "response_format.json_schema.name"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}}}},
+     "response_format.json_schema.schema"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(100)} | {"d100": {"type": "integer"}},
+        "$ref": "#/$defs/d0"}}}}, "response_format.json_schema.schema"),  # past --structured-outputs-max-depth
+    (COMP, {"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs.grammar"),
     (CHAT, {"response_format": {"type": "yaml"}}, "response_format.type"),
     (COMP, {"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
     (COMP, {"guided_regex": "a(b"}, "guided_regex"),
@@ -258,3 +269,30 @@ def test_serve_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixt
     monkeypatch.setattr(EngineConfig, "from_kwargs", lambda **kw: pytest.fail("the model began to load"))
     assert main(["serve", "m", "--enable-auto-tool-choice"]) == 2
     assert "--tool-call-parser" in capsys.readouterr().err
+
+
+def test_parse_with_a_pydantic_model_of_bounded_strings(oai: Any) -> None:
+    """The openai client's ``parse()`` sends the model's schema (bounded strings: the grammar xgrammar writes
+    for them admitted raw control characters) and parses every answer back into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(min_length=1, max_length=8)
+        nickname: str = Field(max_length=4)
+        role: Literal["admin", "user\tx"]
+
+    parse = getattr(oai.chat.completions, "parse", None) or oai.beta.chat.completions.parse
+    finished = 0
+    for seed in range(8):
+        try:
+            completion = parse(model=MODEL_NAME, messages=MESSAGES, response_format=Person, temperature=1.0,
+                               seed=seed, max_tokens=300)
+        except openai.LengthFinishReasonError:  # unfinished at max_tokens: nothing to parse
+            continue
+        finished += 1
+        choice = completion.choices[0]
+        json.loads(choice.message.content)  # strict
+        assert isinstance(choice.message.parsed, Person), choice.message.content
+    assert finished >= 3
