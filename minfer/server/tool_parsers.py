@@ -9,6 +9,11 @@ wire shape. Four kinds:
   around them is content (a partial ``<tool_call`` at the end of the text so far is held back; whitespace
   is held until more content follows, so a call's surrounding whitespace does not leave content behind
   on its own); a block whose JSON is not a call stays content, tags and all.
+
+Only a call a client can dispatch is a call: to a function of the request's ``tools`` (the auto parsers
+are given their names), with arguments that are a JSON object (or left out). Anything else (a made-up
+function, arguments that are no JSON or no object, JSON nested past Python's stack) stays content, as
+in vLLM.
 - ``llama3_json`` (Llama 3.x): the whole message is ``{"name": ..., "parameters": {...}}``, or several
   separated by ``;``, optionally after ``<|python_tag|>``; anything else is content. Emitted at the end.
 - ``RequiredParser``: the output of ``tool_choice="required"``, a JSON array of ``{"name", "parameters"}``
@@ -21,7 +26,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 ToolDelta = dict[str, Any]  # one entry of a chunk's delta.tool_calls
 
@@ -43,10 +48,12 @@ class ToolCall:
 
 class ToolParser:
     """The state of one choice: ``calls`` holds the calls begun so far (a ``NamedParser``'s one call keeps
-    only its first piece of arguments: the rest go out as deltas)."""
+    only its first piece of arguments: the rest go out as deltas). ``names``: the functions a call may
+    name (None: any, where a grammar has already restricted them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Iterable[str] | None = None) -> None:
         self.calls: list[ToolCall] = []
+        self.names = frozenset(names) if names is not None else None
 
     def feed(self, text: str) -> tuple[str, list[ToolDelta]]:
         """New content and tool-call deltas after ``text`` (the choice's next piece of output)."""
@@ -70,20 +77,25 @@ def parse_whole(parser: ToolParser, text: str) -> tuple[str | None, list[ToolCal
 
 
 def _arguments(value: Any) -> str | None:
-    """A call's arguments as JSON text: an object is serialised (non-ASCII kept), a string is taken as the
-    model wrote it, a missing value is ``{}``; anything else is not a call."""
+    """A call's arguments as JSON text: an object is serialised (non-ASCII kept), a string holding a JSON
+    object is taken as the model wrote it, a missing value is ``{}``; anything else is not a call."""
     if value is None:
         return "{}"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict):
-        return json.dumps(value, ensure_ascii=False)
+    try:
+        if isinstance(value, str):
+            return value if isinstance(json.loads(value), dict) else None
+        if isinstance(value, dict):
+            return json.dumps(value, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
     return None
 
 
-def _as_call(obj: Any, *keys: str) -> tuple[str, str] | None:
-    """(name, arguments) of a decoded ``{"name": str, <one of keys>: ...}``, or None."""
+def _as_call(obj: Any, names: frozenset[str] | None, *keys: str) -> tuple[str, str] | None:
+    """(name, arguments) of a decoded ``{"name": <one of names>, <one of keys>: ...}``, or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    if names is not None and obj["name"] not in names:
         return None
     args = next((obj[k] for k in keys if k in obj), None)
     arguments = _arguments(args)
@@ -107,8 +119,8 @@ class HermesParser(ToolParser):
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, names: Iterable[str] | None = None) -> None:
+        super().__init__(names)
         self._buf = ""  # outside a block: the held-back tail; inside: the block's text so far
         self._inside = False
         self._scanned = 0  # inside: how far the buffer has been searched for CLOSE
@@ -172,8 +184,8 @@ class HermesParser(ToolParser):
     def _block(self, body: str, closed: bool) -> ToolDelta | str:
         """A block's call, or (its JSON is not a call) the block's text as content."""
         try:
-            call = _as_call(json.loads(body), "arguments", "parameters")
-        except ValueError:
+            call = _as_call(json.loads(body), self.names, "arguments", "parameters")
+        except (ValueError, RecursionError):
             call = None
         if call is not None:
             self._after_call = True
@@ -188,8 +200,8 @@ class Llama3JsonParser(ToolParser):
 
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, names: Iterable[str] | None = None) -> None:
+        super().__init__(names)
         self._buf = ""
         self._mode: str | None = None  # None: undecided, "content", or "json"
 
@@ -223,9 +235,9 @@ class Llama3JsonParser(ToolParser):
                 pos += 1
             try:
                 obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
-            call = _as_call(obj, "parameters", "arguments")
+            call = _as_call(obj, self.names, "parameters", "arguments")
             if call is None:
                 return None
             found.append(call)
@@ -268,9 +280,9 @@ class RequiredParser(ToolParser):
                 return calls
             try:
                 obj, self._pos = self._decoder.raw_decode(buf, pos)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return calls
-            call = _as_call(obj, "parameters", "arguments")
+            call = _as_call(obj, self.names, "parameters", "arguments")
             if call is not None:
                 calls.append(self._emit_call(*call))
 

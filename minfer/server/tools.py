@@ -43,8 +43,8 @@ class ToolPlan:
             return NamedParser(self.function)
         if self.mode == "required":
             return RequiredParser()
-        assert self.mode == "auto" and self.parser is not None, self.mode
-        return TOOL_PARSERS[self.parser]()
+        assert self.mode == "auto" and self.parser is not None and self.tools is not None, self.mode
+        return TOOL_PARSERS[self.parser](t["function"]["name"] for t in self.tools)  # calls to these only
 
 
 def plan_tools(req: ChatCompletionRequest, template: Any, auto_parser: str | None) -> ToolPlan:

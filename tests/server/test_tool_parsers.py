@@ -168,3 +168,36 @@ def test_required_schema_hoists_each_tools_defs() -> None:
         "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "$defs": {"Point": {"type": "string"}}}}})
     with pytest.raises(APIError):
         required_schema([tool, clash], parallel=True)
+
+
+DEEP = "[" * 3000 + "]" * 3000  # JSON nested past Python's stack: RecursionError, not ValueError, from json
+UNDISPATCHABLE = [  # (text, content, calls) with tools ["a"]: calls a client cannot dispatch stay content
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', '<tool_call>{"name": "rm_rf", "arguments": {}}'
+     '</tool_call>', []),
+    ('<tool_call>{"name": "a", "arguments": "not json"}</tool_call>', '<tool_call>{"name": "a", "arguments": '
+     '"not json"}</tool_call>', []),
+    ('<tool_call>{"name": "a", "arguments": "[1, 2]"}</tool_call>', '<tool_call>{"name": "a", "arguments": '
+     '"[1, 2]"}</tool_call>', []),  # JSON, but no object: no keyword arguments
+    ('x <tool_call>{"name": "b", "arguments": {}}</tool_call> <tool_call>{"name": "a", "arguments": {"k": 1}}'
+     '</tool_call>', 'x <tool_call>{"name": "b", "arguments": {}}</tool_call>', [("a", {"k": 1})]),
+    (f'<tool_call>{{"name": "a", "arguments": {DEEP}}}</tool_call>',
+     f'<tool_call>{{"name": "a", "arguments": {DEEP}}}</tool_call>', []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", UNDISPATCHABLE)
+def test_hermes_returns_undispatchable_calls_as_content(text: str, content: str | None,
+                                                        calls: list[tuple[str, Any]]) -> None:
+    assert _check(lambda: HermesParser(["a"]), text) == (content, calls)
+
+
+def test_llama3_json_returns_undispatchable_calls_as_content() -> None:
+    for text in ('{"name": "b", "parameters": {}}', '{"name": "a", "parameters": "nope"}', DEEP,
+                 '{"name": "a", "parameters": ' + DEEP + '}'):
+        assert _check(lambda: Llama3JsonParser(["a"]), text) == (text, []), text[:40]
+    assert _check(lambda: Llama3JsonParser(["a"]), '{"name": "a", "parameters": {"x": 1}}') == (None, [("a", {"x": 1})])
+
+
+def test_required_output_nested_past_the_stack_is_no_call() -> None:
+    text = '[{"name": "a", "parameters": ' + DEEP + '}]'
+    assert _check(RequiredParser, text) == (text, [])
