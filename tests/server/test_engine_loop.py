@@ -40,9 +40,8 @@ def test_idle_loop_sleeps_and_wakes(server: LiveServer, monkeypatch: pytest.Monk
     steps.clear()
     time.sleep(0.5)
     assert steps == [], "the idle engine loop must block, not call step()"
-    start = time.monotonic()
     resp = httpx.post(server.base_url + "/v1/completions", json=dict(BODY, max_tokens=4), timeout=30)
-    assert resp.status_code == 200 and time.monotonic() - start < 5
+    assert resp.status_code == 200
     assert 4 <= len(steps) <= 6  # prefill + decodes, and nothing after the request finished
     time.sleep(0.3)
     assert len(steps) <= 6
@@ -84,9 +83,8 @@ def test_engine_death_fails_requests_and_health(own_server: Any, caplog: pytest.
         assert "boom" not in resp.text and resp.json()["error"]["code"] == "engine_dead"
         health = c.get("/health")
         assert health.status_code == 503 and health.json() == {"status": "engine_dead", "error": failure}
-        start = time.monotonic()
-        late = c.post("/v1/completions", json=BODY)
-        assert late.status_code == 500 and time.monotonic() - start < 5
+        late = c.post("/v1/completions", json=BODY)  # (a hang would end in the client's timeout)
+        assert late.status_code == 500
         assert late.json()["error"]["code"] == "engine_dead" and "boom" not in late.text
         late_stream = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                            "stream": True})
