@@ -112,24 +112,35 @@ def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
     import uvicorn
     from fastapi.testclient import TestClient
 
-    apps: list[Any] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: apps.append((app, kw)))
+    model = str(checkpoints["llama3"])
+    served: list[Any] = []
+
+    class Server:
+        """uvicorn.Server without a socket: ``run`` drives the app through a test client while the engine
+        lives (``run_server`` shuts it down once ``run`` returns)."""
+
+        def __init__(self, config: Any) -> None:
+            self.config, self.started, self.should_exit = config, False, False
+
+        def run(self) -> None:
+            app, self.started = self.config.app, True
+            served.append((self.config.host, self.config.port))
+            messages = [{"role": "user", "content": "def f("}]
+            with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+                tok = app.state.ctx.tokenizer
+                expected = tok.encode("<<user: def f(>><<assistant:", add_special_tokens=False)
+                assert c.post("/tokenize", json={"messages": messages}).json()["tokens"] == expected
+                chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
+                assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
+                assert chat.json()["model"] == model
+                assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+                stats = c.get("/stats").json()
+                assert stats["kv_blocks_used"] == 0 and stats["healthy"]
+
+    monkeypatch.setattr(uvicorn, "Server", Server)
     monkeypatch.delenv("MINFER_API_KEY", raising=False)
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
-    model = str(checkpoints["llama3"])
     assert main(["serve", model, "--chat-template", str(path), "--api-key", "k", "--port", "8123",
                  "--num-kv-blocks", "64", "--max-num-seqs", "4"]) == 0
-    (app, kw), = apps
-    assert kw["port"] == 8123 and kw["host"] == "127.0.0.1"
-    messages = [{"role": "user", "content": "def f("}]
-    with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
-        tok = app.state.ctx.tokenizer
-        expected = tok.encode("<<user: def f(>><<assistant:", add_special_tokens=False)
-        assert c.post("/tokenize", json={"messages": messages}).json()["tokens"] == expected
-        chat = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3})
-        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
-        assert chat.json()["model"] == model
-        assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        stats = c.get("/stats").json()
-        assert stats["kv_blocks_used"] == 0 and stats["healthy"]
+    assert served == [("127.0.0.1", 8123)]
