@@ -35,6 +35,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"the pages (default: ${API_KEY_ENV}; unset: no key)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request send its own chat_template (a Jinja program run on this server, each render "
+                        "bounded in time); without it such a request is a 400")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice 'auto' (the default with tools): the model's answer is parsed for calls "
                         "by --tool-call-parser")
@@ -79,5 +82,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                served_model_names=args.served_model_name, max_waiting_requests=args.max_waiting_requests,
                log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=key,
                chat_template=template, max_request_bytes=args.max_request_bytes,
-               enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+               enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+               trust_request_chat_template=args.trust_request_chat_template)
     return 0

@@ -6,7 +6,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
@@ -22,7 +22,7 @@ from minfer.server.metrics import ServerMetrics
 from minfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                     CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from minfer.server.routes_tokenize import tokenize_router
-from minfer.server.serving import ClientGone, ServerContext
+from minfer.server.serving import ClientGone, OffloadedBodyRoute, ServerContext
 from minfer.server.tool_parsers import check_tool_flags
 from minfer.version import __version__
 
@@ -36,7 +36,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
               max_waiting_requests: int | None = 1024, api_key: str | None = None,
               chat_template: str | None = None,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, on_engine_dead: Callable[[str], None] | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, on_engine_dead: Callable[[str], None] | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
@@ -49,6 +50,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     ``on_engine_dead``: called on the event loop, with the failure's summary, once the engine has died and the
     requests in flight have failed (``minfer serve`` exits there, so that a supervisor restarts it); without
     it the app goes on answering 503 on /health and 500 to requests.
+    ``trust_request_chat_template``: a request may send its own ``chat_template`` (vLLM's
+    ``--trust-request-chat-template``); without it that field is a 400.
     """
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     if chat_template is not None:
@@ -57,7 +60,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
         engine.processor.tokenizer.chat_template = chat_template
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
     ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)],
-                        auto_tool_parser=tool_call_parser if enable_auto_tool_choice else None)
+                        auto_tool_parser=tool_call_parser if enable_auto_tool_choice else None,
+                        trust_request_chat_template=trust_request_chat_template)
     metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy, ctx.model_name, ctx.max_model_len)
     async_engine.observer = metrics
     async_engine.on_dead = on_engine_dead
@@ -84,15 +88,19 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     async def _client_gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)  # nobody is left to read it
 
-    @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={**_ERRORS, 200: {"content": _STREAMED}})
+    openai_routes = APIRouter(route_class=OffloadedBodyRoute)  # bodies parsed off the event loop
+
+    @openai_routes.post("/v1/completions", response_model=CompletionResponse,
+                        responses={**_ERRORS, 200: {"content": _STREAMED}})
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await create_completion(ctx, req, raw)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={**_ERRORS, 200: {"content": _STREAMED}})
+    @openai_routes.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+                        responses={**_ERRORS, 200: {"content": _STREAMED}})
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(ctx, req, raw)
+
+    app.include_router(openai_routes)
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=ctx.created, max_model_len=ctx.max_model_len)

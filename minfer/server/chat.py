@@ -1,5 +1,7 @@
-"""POST /v1/chat/completions: the tokenizer's chat template (or the request's) over the messages, then
-generation. Rendering and tokenizing run on the tokenizer pool, after bounds on the messages' count and size.
+"""POST /v1/chat/completions: the tokenizer's chat template (or the request's, with
+``--trust-request-chat-template``) over the messages, then generation. Rendering and tokenizing run on the
+tokenizer pool (a request's own template on a pool of its own), after bounds on the messages' count and size,
+and a render is bounded in time (``chat_template.RenderBudget``) and stopped when the client leaves.
 
 With tools (``server/tools.py``) each choice's text goes through a ``ToolParser``, the same one for a stream
 and a whole response; without them the text is the content, and streaming pays nothing for tools."""
@@ -17,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minfer.engine.processor import EngineRequest, Processor
 from minfer.outputs import RequestOutput
+from minfer.server.chat_template import RenderBudget, RenderStopped
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
 from minfer.server.serving import ServerContext, collect, process, request_id, stream_response
@@ -26,6 +29,9 @@ from minfer.server.tool_parsers import ToolParser, parse_whole
 from minfer.server.tools import ToolPlan, finish_reason, plan_tools, tool_constraint
 
 logger = logging.getLogger("minfer.server")
+# The server's own template renders untraced up to this many messages + tools (and no chat_template_kwargs):
+# even a template quadratic in them stays in the thousands of steps, and tracing triples a render's time.
+TRACE_ABOVE_ITEMS = 64
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them (they are request fields)
@@ -74,25 +80,37 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 def _decoded_arguments(text: str, where: str) -> Any:
     if not text.strip():
         return {}
+    param = f"{where}.function.arguments"
     try:
         return json.loads(text)
     except ValueError as exc:
-        param = f"{where}.function.arguments"
         raise APIError(400, f"{param}: not valid JSON ({exc})", param) from None
+    except RecursionError:  # brackets nested past Python's stack
+        raise APIError(400, f"{param}: nested too deeply", param) from None
 
 
-def chat_prompt(tok: Any, req: ChatCompletionRequest,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-    """Render the conversation (on the tokenizer pool) with ``tools`` shown to the template; the template
-    places BOS itself, so encoding adds no special tokens unless the request asks for them. A template's
-    refusal is the caller's 400."""
+def render_chat(tok: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
+                budget: RenderBudget | None = None) -> str:
+    """Render the conversation (on a pool thread) with ``tools`` shown to the template, under ``budget``
+    (None: untraced). A template's refusal, or a render past its time, is the caller's 400."""
     messages = template_messages(req)
     param = "chat_template" if req.chat_template else "messages"
-    try:
-        text = tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False, tools=tools,
+
+    def render() -> Any:
+        return tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False, tools=tools,
                                        add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message,
                                        **(req.chat_template_kwargs or {}))
+
+    try:
+        text = budget.run(render) if budget is not None else render()
+    except RenderStopped as exc:
+        assert budget is not None
+        if exc.reason == "cancelled":  # the client left (nobody reads this) or the server is stopping
+            raise APIError(503, "the server is shutting down", code="shutting_down") from None
+        whose = "the chat template" if req.chat_template else "the server's chat template"
+        raise APIError(400, f"{param}: {whose} did not finish rendering these messages within "
+                            f"{budget.timeout_s:g} s", param, code="chat_template_timeout") from None
     except jinja2.TemplateError as exc:  # raise_exception(...) in a template speaks to the caller
         raise APIError(400, f"{param}: the chat template rejected the messages: {exc}", param) from exc
     except Exception as exc:  # noqa: BLE001 - a template failing on this input
@@ -101,11 +119,14 @@ def chat_prompt(tok: Any, req: ChatCompletionRequest,
                        param) from exc
     if not isinstance(text, str):
         raise APIError(400, f"{param}: the chat template did not render text", param)
-    try:
-        return text, tok.encode(text, add_special_tokens=req.add_special_tokens)
-    except Exception as exc:  # noqa: BLE001
-        logger.info("the tokenizer rejected a rendered chat: %r", exc)
-        raise APIError(400, "messages: the tokenizer could not encode the rendered chat", "messages") from exc
+    return text
+
+
+def needs_trace(req: ChatCompletionRequest) -> bool:
+    """Whether a render is traced (``RenderBudget``): always for the request's own template or template
+    variables, for the server's when the chat is large (``TRACE_ABOVE_ITEMS``)."""
+    return bool(req.chat_template or req.chat_template_kwargs or
+                len(req.messages) + len(req.tools or ()) > TRACE_ABOVE_ITEMS)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -113,24 +134,32 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     tok = ctx.require_tokenizer("chat", "messages")
+    own_template = req.chat_template is not None
+    if own_template and not ctx.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server does not run chat templates sent with a request (it "
+                            "would need --trust-request-chat-template); drop chat_template", "chat_template")
     template = req.chat_template or getattr(tok, "chat_template", None)
     if not template:
-        raise APIError(400, "messages: this model's tokenizer has no chat template; send chat_template or use "
-                            "/v1/completions", "messages")
-    plan = plan_tools(req, template, ctx.auto_tool_parser)
+        raise APIError(400, "messages: this model's tokenizer has no chat template; use /v1/completions",
+                       "messages")
+    # The tools (their schemas grow with the request) are read on the constraint pool, not on the event loop.
+    plan = await ctx.offload_check(lambda: plan_tools(req, template, ctx.auto_tool_parser)) if req.tools else \
+        plan_tools(req, template, ctx.auto_tool_parser)
     if plan.mode in ("required", "named"):
-        constraint = await ctx.offload(lambda _: tool_constraint(req, plan))
+        constraint = await ctx.offload_check(lambda: tool_constraint(req, plan))
     else:
         constraint = await ctx.constraint(req)
     params = ctx.sampling_params(req, max_tokens, top_k, req.prompt_logprobs, constraint)
-    check_chat_size(ctx, req)
     cid, created = request_id("chatcmpl"), int(time.time())
+    traced = needs_trace(req)
 
-    def prepare(p: Processor) -> EngineRequest:
-        text, ids = chat_prompt(p.tokenizer, req, plan.tools)
-        return process(p, cid, text, ids, params, "messages")
+    def prepare(p: Processor, budget: RenderBudget) -> EngineRequest:
+        check_chat_size(ctx, req)
+        text = render_chat(p.tokenizer, req, plan.tools, budget if traced else None)
+        # the template places BOS itself: no special tokens are added unless the request asks for them
+        return process(p, cid, text, None, params, "messages", req.add_special_tokens)
 
-    request = await ctx.offload(prepare)
+    request = await ctx.render(raw, prepare, own_template)
     streams = ctx.submit([request])
     num_prompt_tokens = len(request.prompt_token_ids)
     tok = TokenText(ctx.tokenizer)

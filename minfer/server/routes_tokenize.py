@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatMessage, ErrorResponse
-from minfer.server.serving import ServerContext
+from minfer.server.serving import OffloadedBodyRoute, ServerContext
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404)}
 
@@ -112,16 +112,16 @@ def _detokenize(tok: Any, ids: list[int], vocab_size: int) -> DetokenizeResponse
 
 
 def tokenize_router(ctx: ServerContext) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=OffloadedBodyRoute)  # bodies parsed off the event loop
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(req: TokenizeRequest, raw: Request) -> TokenizeResponse:
         ctx.check_model(req.model)
         ctx.require_tokenizer("tokenize", "prompt" if req.prompt is not None else "messages")
         return await ctx.offload(lambda p: _tokenize(p.tokenizer, req, ctx.max_model_len))
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(req: DetokenizeRequest, raw: Request) -> DetokenizeResponse:
         ctx.check_model(req.model)
         ctx.require_tokenizer("detokenize", "tokens")
         return await ctx.offload(lambda p: _detokenize(p.tokenizer, req.tokens, p.vocab_size))

@@ -44,7 +44,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = DEFAULT_MAX_WAITING,
                log_level: str = "info", access_log: bool = True, api_key: str | None = None,
                chat_template: str | None = None, max_request_bytes: int | None = None,
-               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+               trust_request_chat_template: bool = False) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
     the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
@@ -53,6 +54,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     ``engine_kwargs``: ``EngineConfig`` fields but ``model``; ``model`` None serves the built-in model.
     ``chat_template``: the template's text (``chat_template.load_chat_template`` reads a file).
     ``enable_auto_tool_choice``, ``tool_call_parser``: see ``build_app`` (checked before the model loads).
+    ``trust_request_chat_template``: see ``build_app``.
     """
     require_server_extra()
     try:
@@ -100,7 +102,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         limit = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes or None}  # 0: no cap
         app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                        on_engine_dead=engine_dead, **limit)
+                        on_engine_dead=engine_dead, trust_request_chat_template=trust_request_chat_template,
+                        **limit)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                                timeout_graceful_shutdown=5))
         try:

@@ -2,17 +2,26 @@
 engine streams under a watch for the client going away.
 
 None of it runs on the engine thread: a bad request is turned away here with a 4xx before the
-engine sees it. Work that grows with the request (tokenizing, rendering a chat template, checking
-token ids, decoding an echoed prompt) runs on a small thread pool (``offload``), after the O(1)
-count and length checks that turn the largest requests away first, so the event loop keeps
-answering /health and streaming other clients' tokens meanwhile. Each pool thread borrows a
-``Processor`` of its own: a Rust tokenizer used from two threads at once can fail with
-'Already borrowed'.
+engine sees it. Nothing that grows with the request runs on the event loop, which keeps answering
+/health and streaming other clients' tokens; such work runs on small thread pools, one per kind, so
+that no kind waits behind another:
+
+- ``parse``: the body's JSON and its pydantic model (``parse_body``, called by ``OffloadedBodyRoute``);
+- ``check``: output constraints (a schema, a grammar, a tool choice's schema) and the tool plan;
+- ``tokenize``: the server's chat template, tokenizing, checking token ids, decoding an echoed prompt,
+  after the O(1) count and length checks that turn the largest requests away first;
+- ``template``: a request's own ``chat_template`` (with ``--trust-request-chat-template``), rendered and
+  tokenized apart, so that a template written to loop never holds up another client's tokenizing.
+
+Each tokenizing thread borrows a ``Processor`` of its own: a Rust tokenizer used from two threads at once
+can fail with 'Already borrowed'. Template renders run under a ``RenderBudget`` (a deadline and a cancel
+flag the client's disconnect or the server's shutdown sets).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -22,22 +31,32 @@ from queue import SimpleQueue
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from minfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream,
                                         StepFailedError)
 from minfer.engine.processor import EngineRequest, Processor, PromptError
 from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams, StructuredOutputsParams
+from minfer.server.chat_template import RENDER_TIMEOUT_S, RenderBudget
 from minfer.server.errors import APIError, bad_request, error_body
 from minfer.server.protocol import SamplingFields
 from minfer.server.stream import DONE, sse
 from minfer.server.structured import build, request_constraint
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 _SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__) | {"max_completion_tokens", "top_logprobs"}
 MAX_SEQUENCES = 1024  # prompts x n in one request
 TOKENIZE_WORKERS = 2
+TEMPLATE_WORKERS = 2  # a request's own chat template
+CHECK_WORKERS = 2  # output constraints
+PARSE_WORKERS = 2  # request bodies
 logger = logging.getLogger("minfer.server")
 
 
@@ -45,12 +64,45 @@ class ClientGone(Exception):
     """The client closed the connection; its requests have been aborted."""
 
 
+class WorkPool:
+    """A few threads for one kind of work; with ``processors``, each call borrows one no other thread uses
+    now (one per thread)."""
+
+    def __init__(self, name: str, workers: int, processors: list[Processor] | None = None) -> None:
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"minfer-{name}")
+        self._processors: SimpleQueue[Processor | None] = SimpleQueue()
+        for processor in processors or [None] * workers:
+            self._processors.put(processor)
+
+    async def run(self, fn: Callable[[Processor], T], on_cancel: Callable[[], None] | None = None) -> T:
+        """``fn(processor)`` on a pool thread. Cancelled (the client left, the server stops), a call still
+        queued never runs, and ``on_cancel`` is called for one already running (to stop it)."""
+        def call() -> T:
+            processor = self._processors.get()
+            try:
+                return fn(processor)  # type: ignore[arg-type]
+            finally:
+                self._processors.put(processor)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+        except asyncio.CancelledError:
+            if on_cancel is not None:
+                on_cancel()
+            raise
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass
 class ServerContext:
-    """The engine, the event loop's processor (its own tokenizer copy) and the served names.
+    """The engine, the event loop's processor (its own tokenizer copy), the served names and the work pools.
 
     ``auto_tool_parser``: the parser (``--tool-call-parser``) of ``tool_choice="auto"`` answers, None unless
-    auto tool choice is enabled (``--enable-auto-tool-choice``)."""
+    auto tool choice is enabled (``--enable-auto-tool-choice``). ``trust_request_chat_template``: a request
+    may send its own ``chat_template`` (``--trust-request-chat-template``; else that field is a 400).
+    ``render_timeout_s``: the time one chat template render may take."""
 
     engine: AsyncLLMEngine
     served_model_names: list[str]
@@ -58,29 +110,58 @@ class ServerContext:
     created: int = field(default_factory=lambda: int(time.time()))
     tokenize_workers: int = TOKENIZE_WORKERS
     auto_tool_parser: str | None = None
+    trust_request_chat_template: bool = False
+    render_timeout_s: float = RENDER_TIMEOUT_S
 
     def __post_init__(self) -> None:
         self.processor.clamp_max_tokens = False  # a max_tokens past the context is a 400, as in vLLM
         _ = self.processor.max_token_chars  # computed once, before the clones copy it
         self.worker_processors = [self.processor.clone() for _ in range(self.tokenize_workers)]
-        self._processors: SimpleQueue[Processor] = SimpleQueue()
-        for processor in self.worker_processors:
-            self._processors.put(processor)
-        self._pool = ThreadPoolExecutor(self.tokenize_workers, thread_name_prefix="minfer-tokenize")
+        self._tokenize = WorkPool("tokenize", self.tokenize_workers, self.worker_processors)
+        self._template = WorkPool("template", TEMPLATE_WORKERS,
+                                  [self.processor.clone() for _ in range(TEMPLATE_WORKERS)]
+                                  if self.trust_request_chat_template else None)
+        self._check = WorkPool("check", CHECK_WORKERS)
+        self._parse = WorkPool("parse", PARSE_WORKERS)
+        self._renders: set[RenderBudget] = set()  # in flight: cancelled when the server stops
 
-    async def offload(self, fn: Callable[[Processor], T]) -> T:
+    async def offload(self, fn: Callable[[Processor], T], on_cancel: Callable[[], None] | None = None) -> T:
         """``fn(processor)`` on the tokenizer pool, with a processor (and tokenizer) no other thread uses now."""
-        def call() -> T:
-            processor = self._processors.get()
-            try:
-                return fn(processor)
-            finally:
-                self._processors.put(processor)
+        return await self._tokenize.run(fn, on_cancel)
 
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+    async def offload_check(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the constraint-check pool (schemas, grammars: apart from tokenizing)."""
+        return await self._check.run(lambda _: fn())
+
+    async def render(self, request: Request, fn: Callable[[Processor, RenderBudget], T], own_template: bool) -> T:
+        """``fn(processor, budget)``, which renders a chat template under ``budget`` and tokenizes it: on the
+        tokenizer pool, or for a request's own template (``own_template``) on the template pool. The render
+        stops when the client leaves (``ClientGone``) or the server stops."""
+        budget = RenderBudget(self.render_timeout_s)
+        pool = self._template if own_template else self._tokenize
+        self._renders.add(budget)
+        try:
+            return await until_disconnect(request, pool.run(lambda p: fn(p, budget), budget.cancel))
+        finally:
+            self._renders.discard(budget)
+
+    async def parse_body(self, request: Request, model: type[M]) -> M:
+        """The request body as ``model``, decoded and validated on the parse pool; a body that is no JSON, or
+        not the model, raises FastAPI's RequestValidationError (the 400s of ``errors.py``)."""
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            raise ClientGone() from None
+        if not _is_json(request.headers.get("content-type")):  # as FastAPI: the body is then no object
+            raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",),
+                                           "msg": "the request body must be a JSON object"}])
+        return await self._parse.run(lambda _: _parse(body, model))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for budget in list(self._renders):
+            budget.cancel()
+        for pool in (self._tokenize, self._template, self._check, self._parse):
+            pool.close()
 
     @property
     def processor(self) -> Processor:
@@ -118,11 +199,11 @@ class ServerContext:
 
     async def constraint(self, req: SamplingFields) -> StructuredOutputsParams | None:
         """The request's ``response_format`` / ``structured_outputs`` / ``guided_*`` as the engine's params,
-        checked on the tokenizer pool (building the grammar is work that grows with the schema)."""
+        checked on the constraint pool (building the grammar is work that grows with the schema)."""
         given = request_constraint(req)
         if given is None:
             return None
-        return await self.offload(lambda _: build(*given))
+        return await self.offload_check(lambda: build(*given))
 
     def sampling_params(self, req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None,
@@ -167,6 +248,49 @@ class ServerContext:
         for stream in streams:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
+
+
+def _is_json(content_type: str | None) -> bool:
+    """``application/json`` or ``application/<x>+json``, parameters aside."""
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def _parse(body: bytes, model: type[M]) -> M:
+    if not body:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # RecursionError: brackets nested past Python's stack
+        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "ctx": {"error": why}}]) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+    except RecursionError:
+        raise RequestValidationError([{"type": "value_error", "loc": ("body",),
+                                       "msg": "the request body is nested too deeply"}]) from None
+
+
+class OffloadedBodyRoute(APIRoute):
+    """A POST route whose endpoint takes ``(req: <model>, raw: Request)`` and returns a Response or a model:
+    FastAPI still documents both models, but the body is decoded and validated on the parse pool
+    (``ServerContext.parse_body``, the app's ``state.ctx``), not on the event loop, where a large body would
+    hold up every other client."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        assert self.body_field is not None, f"{self.path}: an offloaded route needs a body model"
+        model, endpoint = self.body_field.field_info.annotation, self.endpoint
+
+        async def handler(request: Request) -> Response:
+            req = await request.app.state.ctx.parse_body(request, model)
+            result = await endpoint(req, request)  # a Response, or a model FastAPI would have serialized
+            return result if isinstance(result, Response) else JSONResponse(jsonable_encoder(result))
+
+        return handler
 
 
 def process(processor: Processor, request_id: str, text: str | None, ids: list[int] | None,

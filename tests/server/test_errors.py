@@ -55,6 +55,9 @@ CASES = [  # (path, body, status, param)
     (CHAT, {"messages": MSGS, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     (CHAT, {"messages": MSGS, "temperature": None, "top_p": -1}, 400, "top_p"),
     (CHAT, {"messages": [{"role": "user", "content": "long " * 600}]}, 400, "messages"),
+    (CHAT, {"messages": [*MSGS, {"role": "assistant", "content": "", "tool_calls": [  # nested past the stack
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 3000 + "]" * 3000}}]}]},
+     400, "messages[1].tool_calls[0].function.arguments"),
 ]
 
 
@@ -100,6 +103,7 @@ def test_bad_requests(client: httpx.Client, engine_add_calls: list[str]) -> None
     (b"[1, 2, 3]", "application/json"),
     (b'"just a string"', "application/json"),
     (b"", "application/json"),
+    (b'{"prompt": "x", "chat_template_kwargs": {"a": ' + b"[" * 3000 + b"]" * 3000 + b"}}", "application/json"),
 ])
 def test_malformed_bodies(client: httpx.Client, content: bytes, ctype: str) -> None:
     for path in (COMP, CHAT):
