@@ -15,7 +15,7 @@ pkgs=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
       xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs)
 if [ "${1:-}" = "--test" ]; then
     pkgs+=(openai httpx2 httpcore2 truststore jiter distro schemathesis harfile hypothesis-graphql graphql-core
-           "jsonschema-rs<0.61" pyrate-limiter hypothesis compressed-tensors loguru)
+           "jsonschema-rs<0.61" pyrate-limiter hypothesis compressed-tensors loguru pytest-timeout)
 fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
     -d .whl "${pkgs[@]}"

@@ -117,8 +117,8 @@ def run_differences(runs: list, refs: list) -> tuple[list[float], list[tuple[int
         assert len(a.token_ids) == len(b.token_ids), (seq, a.token_ids, b.token_ids)
         for step, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
             la, lb = a.logprobs[step], b.logprobs[step]
-            shared = [t for t in lb if t in la]
-            assert len(shared) >= 2, (seq, step, la, lb)
+            shared = [t for t in lb if t in la]  # the top-k sets may differ where ranks below the first tie
+            assert shared, (seq, step, la, lb)
             diffs.append(max(abs(la[t] - lb[t]) for t in shared))
             if x != y:
                 top = sorted(lb.values(), reverse=True)

@@ -30,7 +30,7 @@ from minfer import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPTS = [[5], list(range(2, 18)), list(range(3, 40)), [(i * 7) % 300 + 2 for i in range(50)]]
-PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=5)
 FLOAT32_TOL = 1e-3  # nats: logprobs and the top-two gap where tokens may part
 NOISE_MULTIPLE = 3.0
 
