@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import unquote
 
-from minfer import ebnf
+import minfer.ebnf as ebnf
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_WHITESPACE = 16  # characters of whitespace in a row that JSON output may carry (room for indentation)
