@@ -321,7 +321,7 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
             same = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=hf_output_len) for _ in sub]
             ours = run_throughput(llm, sub, same, progress=False)
     finally:
-        llm.llm_engine.shutdown()  # tensor-parallel workers (nothing to stop on one GPU)
+        llm.shutdown()  # tensor-parallel workers and grammar processes
     if compare_hf:
         del llm  # HF needs the memory of the engine's weights and KV cache
         theirs = run_hf(model, sub, hf_output_len)
