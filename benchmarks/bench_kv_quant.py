@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minfer.config import KV_CACHE_DTYPES, ModelConfig, cdiv  # noqa: E402
+from minfer.config import KV_CACHE_DTYPES, cdiv  # noqa: E402
+from minfer.model.registry import model_config  # noqa: E402
 from minfer.engine.kv_cache import KVCacheSpec  # noqa: E402
 
 FORMATS = list(KV_CACHE_DTYPES)
@@ -46,7 +47,7 @@ def capacity(budget_gib: float, block_size: int = 16) -> str:
              "(workload A mean) | blocks × bf16 |", "|---|---|---|---|---|---|---|---|---|"]
     chosen = kv_cache.KV_SCALE_DTYPE
     for shape, cfg in SHAPES.items():
-        mc = ModelConfig.from_dict(cfg)
+        mc = model_config(cfg)
         base = None
         for fmt, sd in [("auto", None), ("int8", torch.float16), ("int8", torch.float32)]:
             kv_cache.KV_SCALE_DTYPE = sd

@@ -19,7 +19,7 @@ import torch
 from minfer.kernels import rms_norm
 from minfer.kernels.rmsnorm import _rms_norm_kernel
 from minfer.kernels.rope_store import rope_store_kv
-from minfer.model.layers import RotaryEmbedding
+from minfer.model.layers.rotary import RotaryEmbedding
 
 
 def per_call_us(fn: Callable[[], object], calls: int) -> float:

@@ -20,14 +20,6 @@ from minfer.structured_outputs import DEFAULT_LIMITS, StructuredOutputsLimits
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "MixtralForCausalLM",
-)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
 
@@ -43,11 +35,9 @@ def torch_dtype(name: str) -> "torch.dtype":
 
 @dataclass(slots=True)
 class ModelConfig:
-    """The architecture of a Llama-family checkpoint, read from its HF ``config.json``.
-
-    Llama, Mistral, Qwen2 and Qwen3 differ only by a few flags here: q/k/v bias (Qwen2),
-    per-head q/k RMSNorm (Qwen3), an explicit ``head_dim`` and the rotary scaling.
-    """
+    """A checkpoint's shape and settings, read from its HF ``config.json`` by its model family
+    (``minfer.model.registry.model_config``: each family's ``read_config`` passes ``from_hf`` the fields
+    that are its own, such as q/k/v bias, per-head q/k norms or the MoE layout)."""
 
     architecture: str
     vocab_size: int
@@ -71,9 +61,9 @@ class ModelConfig:
     # Sampling settings the checkpoint's generation_config.json recommends (SamplingParams names), used
     # where a request gives none (vLLM's generation_config="auto").
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    # config.json's quantization_config as written (FP8 checkpoints; minfer.model.quant reads it)
+    # config.json's quantization_config as written (minfer.model.quantization reads it)
     quantization_config: dict[str, Any] | None = None
-    # Mixture of experts (Qwen3-MoE, Mixtral): experts per MoE layer, experts per token, each expert's
+    # Mixture of experts: experts per MoE layer, experts per token, each expert's
     # MLP width, whether the top-k weights are renormalised to sum to one, and which layers are MoE.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -82,14 +72,9 @@ class ModelConfig:
     moe_layers: tuple[int, ...] = ()
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, cfg: dict[str, Any], **family: Any) -> "ModelConfig":
+        """The fields every family reads alike from ``config.json`` (``cfg``), with ``family``'s fields on top."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r} (config.json 'architectures'={archs}); "
-                f"minfer supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
@@ -105,12 +90,9 @@ class ModelConfig:
                 raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
         window = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            window = None
         dtype_name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
-        eos = cfg.get("eos_token_id")
-        return cls(
-            architecture=arch,
+        fields_read = dict(
+            architecture=archs[0] if archs else "",
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -123,28 +105,24 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            attention_bias=False,
+            qk_norm=False,
             sliding_window=int(window) if window else None,
             torch_dtype=torch_dtype(dtype_name if dtype_name in DTYPE_NAMES else "float32"),
-            eos_token_ids=_as_ids(eos),
+            eos_token_ids=_as_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),
             quantization_config=cfg.get("quantization_config"),
-            **_moe_fields(arch, cfg),
         )
+        return cls(**{**fields_read, **family})
 
-    @classmethod
-    def from_pretrained(cls, model_dir: Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face model folder")
-        config = cls.from_dict(json.loads(path.read_text()))
+    def add_generation_config(self, model_dir: Path) -> "ModelConfig":
+        """``generation_config.json``'s end-of-sequence ids and sampling defaults, when the folder has one."""
         gen_path = Path(model_dir) / "generation_config.json"
         if gen_path.is_file():
             gen = json.loads(gen_path.read_text())
-            config.eos_token_ids = tuple(dict.fromkeys(config.eos_token_ids + _as_ids(gen.get("eos_token_id"))))
-            config.sampling_defaults = sampling_defaults(gen)
-        return config
+            self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + _as_ids(gen.get("eos_token_id"))))
+            self.sampling_defaults = sampling_defaults(gen)
+        return self
 
 
 # generation_config.json key -> SamplingParams field, as vLLM reads them
@@ -176,25 +154,6 @@ _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
 
 QUANTIZATION_METHODS = ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
-
-
-def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The MoE fields of a Qwen3-MoE or Mixtral config (HF's rules for which layers are sparse)."""
-    layers = int(cfg["num_hidden_layers"])
-    if arch == "MixtralForCausalLM":
-        experts = int(cfg.get("num_local_experts", 8))
-        return dict(num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
-                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
-                    moe_layers=tuple(range(layers)))
-    if arch == "Qwen3MoeForCausalLM":
-        experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)))  # transformers 5 writes the latter
-        step = int(cfg.get("decoder_sparse_step", 1))
-        dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i for i in range(layers) if experts > 0 and i not in dense and (i + 1) % step == 0)
-        return dict(num_experts=experts, num_experts_per_tok=int(cfg.get("num_experts_per_tok", 8)),
-                    moe_intermediate_size=int(cfg.get("moe_intermediate_size", 768)),
-                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=sparse)
-    return {}
 
 
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:

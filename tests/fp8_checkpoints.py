@@ -161,7 +161,7 @@ def fake_quant_reference(model_dir: Path, block: bool, quantize_weights: bool = 
     ``quantize_weights`` its weights rounded per output row (online FP8) first."""
     from transformers import AutoModelForCausalLM
 
-    from minfer.model.quant import quantize_rows
+    from minfer.model.quantization.fp8 import quantize_rows
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from minfer.config import ModelConfig
+from minfer.model.registry import model_config
 from minfer.model.random_weights import SEED, random_tensors, tensor_shapes
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -80,7 +80,7 @@ def plan_shards(cfg: dict[str, Any], element_bytes: int, shard_bytes: int) -> li
     ``shard_bytes`` (a larger tensor gets a file of its own); nothing is allocated."""
     shards: list[dict[str, tuple[int, ...]]] = [{}]
     size = 0
-    for name, shp in tensor_shapes(ModelConfig.from_dict(cfg)).items():
+    for name, shp in tensor_shapes(model_config(cfg)).items():
         nbytes = math.prod(shp) * element_bytes
         if size and size + nbytes > shard_bytes:
             shards.append({})
@@ -145,7 +145,7 @@ def write_random_checkpoint(shape: str, out: Path, dtype: torch.dtype = torch.bf
     that was cut off resumes: a file of this plan that is already whole is kept (its tensors are still
     drawn, unsaved, so the later files get the same values as in one uninterrupted write)."""
     cfg = shape_config(shape, dtype, layers, overrides)
-    config = ModelConfig.from_dict(cfg)
+    config = model_config(cfg)
     if config.torch_dtype != dtype:  # random_tensors draws in the config's dtype
         raise ValueError(f"dtype must be one of {list(_SAFETENSORS_DTYPES)}, got {dtype}")
     out.mkdir(parents=True, exist_ok=True)

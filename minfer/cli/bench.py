@@ -95,9 +95,9 @@ def check_cpu_time(args: argparse.Namespace, config: dict[str, Any], max_model_l
     """Without a GPU: say how long the run will take at least, and refuse one past CPU_LIMIT_S unless
     --allow-slow."""
     from minfer.benchmark.offline import cpu_rates, estimate_seconds
-    from minfer.config import ModelConfig
+    from minfer.model.registry import model_config
 
-    cfg = ModelConfig.from_dict(config)
+    cfg = model_config(config)
     prompt_lens, output_lens = planned_lengths(args, cfg.vocab_size, max_model_len)
     flop_s, bandwidth = cpu_rates()
     seconds = estimate_seconds(cfg, prompt_lens, output_lens, flop_s, bandwidth)

@@ -26,16 +26,18 @@ import random
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from minfer.config import EngineConfig, ModelConfig
+from minfer.config import EngineConfig
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance, compile_histogram, new_matcher
-from minfer.engine.model_runner import LaunchedStep, ModelRunner, StepArrays
+from minfer.engine.model_runner import LaunchedStep, ModelRunner
+from minfer.engine.step_arrays import StepArrays
 from minfer.engine.output_processor import OutputProcessor
 from minfer.engine.processor import EngineRequest, Processor, PromptType
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
 from minfer.engine.sequence import Sequence, SequenceStatus
 from minfer.engine.tp_workers import start_tensor_parallel
 from minfer.model.loader import resolve_model_path
+from minfer.model.registry import load_model_config
 from minfer.outputs import RequestOutput, RequestOutputKind
 from minfer.sampling_params import SamplingParams
 
@@ -50,7 +52,7 @@ class LLMEngine:
             raise ValueError("model is required (a local folder or a Hugging Face hub id)")
         self.config = config
         self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir, config.load_format)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
+        self.model_config = load_model_config(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(
             str(resolve_model_path(config.tokenizer)) if config.tokenizer else str(self.model_dir))

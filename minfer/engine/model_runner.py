@@ -28,56 +28,16 @@ from minfer.config import EngineConfig, ModelConfig, cdiv
 from minfer.distributed import SINGLE, Command, StepChannel, TensorParallel
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.input_batch import InputBatch, SamplingMetadata
-from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, host_available_bytes, release_kv_cache
+from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
+from minfer.engine.kv_sizing import count_kv_blocks, profile_lengths
 from minfer.engine.sampler import DeviceSample, Sampler
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.engine.sequence import Sequence
+from minfer.engine.step_arrays import StepArrays, synthetic_step
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
 
 logger = logging.getLogger("minfer")
-
-CPU_KV_MEMORY_SHARE = 0.5  # of the host's available memory, at most, for a CPU KV cache
-
-
-def profile_lengths(budget: int, max_model_len: int) -> list[int]:
-    """Sequence lengths of the start-up memory profile: a step carries up to the whole token budget, as
-    chunks of several prompts when the budget exceeds max_model_len, so the profile runs that many
-    tokens as sequences of at most max_model_len (one sequence of min(budget, max_model_len) tokens
-    under-counted activations by 2x at the old 8192 / 4096)."""
-    return [min(max_model_len, budget - start) for start in range(0, budget, max_model_len)]
-
-
-@dataclass(slots=True)
-class StepArrays:
-    """A step's inputs on the host, built with numpy over per-sequence arrays."""
-
-    ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    slots: np.ndarray  # [T] int64
-    tables: np.ndarray  # [S, max_blocks] int32
-    ctx_lens: np.ndarray  # [S] int32
-    q_lens: np.ndarray  # [S] int64
-    cu: np.ndarray  # [S + 1] int64
-    logit_rows: np.ndarray  # rows whose sequence samples this step
-    num_decodes: int
-    fill_dst: np.ndarray  # token indices whose id is still on the device (a pending token) ...
-    fill_src: np.ndarray  # ... and their rows in the previous step's sampled ids
-    batch_rows: np.ndarray | None = None  # each sequence's input-batch row
-    num_tokens: np.ndarray | None = None  # each sequence's tokens, pending ones included
-    samples: np.ndarray | None = None  # [S] bool: the sequence reaches its last token and samples
-
-    def message(self, prompt_logprob_rows: np.ndarray) -> list[np.ndarray]:
-        """The arrays a follower needs to run the same forward (``StepChannel``), with the hidden-state
-        row ranges whose logits prompt logprobs read (``[k, 2]``)."""
-        return [self.ids, self.positions, self.slots, self.tables, self.ctx_lens, self.q_lens, self.cu,
-                self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes]), prompt_logprob_rows]
-
-    @classmethod
-    def from_message(cls, arrays: list[np.ndarray]) -> tuple["StepArrays", np.ndarray]:
-        ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp = arrays
-        return cls(ids, positions, slots, tables.astype(np.int32), ctx_lens.astype(np.int32), q_lens, cu,
-                   logit_rows, int(nd[0]), fill_dst, fill_src), plp
 
 
 @dataclass(slots=True)
@@ -117,7 +77,9 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype, config.kv_cache_dtype,
                                              self.model.attention_layers()[0].num_kv_heads)
         started = time.perf_counter()
-        self.num_kv_blocks = self._rank_min(self._count_kv_blocks())  # the smallest budget fits every rank
+        blocks = count_kv_blocks(config, self.block_bytes, max_model_len, self.device, model_config.vocab_size,
+                                 self._profile_peak)
+        self.num_kv_blocks = self._rank_min(blocks)  # the smallest budget fits every rank
         logger.info("start-up: memory profile took %.2f s", time.perf_counter() - started)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, self.num_kv_blocks, self.device)
         spec = self.kv_spec
@@ -163,65 +125,25 @@ class ModelRunner:
     def block_bytes(self) -> int:
         return self.kv_spec.block_bytes
 
-    def _count_kv_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
-        else:
-            budget = self._cpu_kv_budget()
-        blocks = budget // self.block_bytes
-        if blocks < 1:
-            raise ValueError(f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no block of "
-                             f"{self.block_bytes / 2**20:.2f} MiB; raise gpu_memory_utilization or kv_cache_memory_bytes")
-        return int(blocks)
-
-    def _cpu_kv_budget(self) -> int:
-        """On the CPU: room for what the run can hold at once (max_num_seqs sequences of max_model_len
-        tokens), capped by a share of the memory the host has. The pages are touched only as they
-        fill (``lazy_zeros``), so a large cap costs nothing until it is used."""
-        per_seq = cdiv(self.max_model_len, self.block_size) * self.block_bytes
-        cap = int(host_available_bytes() * CPU_KV_MEMORY_SHARE)
-        return min(self.config.max_num_seqs * per_seq, max(cap, per_seq))
-
     @torch.no_grad()
-    def _profile_free_gpu_memory(self) -> int:
-        """Bytes left for the KV cache after the weights and a forward at the full token budget."""
+    def _profile_peak(self) -> int:
+        """Peak bytes of a forward at the full token budget (and the LM head at max_num_seqs rows), beside
+        the weights and the temporary cache it needs (``kv_sizing.count_kv_blocks`` sizes the cache by it)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        c = self.model_config
         n = self.config.max_num_batched_tokens
         lens = profile_lengths(n, self.max_model_len)
         width = cdiv(lens[0], self.block_size)
         blocks = width * len(lens)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, blocks, self.device, zero=False)
-        a = self._synthetic_step(lens, lens, np.arange(blocks, dtype=np.int32).reshape(len(lens), width))
+        a = synthetic_step(lens, lens, np.arange(blocks, dtype=np.int32).reshape(len(lens), width))
         ids, positions, slots = self._upload(torch.int64, a.ids, a.positions, a.slots)
         hidden = self.model(ids, positions, self._metadata(a, slots))
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
-        temp_cache = blocks * self.block_bytes
         release_kv_cache(self.model.attention_layers())
         del hidden
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - temp_cache
-        free, total = torch.cuda.mem_get_info(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)
-        sampler = self.config.max_num_seqs * c.vocab_size * 4 * 8  # logits, noise and sort temporaries
-        return int(total * self.config.gpu_memory_utilization - peak - others - sampler)
-
-    @staticmethod
-    def _synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray) -> StepArrays:
-        """Step arrays of made-up sequences (token 0 everywhere, each token's slot = its position),
-        for the start-up memory profile and kernel warm-up; decodes (q_len 1) must come first."""
-        q = np.array(q_lens, dtype=np.int64)
-        cu = np.concatenate([[0], np.cumsum(q)])
-        n, none = int(cu[-1]), np.zeros(0, dtype=np.int64)
-        positions = np.concatenate([np.arange(c - l, c) for l, c in zip(q_lens, ctx_lens)])
-        return StepArrays(np.zeros(n, dtype=np.int64), positions, positions.copy(), tables,
-                          np.array(ctx_lens, dtype=np.int32), q, cu, cu[1:] - 1, int((q == 1).sum()), none, none)
+        return torch.cuda.max_memory_allocated(self.device) - blocks * self.block_bytes
 
     @torch.no_grad()
     def _warm_up_kernels(self) -> None:
@@ -235,7 +157,7 @@ class ModelRunner:
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
             q_lens = [1] * num_decodes + ([chunk] if chunk else [])
             ctx = [width * self.block_size - 8] * num_decodes + ([chunk] if chunk else [])
-            a = self._synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32))
+            a = synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32))
             a.positions[:] = a.slots[:] = 0  # positions in any rotary table; all writes into block 0
             ids, positions, slots, rows = self._upload(torch.int64, a.ids, a.positions, a.slots, a.logit_rows)
             hidden = self.forward(ids, positions, self._metadata(a, slots))

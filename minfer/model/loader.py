@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from minfer.config import ModelConfig
 from minfer.distributed import SINGLE, TensorParallel
-from minfer.model.llama import LlamaForCausalLM
-from minfer.model.moe import EXPERT_MATRICES
-from minfer.model.quant import resolve_quantization
+from minfer.model.quantization import resolve_quantization
 from minfer.model.random_weights import random_tensors
+from minfer.model.registry import model_class
 from minfer.ops import Ops
 
 
@@ -63,12 +63,12 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device, load_format: str = "auto") -> None:
+def load_weights(model: nn.Module, model_dir: Path, device: torch.device, load_format: str = "auto") -> None:
     """Copy every checkpoint tensor into its parameter; fail if any parameter stays unloaded.
 
     ``load_format="dummy"`` skips the safetensors. It takes the tensors a checkpoint of the model's config
     would hold (``random_weights``), drawn on ``device`` (the model's), and feeds them down the same path as
-    a file's tensors. So tensor-parallel slicing, online FP8 quantization, expert stacking and the
+    a file's tensors. So tensor-parallel slicing, online quantization, expert stacking and the
     missing-tensor check all run as they would for a real checkpoint."""
     loaded: set[str] = set()
     tensors = _dummy_tensors(model, device) if load_format == "dummy" else _checkpoint_tensors(model_dir)
@@ -98,7 +98,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, device: torch.device,
     for pname, param in model.named_parameters():
         module_name, attr = pname.rsplit(".", 1)
         module = model.get_submodule(module_name)
-        if hasattr(module, "checkpoint_keys"):  # stacked: every checkpoint matrix (and its scales when FP8)
+        if hasattr(module, "checkpoint_keys"):  # stacked: every checkpoint matrix (and its format's tensors)
             expected |= {f"{module_name}.{a}#{i}" for a, i in module.checkpoint_keys()}
         else:
             expected.add(pname)
@@ -116,7 +116,7 @@ def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, Any, str]]:
                 yield name, f.get_slice(name), file.name
 
 
-def _dummy_tensors(model: LlamaForCausalLM, device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
+def _dummy_tensors(model: nn.Module, device: torch.device) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(name, tensor, "dummy weights") of random weights drawn on ``device``. A tensor slices
     like a safetensors slice (``source[rows]``, ``source[:, cols]``), so ``load_shard`` takes it as it is.
     Every tensor-parallel rank draws the same whole tensors from the same seed and keeps its own slice."""
@@ -124,20 +124,20 @@ def _dummy_tensors(model: LlamaForCausalLM, device: torch.device) -> Iterator[tu
         yield name, tensor, "dummy weights"
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] | None:
+def _target(model: nn.Module, name: str) -> tuple[str, str, int | None] | None:
     """Map an HF tensor name to (module path in our model, attribute, shard index or None)."""
     if name.startswith("model."):
         name = name[len("model."):]
     elif name == "lm_head.weight":
         return None if model.config.tie_word_embeddings else ("lm_head", "weight", None)
     module_name, attr = name.rsplit(".", 1)
-    parts = module_name.replace("block_sparse_moe", "mlp").split(".")  # Mixtral's name for the MoE block
-    if len(parts) >= 3 and parts[-3] == "experts" and parts[-1] in EXPERT_MATRICES:  # an expert's matrix
-        matrix = EXPERT_MATRICES[parts[-1]] + ("" if attr == "weight" else f".{attr}")  # FP8: '.weight_scale...'
+    parts = ["mlp" if p == model.moe_block else p for p in module_name.split(".")]  # the family's MoE block name
+    if len(parts) >= 3 and parts[-3] == "experts" and parts[-1] in model.expert_matrices:  # an expert's matrix
+        matrix = model.expert_matrices[parts[-1]] + ("" if attr == "weight" else f".{attr}")  # and its scales
         return ".".join(parts[:-3]), matrix, int(parts[-2])
     module_name = ".".join(parts)
-    if parts[-1] in LlamaForCausalLM.packed_modules:
-        fused, shard = LlamaForCausalLM.packed_modules[parts[-1]]
+    if parts[-1] in model.packed_modules:
+        fused, shard = model.packed_modules[parts[-1]]
         return ".".join(parts[:-1] + [fused]), attr, shard
     try:
         model.get_submodule(module_name)
@@ -149,17 +149,18 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[str, str, int | None] |
 @torch.no_grad()
 def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_position: int,
                 ops: Ops, tp: TensorParallel = SINGLE, quantization: str | None = None,
-                load_format: str = "auto") -> LlamaForCausalLM:
+                load_format: str = "auto") -> nn.Module:
     """The model on ``device``, computing with ``ops`` (``minfer.ops.select_ops``), weights loaded;
     under tensor parallelism, rank ``tp.rank``'s shard of it. ``quantization``: the engine's request
-    ('fp8' quantizes a float checkpoint online); an FP8 checkpoint says so in its config.
+    (a method of ``quantization.ONLINE_FORMATS``, applied to a float checkpoint as it loads); a quantized
+    checkpoint says so in its config.
     ``load_format``: 'auto' reads the safetensors, 'dummy' draws random weights (``load_weights``)."""
     if load_format == "dummy" and config.quantization_config is not None:
         raise ValueError("load_format='dummy' does not support pre-quantized checkpoints (config.json has a "
-                         "quantization_config): drop it from the config, and pass quantization='fp8' for FP8 "
+                         "quantization_config): drop it from the config, and pass the engine's quantization argument for "
                          "weights quantized as they load")
-    quant = resolve_quantization(config, quantization)
+    quant = resolve_quantization(config.quantization_config, quantization)
     with torch.device(device):
-        model = LlamaForCausalLM(config, dtype, max_position, ops, tp, quant)
+        model = model_class(config.architecture)(config, dtype, max_position, ops, tp, quant)
     load_weights(model, model_dir, device, load_format)
     return model.eval()

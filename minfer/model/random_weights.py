@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from minfer.config import ModelConfig
+from minfer.model.registry import model_class
 
 STD = 0.02  # the weights' standard deviation (HF's initializer_range)
 SEED = 0  # the dummy load's seed; write_random_checkpoint's default
@@ -32,7 +33,7 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        if config.attention_bias:  # Qwen2
+        if config.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
         shapes |= _mlp_shapes(config, n, p)
@@ -48,10 +49,9 @@ def _mlp_shapes(config: ModelConfig, layer: int, prefix: str) -> dict[str, tuple
         i = config.intermediate_size
         return {prefix + "mlp.gate_proj.weight": (i, h), prefix + "mlp.up_proj.weight": (i, h),
                 prefix + "mlp.down_proj.weight": (h, i)}
-    if config.architecture == "MixtralForCausalLM":
-        block, names = "block_sparse_moe", ("w1", "w3", "w2")
-    else:
-        block, names = "mlp", ("gate_proj", "up_proj", "down_proj")
+    family = model_class(config.architecture)  # its checkpoint names of the block and of the expert matrices
+    block = family.moe_block
+    names = tuple(next(n for n, ours in family.expert_matrices.items() if ours == m) for m in ("gate", "up", "down"))
     e, i = config.num_experts, config.moe_intermediate_size
     shapes = {f"{prefix}{block}.gate.weight": (e, h)}
     for x in range(e):

@@ -21,7 +21,7 @@ from minfer.ops.metadata import AttentionMetadata
 class OneTokenForward:
     """``model.forward`` for a step of exactly one token, as fused matrix-vector launches.
 
-    ``model`` is a Llama-family decoder (``minfer.model.llama.LlamaForCausalLM``): ``embed_tokens``,
+    ``model`` is a Llama-family decoder (``minfer.model.models.llama.LlamaForCausalLM``): ``embed_tokens``,
     and ``layers`` of ``input_layernorm``, ``self_attn`` (``qkv_proj``, ``attention``, ``o_proj``),
     ``post_attention_layernorm`` and ``mlp`` (``gate_up_proj``, ``down_proj``).
     """
@@ -53,7 +53,7 @@ class OneTokenForward:
 def _scale(linear: nn.Module) -> torch.Tensor | None:
     """An FP8 layer's weight scales (the matrix-vector kernels dequantize its e4m3 weights in registers;
     activations stay in the model dtype at one token)."""
-    return getattr(linear, "weight_scale", None) if linear.quant is not None else None
+    return getattr(linear, "weight_scale", None)  # only a quantized method keeps one
 
 
 class OneTokenFusedForward:

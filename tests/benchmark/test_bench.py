@@ -87,9 +87,9 @@ def test_a_cpu_run_past_the_limit_is_refused_before_anything_is_written(monkeypa
 
 def test_the_estimate_is_the_sum_bound_at_the_rates_given():
     from minfer.benchmark.offline import DecodeCost, estimate_seconds, throughput_bounds
-    from minfer.config import ModelConfig
+    from minfer.model.registry import model_config
 
-    cfg = ModelConfig.from_dict(shapes.shape_config("qwen3-0.6b"))
+    cfg = model_config(shapes.shape_config("qwen3-0.6b"))
     lens = ([100, 1000], [50, 500])
     fp32 = throughput_bounds(DecodeCost.for_model(cfg, 1, 4.0, 4.0), *lens, bandwidth=1e10, flop_s=1e11)
     seconds = estimate_seconds(cfg, *lens, flop_s=1e11, bandwidth=1e10)

@@ -13,7 +13,8 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.benchmark import shapes
 from minfer.cli import main as cli_main
-from minfer.config import EngineConfig, ModelConfig
+from minfer.config import EngineConfig
+from minfer.model.registry import load_model_config
 from minfer.distributed import TensorParallel
 from minfer.model.loader import build_model
 from minfer.ops import TorchOps
@@ -30,7 +31,7 @@ def dummy_folder(tmp_path, shape: str, dtype: torch.dtype = torch.float32):
 
 
 def build(path, load_format: str = "auto", tp: TensorParallel | None = None):
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_model_config(path)
     extra = {} if tp is None else {"tp": tp}
     return build_model(path, cfg, torch.float32, torch.device("cpu"), 64, TorchOps(), load_format=load_format, **extra)
 

@@ -8,12 +8,12 @@ import torch
 from minfer import LLM, SamplingParams
 from minfer.benchmark.offline import DecodeCost, batch1_bound
 from minfer.benchmark.shapes import shape_config, write_random_checkpoint
-from minfer.config import ModelConfig
+from minfer.model.registry import model_config
 
 
 @pytest.mark.parametrize("shape,total_b,active_b", [("qwen3-30b-a3b", 30.5, 3.3), ("mixtral-8x7b", 46.7, 12.9)])
 def test_moe_shapes_count_total_and_active_parameters(shape, total_b, active_b):
-    cfg = ModelConfig.from_dict(shape_config(shape))
+    cfg = model_config(shape_config(shape))
     cost = DecodeCost.for_model(cfg)
     embedding = cfg.vocab_size * cfg.hidden_size  # untied: not read per token, but a parameter
     active = cost.weight_bytes / 2 + embedding

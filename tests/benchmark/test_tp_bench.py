@@ -13,12 +13,13 @@ from minfer.benchmark.offline import DecodeCost, batch1_bound, run_batch1, throu
 from minfer.benchmark.workload import WORKLOAD_A_BOUND, WORKLOAD_A_SUM_BOUND, workload_a
 from minfer.cli import main as cli_main
 from minfer.config import ModelConfig
+from minfer.model.registry import load_model_config, model_config
 
 SMALL = ["--num-kv-blocks", "32", "--max-model-len", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
 
 
 def _config(shape: str, **kw) -> ModelConfig:
-    return ModelConfig.from_dict(shapes.shape_config(shape, **kw))
+    return model_config(shapes.shape_config(shape, **kw))
 
 
 def _workload_a_lens() -> tuple[list[int], list[int]]:
@@ -79,7 +80,7 @@ def test_bench_cli_tp2_end_to_end(tmp_path, monkeypatch):
     assert r["tensor_parallel_size"] == 2 and r["engine"]["tensor_parallel_size"] == 2
     assert r["output_tokens"] == 12 and r["output_tok_s_per_gpu"] == pytest.approx(r["output_tok_s"] / 2, abs=0.1)
     assert r["kv_cache_tokens"] == r["num_kv_blocks"] * 16
-    cfg = ModelConfig.from_pretrained(tmp_path / "tiny-llama")
+    cfg = load_model_config(tmp_path / "tiny-llama")
     expected = throughput_bounds(DecodeCost.for_model(cfg, 2, weight_element_bytes=4, kv_element_bytes=4),
                                  [8] * 3, [4] * 3)  # float32 on the CPU
     assert r["bounds"] == expected

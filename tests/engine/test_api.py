@@ -266,7 +266,7 @@ def test_kv_cache_sizing_from_bytes(checkpoints):
 def test_memory_profile_covers_the_whole_token_budget():
     """The start-up profile (GPU) runs a step as large as any real one: the budget split into
     sequences no longer than max_model_len, as a step of several prompt chunks carries it."""
-    from minfer.engine.model_runner import profile_lengths
+    from minfer.engine.kv_sizing import profile_lengths
 
     assert profile_lengths(16384, 4096) == [4096] * 4
     assert profile_lengths(16384, 5000) == [5000, 5000, 5000, 1384]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.config import EngineConfig, ModelConfig
+from minfer.config import EngineConfig
+from minfer.model.registry import model_config
 from minfer.engine.kv_cache import KVCacheSpec
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -118,7 +119,7 @@ def test_capacity_of_benchmark_shapes_about_doubles() -> None:
     from minfer.benchmark.shapes import SHAPES
 
     for shape, cfg in SHAPES.items():
-        mc = ModelConfig.from_dict(cfg)
+        mc = model_config(cfg)
         bf16 = KVCacheSpec.for_model(mc, 16, torch.bfloat16).block_bytes
         for fmt in FORMATS:
             ratio = bf16 / KVCacheSpec.for_model(mc, 16, torch.bfloat16, fmt).block_bytes

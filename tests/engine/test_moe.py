@@ -68,12 +68,12 @@ def test_moe_under_tensor_parallelism_equals_one_process(moe_ckpts, name):
     finally:
         llm.llm_engine.shutdown()
     assert_same_outputs(one, two)
-    from minfer.config import ModelConfig
+    from minfer.model.registry import load_model_config
     from minfer.distributed import TensorParallel
     from minfer.model.loader import build_model
     from minfer.ops import TorchOps
 
-    cfg = ModelConfig.from_pretrained(moe_ckpts[name])
+    cfg = load_model_config(moe_ckpts[name])
     shard = build_model(moe_ckpts[name], cfg, torch.float32, torch.device("cpu"), 64, TorchOps(), TensorParallel(1, 2))
     full = build_model(moe_ckpts[name], cfg, torch.float32, torch.device("cpu"), 64, TorchOps())
     assert sum(p.numel() for p in shard.parameters()) == held  # both ranks hold the same share
@@ -111,7 +111,7 @@ def test_block_fp8_moe_checkpoint_loads_and_matches_its_dequantized_reference(tm
     llm = LLM(str(ckpt), num_kv_blocks=64)
     model = llm.llm_engine.runner.model
     assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    assert model.layers[0].mlp.w_gate_up.dtype == torch.float32 and not model.layers[0].mlp._fp8
+    assert model.layers[0].mlp.w_gate_up.dtype == torch.float32 and not model.layers[0].mlp.method._pending
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     agreed = 0
     for prompt, out in zip(PROMPTS, outs):

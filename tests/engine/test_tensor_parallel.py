@@ -14,7 +14,7 @@ import torch
 
 from conftest import ARCHS, assert_greedy_match, assert_same_outputs, hf_greedy, make_checkpoint
 from minfer import LLM, SamplingParams, StructuredOutputsParams
-from minfer.config import ModelConfig
+from minfer.model.registry import load_model_config
 from minfer.distributed import TensorParallel
 from minfer.engine.tp_workers import TensorParallelError
 from minfer.model.loader import build_model
@@ -102,7 +102,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them(tmp_path):
 def test_each_rank_loads_only_its_shard(checkpoints, arch):
     """Resident parameter bytes per rank ≈ 1/N of the model (norms, replicated, are the only excess),
     and the shards together hold every weight."""
-    cfg = ModelConfig.from_pretrained(checkpoints[arch])
+    cfg = load_model_config(checkpoints[arch])
     full = build_model(checkpoints[arch], cfg, torch.float32, torch.device("cpu"), 64, TorchOps())
     total = sum(p.numel() for p in full.parameters())
     replicated = sum(p.numel() for n, p in full.named_parameters() if "norm" in n)

@@ -10,7 +10,7 @@ from kernel_testlib import EXACT_BF16, REL_TOL, assert_close, seed_per_case  # n
 from minfer.kernels import rms_norm, store_kv
 from minfer.kernels.kv_quant import KV_QUANT_FORMATS
 from minfer.kernels.rope_store import apply_rotary_ref, rope_store_kv, rope_store_kv_ref
-from minfer.model.layers import RotaryEmbedding
+from minfer.model.layers.rotary import RotaryEmbedding
 
 PAGE = 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minfer.config import ModelConfig
+from minfer.model.registry import load_model_config
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
@@ -30,7 +30,7 @@ def _meta(slots: list[int], ctx: int, num_decodes: int) -> AttentionMetadata:
 def _decode_hidden(path, backend: str, fused: bool | None) -> torch.Tensor:
     """Prefill PROMPT with the plain forward, then one decode step: through the ops' step forward
     (``fused=None``), or explicitly the fused one-token forward / the plain model forward."""
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_model_config(path)
     ops = select_ops(backend, torch.device("cpu"), BLOCK, cfg.head_dim)
     model = build_model(path, cfg, torch.float32, torch.device("cpu"), 64, ops)
     allocate_kv_cache(model.attention_layers(), KVCacheSpec.for_model(cfg, BLOCK, torch.float32), 2,
@@ -63,9 +63,9 @@ def test_step_forward_takes_the_fused_path_exactly_at_one_token(checkpoints, mon
     monkeypatch.setattr(one_token, "gemv_rms_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
     path = checkpoints["llama3"]
     stepped = _decode_hidden(path, "triton", None)
-    assert len(calls) == 2 * ModelConfig.from_pretrained(path).num_hidden_layers  # the decode, not the prefill
+    assert len(calls) == 2 * load_model_config(path).num_hidden_layers  # the decode, not the prefill
     assert torch.equal(stepped, _decode_hidden(path, "triton", True))
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = load_model_config(path)
     torch_ops = select_ops("torch", torch.device("cpu"), BLOCK, cfg.head_dim)
     model = build_model(path, cfg, torch.float32, torch.device("cpu"), 64, torch_ops)
     assert torch_ops.model_forward(model) is model  # the torch ops have no fused forward

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: this layer's cache, and the two ops that use it.
 
 Attention is the only layer that knows about sequences (``AttentionMetadata``). An 8-bit cache
-(``kv_cache_dtype`` int8 / fp8) comes with per-token-per-head ``k_scale``/``v_scale``; the ops
+(an 8-bit ``kv_cache_dtype``) comes with per-token-per-head ``k_scale``/``v_scale``; the ops
 quantize in the store and dequantize inside attention.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3; Qwen3-MoE and Mixtral with a sparse MoE
-block, ``model/moe.py``, in place of the MLP) over a flat batch of tokens.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) over a flat batch of tokens, and the decoder the
+other families extend.
 
-Every layer but attention sees a ``[num_tokens, hidden]`` matrix; the model differs between
-families only by q/k/v bias (Qwen2) and per-head q/k RMSNorm before rotary (Qwen3).
+Every layer but attention sees a ``[num_tokens, hidden]`` matrix; the members differ only by q/k/v bias
+(Qwen2) and per-head q/k RMSNorm before rotary (Qwen3), read from the config by each class.
 
 Under tensor parallelism (``tp``) each rank holds its share of the query heads and KV heads (q/k/v
 column-parallel, o_proj row-parallel), of the MLP's intermediate features, and of the vocabulary;
@@ -11,33 +11,38 @@ whole everywhere: the row-parallel products and the embedding are summed across 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from minfer.config import ModelConfig
-from minfer.model.attention import Attention
 from minfer.distributed import SINGLE, TensorParallel
-from minfer.model.layers import FusedLinear, GatedMLP, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
-from minfer.model.moe import SparseMoeBlock
-from minfer.model.quant import Fp8Format
+from minfer.model.layers.attention import Attention
+from minfer.model.layers.embedding import VocabParallelEmbedding
+from minfer.model.layers.linear import FusedLinear
+from minfer.model.layers.mlp import GatedMLP
+from minfer.model.layers.norm import RMSNorm
+from minfer.model.layers.rotary import RotaryEmbedding
+from minfer.model.quantization.base import UNQUANTIZED, QuantConfig
 from minfer.ops import AttentionMetadata, Ops, RopeInputs
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
-                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None, prefix: str = "self_attn") -> None:
+                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, prefix: str = "self_attn") -> None:
         super().__init__()
         self.head_dim = d = cfg.head_dim
         q_head, self.num_heads = tp.split(cfg.num_attention_heads)
         kv_head, self.num_kv_heads = tp.kv_heads(cfg.num_key_value_heads)
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
-        qkv_quant = quant if quant and quant.quantizes([f"{prefix}.{p}_proj" for p in "qkv"]) else None
-        o_quant = quant if quant and quant.quantizes([f"{prefix}.o_proj"]) else None
+        qkv = quant.linear_method([f"{prefix}.{p}_proj" for p in "qkv"]) if quant else UNQUANTIZED
+        o = quant.linear_method([f"{prefix}.o_proj"]) if quant else UNQUANTIZED
         self.qkv_proj = FusedLinear(cfg.hidden_size, qkv_sizes, cfg.attention_bias, dtype,
-                                    rows_from=[q_head * d, kv_head * d, kv_head * d], quant=qkv_quant, ops=ops)
+                                    rows_from=[q_head * d, kv_head * d, kv_head * d], method=qkv, ops=ops)
         self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype, cols_from=q_head * d, tp=tp,
-                                  quant=o_quant, ops=ops)
+                                  method=o, ops=ops)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.rotary = rotary
@@ -60,27 +65,27 @@ class LlamaAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
-                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None, index: int = 0) -> None:
+    """Pre-norm attention and MLP with the residual stream carried beside them (the norms add it)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops, mlp: nn.Module,
+                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        if index in cfg.moe_layers:
-            self.mlp: nn.Module = SparseMoeBlock(cfg, dtype, ops, tp, quant)
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, quant, f"layers.{index}.mlp")
+        self.mlp = mlp
+        # the formats the projections want their inputs in, emitted by the norms before them
+        self.attn_in = self.self_attn.qkv_proj.input_quant
+        self.mlp_in = mlp.gate_up_proj.input_quant if isinstance(mlp, GatedMLP) else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        fp8 = self.self_attn.qkv_proj.fp8_input  # FP8 layers take their input rounded by the norm's kernel
         if residual is None:
-            residual, x = x, self.input_layernorm(x, fp8=fp8)
+            residual, x = x, self.input_layernorm(x, out=self.attn_in)
         else:
-            x, residual = self.input_layernorm(x, residual, fp8=fp8)
+            x, residual = self.input_layernorm(x, residual, out=self.attn_in)
         x = self.self_attn(x, positions, meta)
-        mlp_in = self.mlp.gate_up_proj.fp8_input if isinstance(self.mlp, GatedMLP) else None
-        x, residual = self.post_attention_layernorm(x, residual, fp8=mlp_in)
+        x, residual = self.post_attention_layernorm(x, residual, out=self.mlp_in)
         return self.mlp(x), residual
 
 
@@ -94,21 +99,35 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
         "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0),
     }
+    moe_block = "mlp"  # the checkpoint's name of a layer's MoE block (MoE families)
+    expert_matrices: dict[str, str] = {}  # an expert's checkpoint matrix names -> 'gate' / 'up' / 'down'
+
+    @classmethod
+    def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """The model's config from its HF ``config.json`` (``ModelConfig.from_hf`` reads what every family
+        shares; a family passes what is its own)."""
+        return ModelConfig.from_hf(hf, attention_bias=bool(hf.get("attention_bias", False)))
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, ops: Ops,
-                 tp: TensorParallel = SINGLE, quant: Fp8Format | None = None) -> None:
+                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-        self.quant = quant  # the linear layers' FP8 format (None: the model dtype); embeddings stay unquantized
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops, tp, quant, i)
+        self.quant = quant  # the linear layers' weight format (None: the model dtype); embeddings stay float
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops, self.make_mlp(cfg, i, dtype, ops, tp, quant),
+                                                 tp, quant, i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)  # a weight holder
+
+    def make_mlp(self, cfg: ModelConfig, index: int, dtype: torch.dtype, ops: Ops, tp: TensorParallel,
+                 quant: QuantConfig | None) -> nn.Module:
+        """Layer ``index``'s MLP: SwiGLU here; the MoE families put their sparse block where the config says."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, quant, f"layers.{index}.mlp")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -133,4 +152,22 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if float32 else logits
 
     def attention_layers(self) -> list[Attention]:
+        """The layers that own KV cache tensors, in order (the engine sizes and allocates the cache by them)."""
         return [layer.self_attn.attn for layer in self.layers]
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with q/k/v bias; its sliding window applies only with ``use_sliding_window``."""
+
+    @classmethod
+    def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        return ModelConfig.from_hf(hf, attention_bias=True, sliding_window=int(window) if window else None)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with per-head RMSNorm on q and k before rotary."""
+
+    @classmethod
+    def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        return ModelConfig.from_hf(hf, attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True)

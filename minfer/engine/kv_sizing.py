@@ -1,0 +1,61 @@
+"""How many blocks the paged KV cache gets: the one place where the engine's memory settings
+(``num_kv_blocks``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``, the host's memory on a CPU)
+become a block count, given one block's bytes (``KVCacheSpec.block_bytes``, from the model's attention
+layers) and, on a GPU, the peak memory of a profiling forward the model runner ran.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from minfer.config import EngineConfig, cdiv
+from minfer.engine.kv_cache import host_available_bytes
+
+CPU_KV_MEMORY_SHARE = 0.5  # of the host's available memory, at most, for a CPU KV cache
+SAMPLER_BYTES_PER_LOGIT = 4 * 8  # float32 logits, noise and sort temporaries per row and vocabulary entry
+
+
+def profile_lengths(budget: int, max_model_len: int) -> list[int]:
+    """Sequence lengths of the start-up memory profile: a step carries up to the whole token budget, as
+    chunks of several prompts when the budget exceeds max_model_len, so the profile runs that many
+    tokens as sequences of at most max_model_len (one sequence of min(budget, max_model_len) tokens
+    under-counted activations by 2x at the old 8192 / 4096)."""
+    return [min(max_model_len, budget - start) for start in range(0, budget, max_model_len)]
+
+
+def count_kv_blocks(config: EngineConfig, block_bytes: int, max_model_len: int, device: torch.device,
+                    vocab_size: int, profile_peak: Callable[[], int]) -> int:
+    """The blocks this rank can hold. ``profile_peak``: runs the profiling forward and returns the peak
+    bytes allocated beside the weights' and the temporary cache's (called on a GPU only)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        budget = gpu_kv_budget(config, device, profile_peak(), vocab_size)
+    else:
+        budget = cpu_kv_budget(config, block_bytes, max_model_len)
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise ValueError(f"the KV cache budget ({budget / 2**20:.1f} MiB) holds no block of "
+                         f"{block_bytes / 2**20:.2f} MiB; raise gpu_memory_utilization or kv_cache_memory_bytes")
+    return int(blocks)
+
+
+def gpu_kv_budget(config: EngineConfig, device: torch.device, peak: int, vocab_size: int) -> int:
+    """``gpu_memory_utilization`` of the GPU, less the profiled peak, what other processes hold and the
+    sampler's temporaries at ``max_num_seqs`` rows."""
+    free, total = torch.cuda.mem_get_info(device)
+    others = total - free - torch.cuda.memory_reserved(device)
+    sampler = config.max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
+    return int(total * config.gpu_memory_utilization - peak - others - sampler)
+
+
+def cpu_kv_budget(config: EngineConfig, block_bytes: int, max_model_len: int) -> int:
+    """On the CPU: room for what the run can hold at once (max_num_seqs sequences of max_model_len
+    tokens), capped by a share of the memory the host has. The pages are touched only as they
+    fill (``kv_cache.lazy_zeros``), so a large cap costs nothing until it is used."""
+    per_seq = cdiv(max_model_len, config.block_size) * block_bytes
+    cap = int(host_available_bytes() * CPU_KV_MEMORY_SHARE)
+    return min(config.max_num_seqs * per_seq, max(cap, per_seq))

@@ -1,0 +1,50 @@
+"""A step's inputs on the host (``StepArrays``), as the model runner builds them with numpy and sends them to
+tensor-parallel followers, and made-up steps for start-up work (the memory profile, kernel warm-up)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class StepArrays:
+    """A step's inputs on the host, built with numpy over per-sequence arrays."""
+
+    ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    tables: np.ndarray  # [S, max_blocks] int32
+    ctx_lens: np.ndarray  # [S] int32
+    q_lens: np.ndarray  # [S] int64
+    cu: np.ndarray  # [S + 1] int64
+    logit_rows: np.ndarray  # rows whose sequence samples this step
+    num_decodes: int
+    fill_dst: np.ndarray  # token indices whose id is still on the device (a pending token) ...
+    fill_src: np.ndarray  # ... and their rows in the previous step's sampled ids
+    batch_rows: np.ndarray | None = None  # each sequence's input-batch row
+    num_tokens: np.ndarray | None = None  # each sequence's tokens, pending ones included
+    samples: np.ndarray | None = None  # [S] bool: the sequence reaches its last token and samples
+
+    def message(self, prompt_logprob_rows: np.ndarray) -> list[np.ndarray]:
+        """The arrays a follower needs to run the same forward (``StepChannel``), with the hidden-state
+        row ranges whose logits prompt logprobs read (``[k, 2]``)."""
+        return [self.ids, self.positions, self.slots, self.tables, self.ctx_lens, self.q_lens, self.cu,
+                self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes]), prompt_logprob_rows]
+
+    @classmethod
+    def from_message(cls, arrays: list[np.ndarray]) -> tuple["StepArrays", np.ndarray]:
+        ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp = arrays
+        return cls(ids, positions, slots, tables.astype(np.int32), ctx_lens.astype(np.int32), q_lens, cu,
+                   logit_rows, int(nd[0]), fill_dst, fill_src), plp
+
+
+def synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray) -> StepArrays:
+    """Step arrays of made-up sequences (token 0 everywhere, each token's slot = its position),
+    for the start-up memory profile and kernel warm-up; decodes (q_len 1) must come first."""
+    q = np.array(q_lens, dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(q)])
+    n, none = int(cu[-1]), np.zeros(0, dtype=np.int64)
+    positions = np.concatenate([np.arange(c - l, c) for l, c in zip(q_lens, ctx_lens)])
+    return StepArrays(np.zeros(n, dtype=np.int64), positions, positions.copy(), tables,
+                      np.array(ctx_lens, dtype=np.int32), q, cu, cu[1:] - 1, int((q == 1).sum()), none, none)

@@ -1,0 +1,54 @@
+"""The supported architectures: HF ``config.json`` ``architectures`` names -> model classes.
+
+The one place in ``minfer/`` that spells those names. A class reads its own config (``read_config``),
+maps its checkpoint's names (``packed_modules``, ``moe_block``, ``expert_matrices``) and wires its layers;
+adding an architecture is its class (in a family's file under ``models/``) and a line here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from minfer.config import ModelConfig
+from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from minfer.model.models.mixtral import MixtralForCausalLM
+from minfer.model.models.qwen3_moe import Qwen3MoeForCausalLM
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The class of an HF architecture name; an unknown one is an error naming the supported list."""
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        raise ValueError(f"unsupported architecture {architecture!r} (config.json 'architectures'); minfer "
+                         f"supports: {', '.join(ARCHITECTURES)}") from None
+
+
+def model_config(hf: dict[str, Any]) -> ModelConfig:
+    """A checkpoint's ``ModelConfig`` from its ``config.json`` contents, read by its family."""
+    archs = hf.get("architectures") or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {archs[0] if archs else None!r} (config.json "
+                         f"'architectures'={archs}); minfer supports: {', '.join(ARCHITECTURES)}")
+    return model_class(archs[0]).read_config(hf)
+
+
+def load_model_config(model_dir: Path | str) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint folder: ``config.json``, then ``generation_config.json``'s
+    end-of-sequence ids and sampling defaults."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face model folder")
+    return model_config(json.loads(path.read_text())).add_generation_config(Path(model_dir))
