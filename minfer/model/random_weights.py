@@ -22,42 +22,9 @@ SEED = 0  # the dummy load's seed; write_random_checkpoint's default
 
 
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of ``config`` holds, name -> shape, in drawing order."""
-    h, v, d = config.hidden_size, config.vocab_size, config.head_dim
-    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for n in range(config.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-        if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-        shapes |= _mlp_shapes(config, n, p)
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-    return shapes
-
-
-def _mlp_shapes(config: ModelConfig, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
-    """A layer's MLP tensors: dense, or a MoE block's router and experts under the checkpoint's names."""
-    h = config.hidden_size
-    if layer not in config.moe_layers:
-        i = config.intermediate_size
-        return {prefix + "mlp.gate_proj.weight": (i, h), prefix + "mlp.up_proj.weight": (i, h),
-                prefix + "mlp.down_proj.weight": (h, i)}
-    family = model_class(config.architecture)  # its checkpoint names of the block and of the expert matrices
-    block = family.moe_block
-    names = tuple(next(n for n, ours in family.expert_matrices.items() if ours == m) for m in ("gate", "up", "down"))
-    e, i = config.num_experts, config.moe_intermediate_size
-    shapes = {f"{prefix}{block}.gate.weight": (e, h)}
-    for x in range(e):
-        gate, up, down = (f"{prefix}{block}.experts.{x}.{n}.weight" for n in names)
-        shapes |= {gate: (i, h), up: (i, h), down: (h, i)}
-    return shapes
+    """Every tensor an HF checkpoint of ``config`` holds, name -> shape, in drawing order (its family's
+    ``checkpoint_shapes``)."""
+    return model_class(config.architecture).checkpoint_shapes(config)
 
 
 def draw(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype,

@@ -108,6 +108,45 @@ class LlamaForCausalLM(nn.Module):
         shares; a family passes what is its own)."""
         return ModelConfig.from_hf(hf, attention_bias=bool(hf.get("attention_bias", False)))
 
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor an HF checkpoint of ``config`` holds, name -> shape, in a fixed order (what
+        ``random_weights`` draws for benchmark checkpoints and dummy loads)."""
+        h, v, d = config.hidden_size, config.vocab_size, config.head_dim
+        q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+        shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+        if not config.tie_word_embeddings:
+            shapes["lm_head.weight"] = (v, h)
+        for n in range(config.num_hidden_layers):
+            p = f"model.layers.{n}."
+            shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+            if config.attention_bias:
+                shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= cls._mlp_shapes(config, n, p)
+            if config.qk_norm:
+                shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+        return shapes
+
+    @classmethod
+    def _mlp_shapes(cls, config: ModelConfig, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+        """A layer's MLP tensors: dense, or a MoE block's router and experts under the family's names."""
+        h = config.hidden_size
+        if layer not in config.moe_layers:
+            i = config.intermediate_size
+            return {prefix + "mlp.gate_proj.weight": (i, h), prefix + "mlp.up_proj.weight": (i, h),
+                    prefix + "mlp.down_proj.weight": (h, i)}
+        block = prefix + cls.moe_block
+        names = [next(n for n, ours in cls.expert_matrices.items() if ours == m) for m in ("gate", "up", "down")]
+        e, i = config.num_experts, config.moe_intermediate_size
+        shapes = {f"{block}.gate.weight": (e, h)}
+        for x in range(e):
+            gate, up, down = (f"{block}.experts.{x}.{n}.weight" for n in names)
+            shapes |= {gate: (i, h), up: (i, h), down: (h, i)}
+        return shapes
+
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_position: int, ops: Ops,
                  tp: TensorParallel = SINGLE, quant: QuantConfig | None = None) -> None:
         super().__init__()
