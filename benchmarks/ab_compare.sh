@@ -2,7 +2,7 @@
 # A/B on one GPU machine: this working tree against commit $1 (or a folder holding an old tree), alternating in separate processes (same machine,
 # same minutes, so host and clock noise hit both), logs and a summary under $OUT.
 #   batch 1 (llama-3.2-1b, batch1.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
-#   workload A on $SHAPES (minfer bench), $A_ROUNDS rounds (default 1; 0 skips it)
+#   workload A on $SHAPES (minfer bench; shape:fp8 adds --quantization fp8), $A_ROUNDS rounds (default 1; 0 skips it)
 # Usage: OUT=/tmp/ab ROUNDS=2 A_ROUNDS=2 SHAPES=qwen3-0.6b benchmarks/ab_compare.sh 0724a14
 # A machine whose copy of .git lacks the commit takes a folder: `git archive C | tar -x -C .ab_old`, carried along.
 set -uo pipefail
@@ -23,12 +23,14 @@ for r in $(seq "${ROUNDS:-2}"); do
   done
 done
 for r in $(seq "${A_ROUNDS:-1}"); do
- for shape in ${SHAPES:-qwen3-0.6b}; do
+ for variant in ${SHAPES:-qwen3-0.6b}; do  # a shape, or shape:fp8 for --quantization fp8
+  shape=${variant%%:*}; quant=(); [ "$variant" != "$shape" ] && quant=(--quantization "${variant#*:}")
+  name=${variant//:/-}
   for side in new old; do
     dir=$NEW; [ $side = old ] && dir=$OLD
-    (cd "$dir" && PYTHONPATH="$dir" timeout 200 python3 -m minfer.cli bench --quiet --shape "$shape" \
-      --output-json "$OUT/A_${shape}_${side}_$r.json") > "$OUT/A_${shape}_${side}_$r.log" 2>&1 || echo "exit $?"
-    echo "| workload A $shape, $side | $(grep -oE '"output_tok_s": [0-9.]+' "$OUT/A_${shape}_${side}_$r.json") |" \
+    (cd "$dir" && PYTHONPATH="$dir" timeout 200 python3 -m minfer.cli bench --quiet --shape "$shape" "${quant[@]}" \
+      --output-json "$OUT/A_${name}_${side}_$r.json") > "$OUT/A_${name}_${side}_$r.log" 2>&1 || echo "exit $?"
+    echo "| workload A $variant, $side | $(grep -oE '"output_tok_s": [0-9.]+' "$OUT/A_${name}_${side}_$r.json") |" \
       | tee -a "$OUT/summary.md"
   done
  done
