@@ -13,7 +13,7 @@ if [ -d "$1" ]; then
 else
   rm -rf "$OLD"; git worktree prune; git worktree add -f "$OLD" "$1" >/dev/null 2>&1 || { echo "no commit $1"; exit 1; }
 fi
-cp benchmarks/batch1.py benchmarks/gemv_chain.py "$OLD/benchmarks/"  # today's measurement, old engine
+cp benchmarks/batch1.py "$OLD/benchmarks/"  # today's measurement, old engine (it imports no kernel module)
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; echo "new: $(git rev-parse --short HEAD) + working tree, old: $1"; } | tee "$OUT/summary.md"
 for r in $(seq "${ROUNDS:-2}"); do
   for side in new old; do

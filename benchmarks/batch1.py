@@ -24,7 +24,18 @@ from minfer import LLM  # noqa: E402
 from minfer.benchmark.offline import run_batch1  # noqa: E402
 from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
 
-from gemv_chain import median_replay_us  # noqa: E402  (this folder)
+
+def median_replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median µs of ``reps`` replays of ``graph``, each timed alone by CUDA events."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[reps // 2]
 
 
 def graph_step_us(llm: LLM, reps: int = 300) -> float:

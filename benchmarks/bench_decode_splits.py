@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import DEV, DT, PEAK_BW, bench_graph, kv_bytes, paged_cache, quantized_cache  # noqa: E402
 from minfer.benchmark.workload import workload_a  # noqa: E402
-from minfer.kernels import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
-from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
+from minfer.kernels.attention.decode_attention import (  # noqa: E402
+    DecodeConfig, choose_num_splits, paged_decode_attention, paged_decode_attention_ref,
+)
 
 PAGE = 16
 

@@ -33,10 +33,11 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: the interpreter, 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import bench_graph  # noqa: E402
-from minfer.kernels import fp8_gemm as fg  # noqa: E402
-from minfer.kernels import fp8_quant as fq  # noqa: E402
-from minfer.kernels import fp8_ref as fr  # noqa: E402
-from minfer.kernels import gemv as gm  # noqa: E402
+from minfer.kernels.gemm import fp8_gemm as fg  # noqa: E402
+from minfer.kernels.quant import fp8_quant as fq  # noqa: E402
+from minfer.kernels.quant import fp8_ref as fr  # noqa: E402
+from minfer.kernels.gemm import gemv as gm  # noqa: E402
+from minfer.kernels.gemm.gemv_config import GemvConfig  # noqa: E402
 from minfer.kernels.activation import silu_and_mul  # noqa: E402
 from minfer.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
 
@@ -218,7 +219,7 @@ def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool) -> list[str]:
             if sweep and ws is not None:
                 best = None
                 for c in GEMV_SWEEP:
-                    cfg = gm.GemvConfig(c.block_n, min(c.block_k, 1 << (k - 1).bit_length()), c.num_warps)
+                    cfg = GemvConfig(c.block_n, min(c.block_k, 1 << (k - 1).bit_length()), c.num_warps)
                     try:
                         e = max_err(call(wt, ws, cfg), ref(wt, ws))
                         t = bench(lambda: call(wt, ws, cfg), rep=50)
@@ -238,7 +239,7 @@ GEMM_SWEEP = [fg.Fp8GemmConfig(bm, bn, group_m=gmm, num_warps=w, num_stages=s) f
     (64, 32, 8, 4, 4), (64, 64, 8, 4, 4), (64, 64, 8, 4, 5), (64, 128, 8, 4, 3), (64, 128, 8, 4, 4),
     (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 8, 4, 3), (128, 256, 8, 8, 3),
     (64, 256, 8, 4, 3)]]
-GEMV_SWEEP = [gm.GemvConfig(bn, bk, w) for bn, bk, w in [
+GEMV_SWEEP = [GemvConfig(bn, bk, w) for bn, bk, w in [
     (4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (8, 2048, 8), (16, 256, 8)]]
 
 

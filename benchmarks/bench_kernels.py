@@ -38,23 +38,23 @@ from triton.testing import do_bench  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from minfer.kernels import (  # noqa: E402
-    fused_add_rms_norm, fused_add_rms_norm_ref, paged_decode_attention,
-    paged_decode_attention_ref, paged_prefill_attention, paged_prefill_attention_ref, silu_and_mul,
-    silu_and_mul_ref, store_kv, store_kv_ref,
-)
-from minfer.kernels.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
-from minfer.kernels.gemv import GemvConfig, gemv, gemv_ref, gemv_rms_norm, gemv_silu_mul  # noqa: E402
-from minfer.kernels.gemv import _RMS_NORM, _SILU_MUL  # noqa: E402
-from minfer.kernels.gemv import default_config as default_gemv_config  # noqa: E402
+from minfer.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from minfer.kernels.attention.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from minfer.kernels.attention.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
+from minfer.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
+from minfer.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
+from minfer.kernels.attention.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
+from minfer.kernels.gemm.gemv import gemv, gemv_ref, gemv_rms_norm, gemv_silu_mul  # noqa: E402
+from minfer.kernels.gemm.gemv_config import RMS_NORM, SILU_MUL, GemvConfig  # noqa: E402
+from minfer.kernels.gemm.gemv_config import default_config as default_gemv_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
-from minfer.kernels.prefill_attention import PrefillConfig  # noqa: E402
-from minfer.kernels import decode_attention_sm90 as sm90_decode  # noqa: E402
-from minfer.kernels import prefill_attention_sm90 as sm90_prefill  # noqa: E402
-from minfer.kernels.decode_attention_sm90 import paged_decode_attention_sm90  # noqa: E402
-from minfer.kernels.gluon_sm90 import sm90_available  # noqa: E402
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90  # noqa: E402
-from minfer.kernels.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
+from minfer.kernels.attention.prefill_attention import PrefillConfig  # noqa: E402
+from minfer.kernels.attention import decode_attention_sm90 as sm90_decode  # noqa: E402
+from minfer.kernels.attention import prefill_attention_sm90 as sm90_prefill  # noqa: E402
+from minfer.kernels.attention.decode_attention_sm90 import paged_decode_attention_sm90  # noqa: E402
+from minfer.kernels.attention.gluon_sm90 import sm90_available  # noqa: E402
+from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90  # noqa: E402
+from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
 PEAK_BW = HBM_BYTES_PER_S  # BENCHMARKS.md's measured copy bandwidth
 PEAK_FLOPS = 793e12
@@ -471,7 +471,7 @@ def gemv_fused_case(n: int, k: int, label: str, prologue: str, sweep: bool) -> l
         note += "" if torch.equal(new_res, res_check) else " residual MISMATCH"
     shape = f"{label} {n}x{k}, x [1, {k}]"
     fused_ms, unfused_ms = bench_graph(fused), bench_graph(unfused)
-    cfg = default_gemv_config(n, k, _SILU_MUL if prologue == "silu" else _RMS_NORM)
+    cfg = default_gemv_config(n, k, SILU_MUL if prologue == "silu" else RMS_NORM)
     rows = [Row(kernel, shape, "triton fused", fused_ms, nbytes, 2 * n * k,
                 f"{note}, {unfused_ms / fused_ms:.2f}x unfused, {cfg}"),
             Row(kernel, shape, unfused_impl, unfused_ms, nbytes, 2 * n * k, "two launches")]

@@ -27,8 +27,8 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: the interpreter, 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import bench, bench_graph, rel_err  # noqa: E402
-from minfer.kernels.moe import MoeConfig, fused_moe, moe_config  # noqa: E402
-from minfer.kernels.moe_ref import fused_moe_ref, moe_route_ref  # noqa: E402
+from minfer.kernels.moe.moe import MoeConfig, fused_moe, moe_config  # noqa: E402
+from minfer.kernels.moe.moe_ref import fused_moe_ref, moe_route_ref  # noqa: E402
 
 PEAK_BW = 4.22e12  # measured device-to-device copy, bytes read + written (BENCHMARKS.md)
 PEAK_FLOPS = 793e12  # measured bf16 torch.mm

@@ -23,9 +23,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from batch1 import median_replay_us  # noqa: E402  (this folder)
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
 from minfer.benchmark.shapes import SHAPES  # noqa: E402
-from minfer.kernels import gemv as gm  # noqa: E402
+from minfer.kernels._utils import next_pow2  # noqa: E402
+from minfer.kernels.gemm import gemv as gm  # noqa: E402
+from minfer.kernels.gemm.gemv_config import PLAIN, RMS_NORM, SILU_MUL, GemvConfig, default_config  # noqa: E402
 
 OPS = ("qkv", "o", "gate_up", "down")
 
@@ -35,8 +38,8 @@ def op_shapes(shape: str) -> dict[str, tuple[int, int, int]]:
     c = SHAPES[shape]
     h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    return {"qkv": (q + 2 * kv, h, gm._RMS_NORM), "o": (h, q, gm._PLAIN), "gate_up": (2 * i, h, gm._RMS_NORM),
-            "down": (h, i, gm._SILU_MUL)}
+    return {"qkv": (q + 2 * kv, h, RMS_NORM), "o": (h, q, PLAIN), "gate_up": (2 * i, h, RMS_NORM),
+            "down": (h, i, SILU_MUL)}
 
 
 class Chain:
@@ -55,7 +58,7 @@ class Chain:
         self.attn = torch.randn(1, self.shapes["o"][1], device=dev, dtype=dt)  # stands in for attention's output
         self.bytes = sum(t.numel() * t.element_size() for layer in self.w for t in layer.values())
 
-    def run(self, cfgs: dict[str, gm.GemvConfig]) -> torch.Tensor:
+    def run(self, cfgs: dict[str, GemvConfig]) -> torch.Tensor:
         x, res = self.x, self.res
         for w in self.w:
             _, res = gm.gemv_rms_norm(x, res, self.nw, self.eps, w["qkv"], config=cfgs["qkv"])
@@ -64,7 +67,7 @@ class Chain:
             x = gm.gemv_silu_mul(gate_up, w["down"], config=cfgs["down"])
         return x
 
-    def time_us(self, cfgs: dict[str, gm.GemvConfig], reps: int = 60) -> float:
+    def time_us(self, cfgs: dict[str, GemvConfig], reps: int = 60) -> float:
         self.run(cfgs)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -77,22 +80,9 @@ class Chain:
         return us
 
 
-def median_replay_us(graph: torch.cuda.CUDAGraph, reps: int) -> float:
-    """Median µs of ``reps`` replays of ``graph``, each timed alone by CUDA events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[reps // 2]
-
-
-def candidates(k: int) -> list[gm.GemvConfig]:
-    widths = sorted({min(w, gm.next_pow2(k)) for w in (512, 1024, 2048)})
-    return [gm.GemvConfig(bn, bk, warps, stages) for bn, bk, warps, stages in
+def candidates(k: int) -> list[GemvConfig]:
+    widths = sorted({min(w, next_pow2(k)) for w in (512, 1024, 2048)})
+    return [GemvConfig(bn, bk, warps, stages) for bn, bk, warps, stages in
             itertools.product((2, 4, 8), widths, (2, 4, 8), (2, 3))]
 
 
@@ -104,7 +94,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     chain = Chain(args.shape, args.layers)
-    base = {op: gm.default_config(n, k, p) for op, (n, k, p) in chain.shapes.items()}
+    base = {op: default_config(n, k, p) for op, (n, k, p) in chain.shapes.items()}
     ideal = chain.bytes / HBM_BYTES_PER_S * 1e6
     base_us = chain.time_us(base)
     print(f"{args.shape}: {chain.layers} layers, {chain.bytes / 1e9:.2f} GB, ideal {ideal:.0f} us at "

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_kernels import bench_graph, contiguous_kv, paged_cache, quantized_cache, rel_err  # noqa: E402
-from minfer.kernels import prefill_attention_sm90 as sm90  # noqa: E402
-from minfer.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from minfer.kernels.attention import prefill_attention_sm90 as sm90  # noqa: E402
+from minfer.kernels.attention.prefill_attention import paged_prefill_attention  # noqa: E402
 
 
 def main() -> None:

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_kernels import PEAK_BW, bench_graph, contiguous_kv, kv_bytes, paged_cache, quantized_cache, rel_err  # noqa: E402
-from minfer.kernels import decode_attention_sm90 as sm90  # noqa: E402
-from minfer.kernels.decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+from minfer.kernels.attention import decode_attention_sm90 as sm90  # noqa: E402
+from minfer.kernels.attention.decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
 
 
 def main() -> None:

@@ -31,10 +31,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from minfer import LLM  # noqa: E402
 from minfer.benchmark.offline import run_batch1  # noqa: E402
 from minfer.benchmark.shapes import write_random_checkpoint  # noqa: E402
-from minfer.kernels import decode_attention  # noqa: E402
-from minfer.kernels import gemv as gm  # noqa: E402
+from minfer.kernels.attention import decode_attention  # noqa: E402
+from minfer.kernels.gemm import gemv as gm  # noqa: E402  (its default_config is what a variant replaces)
+from minfer.kernels.gemm.gemv_config import GemvConfig  # noqa: E402
 
-from gemv_chain import median_replay_us  # noqa: E402  (benchmarks/)
+from batch1 import median_replay_us  # noqa: E402  (benchmarks/)
 
 # name -> decode MIN_SPLIT_TOKENS (the engine's split count at batch 1 is the block table's width over it:
 # 16 at max_model_len 4096 by default)
@@ -52,7 +53,7 @@ class _NoLaunch:
 # time without a kernel, against ``base``, is what that kernel costs inside the chain (PDL overlap included).
 KNOCKOUTS = {
     "skip_rope": ("minfer.ops.triton_ops", "rope_store_kv", lambda *a, **k: None),
-    "skip_merge": ("minfer.kernels.decode_attention", "_decode_merge_kernel", _NoLaunch()),
+    "skip_merge": ("minfer.kernels.attention.decode_attention", "_decode_merge_kernel", _NoLaunch()),
     "skip_attn": ("minfer.ops.triton_ops", "paged_decode_attention", lambda q, *a, out=None, **k: out),
 }
 
@@ -80,7 +81,7 @@ def knock_out(name: str):
 def gemv_rule(name: str, default, json_path: str | None):
     """A ``gemv.default_config`` stand-in per variant name (None: leave the module's own)."""
     if name == "gemv":  # the configs gemv_chain.py --json picked, for the shapes it tuned
-        table = {tuple(v["shape"]): gm.GemvConfig(**v["config"])
+        table = {tuple(v["shape"]): GemvConfig(**v["config"])
                  for v in json.loads(Path(json_path).read_text()).values()}
         return lambda n, k, prologue=0: table.get((n, k, prologue)) or default(n, k, prologue)
     return None

@@ -23,7 +23,7 @@ for v in ${SPLIT_VARIANTS:-}; do
   echo "== workload A qwen3-0.6b, split heuristic $v"
   timeout 150 python3 -c "
 import sys
-import minfer.kernels.decode_attention as d
+import minfer.kernels.attention.decode_attention as d
 d.ENOUGH_PER_SM, d.SPLIT_TARGET_PER_SM = (int(x) for x in sys.argv[1].split('/'))
 from minfer.cli import main
 sys.exit(main(sys.argv[2:]))" "$v" -v bench --quiet --shape qwen3-0.6b --output-json "$OUT/qwen3_split_${v/\//_}.json" \
@@ -34,7 +34,7 @@ for v in ${DECODE_CONFIGS:-}; do
   echo "== workload A qwen3-0.6b, decode config $v"
   timeout 150 python3 -c "
 import sys
-import minfer.kernels.decode_attention as d
+import minfer.kernels.attention.decode_attention as d
 if sys.argv[1] != 'default':
     base, cfg = d.default_config, d.DecodeConfig(*(int(x) for x in sys.argv[1].split('/')))
     d.default_config = lambda device, head_dim, dtype, cache_dtype=None: cfg if cache_dtype is None else base(

@@ -16,8 +16,7 @@ from typing import Callable
 
 import torch
 
-from minfer.kernels import rms_norm
-from minfer.kernels.rmsnorm import _rms_norm_kernel
+from minfer.kernels.rmsnorm import _rms_norm_kernel, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
 from minfer.model.layers.rotary import RotaryEmbedding
 

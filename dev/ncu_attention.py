@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_kernels import paged_cache, quantized_cache  # noqa: E402
-from minfer.kernels.decode_attention_sm90 import paged_decode_attention_sm90  # noqa: E402
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90  # noqa: E402
+from minfer.kernels.attention.decode_attention_sm90 import paged_decode_attention_sm90  # noqa: E402
+from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90  # noqa: E402
 
 kernel, kv_dtype = sys.argv[1], sys.argv[2]
 hq, hkv, d = 32, 8, 128

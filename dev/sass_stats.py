@@ -127,8 +127,8 @@ def decode_variants(kv: str):
     heads (group 4, head dim 128), bf16 q, the device default config for the cache format."""
     import torch
 
-    from minfer.kernels import decode_attention as da
-    from minfer.kernels.kv_quant import KV_QUANT_FORMATS
+    from minfer.kernels.attention import decode_attention as da
+    from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS
 
     fmt = KV_QUANT_FORMATS.get(kv)
     code = "bf16" if fmt is None else "i8" if fmt.is_int else "u8"

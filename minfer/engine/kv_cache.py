@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minfer.config import ModelConfig
-from minfer.kernels.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE
+from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
-from .kv_quant import write_kv_rows
-from .quant import KVQuantFormat, check_cache_scales, row_scales, scaled_codes, store_constexprs
+from .quant.kv_quant import write_kv_rows
+from .quant.quant import KVQuantFormat, check_cache_scales, row_scales, scaled_codes, store_constexprs
 
 
 @triton.jit

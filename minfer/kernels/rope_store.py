@@ -23,7 +23,7 @@ import triton.language as tl
 from ._utils import interpreting, next_pow2
 from .kv_store import check_store_args, store_kv_ref, store_token_rows
 from .pdl import launch_options, use_pdl, wait_for_previous
-from .quant import store_constexprs
+from .quant.quant import store_constexprs
 from .rmsnorm import rms_norm_ref
 
 

@@ -42,7 +42,7 @@ def select_ops(attention_backend: str, device: torch.device, block_size: int, he
 
 def _check_triton_interpreter() -> None:
     """On the CPU, Triton kernels only run in its interpreter, which must be on before Triton loads."""
-    from minfer.kernels import rms_norm
+    from minfer.kernels.rmsnorm import rms_norm
 
     try:
         rms_norm(torch.ones(1, 16), torch.ones(16), 1e-6)

@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minfer.kernels.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, group_amax
-from minfer.kernels.moe_ref import fused_moe_ref
+from minfer.kernels.moe.moe_ref import fused_moe_ref
+from minfer.kernels.quant.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, group_amax
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
 
 # (input_ids [T], positions [T], metadata) -> final hidden states [T, hidden] (before the final norm)
@@ -69,7 +69,7 @@ class Ops(ABC):
     def quantize_activation(self, x: torch.Tensor, input_scale: torch.Tensor | None, block: bool) -> Fp8Activation:
         """``x`` [T, K] → e4m3 codes and float32 scales. The codes are ``x / scale``, as compressed-tensors
         (HF's reference for its checkpoints) divides; the kernels multiply by ``1 / scale``
-        (``kernels/fp8_ref.py``), which may put a value one e4m3 step away."""
+        (``kernels/quant/fp8_ref.py``), which may put a value one e4m3 step away."""
         xs = x.float()
         if input_scale is not None:
             scale = input_scale.float().expand(xs.shape[0]).contiguous()
@@ -112,7 +112,7 @@ class Ops(ABC):
         (renormalised to sum to one when ``renormalize``), and the weighted sum of those experts'
         SwiGLU MLPs (``w_gate_up`` [E, 2I, H]: gate rows then up rows; ``w_down`` [E, H, I]). The
         weights are rounded to ``weights_dtype`` (default: the logits' dtype, as Qwen3-MoE; Mixtral keeps
-        float32). The reference is a loaded HF model's block op for op (``kernels/moe_ref.py``)."""
+        float32). The reference is a loaded HF model's block op for op (``kernels/moe/moe_ref.py``)."""
         return fused_moe_ref(x, router_logits, w_gate_up, w_down, top_k, renormalize, weights_dtype=weights_dtype)
 
     def model_forward(self, model: nn.Module) -> ModelForward:

@@ -1,6 +1,6 @@
 """The forward of a one-token step on the Triton kernels, built from the model from outside.
 
-At batch 1 every projection is a weight stream (``minfer/kernels/gemv.py``) and each small kernel
+At batch 1 every projection is a weight stream (``minfer/kernels/gemm/gemv.py``) and each small kernel
 between two projections costs about what a matrix-vector product does. So here each layer's two
 RMSNorms (with their residual adds) run in the prologue of the matrix-vector kernel after them
 (qkv, gate_up) and SwiGLU in the down projection's: three launches fewer per layer. The decoder
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minfer.kernels.gemv import gemv, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv import gemv, gemv_rms_norm, gemv_silu_mul
 from minfer.ops.metadata import AttentionMetadata
 
 

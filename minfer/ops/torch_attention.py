@@ -1,7 +1,7 @@
 """Attention in plain torch with HF's rounding: rotary, and paged attention over decodes and chunks.
 
 The engine's CPU path and the reference the Triton path is held to on whole models. An 8-bit cache
-is dequantized right after the gather of the context (``minfer/kernels/kv_quant.py``), where the
+is dequantized right after the gather of the context (``minfer/kernels/quant/kv_quant.py``), where the
 Triton kernels dequantize in registers.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minfer.kernels.kv_quant import dequantize_ref, gather_scales
+from minfer.kernels.quant.kv_quant import dequantize_ref, gather_scales
 from minfer.ops.metadata import AttentionMetadata
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minfer.kernels.kv_quant import write_kv_rows
+from minfer.kernels.quant.kv_quant import write_kv_rows
 from minfer.ops.base import Ops
 from minfer.ops.metadata import AttentionMetadata, PagedKVCache, RopeInputs
 from minfer.ops.torch_attention import rotate_hf, torch_decode_attention, torch_prefill_attention

@@ -8,15 +8,15 @@ import torch
 from torch import nn
 
 from minfer.kernels.activation import silu_and_mul
-from minfer.kernels.decode_attention import paged_decode_attention
-from minfer.kernels.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
-from minfer.kernels.fp8_ref import FP8_GROUP
-from minfer.kernels.moe import fused_moe
-from minfer.kernels.prefill_attention import paged_prefill_attention
-from minfer.kernels.decode_attention_sm90 import paged_decode_attention_sm90
-from minfer.kernels.gluon_sm90 import sm90_available
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90
+from minfer.kernels.attention.decode_attention import paged_decode_attention
+from minfer.kernels.attention.decode_attention_sm90 import paged_decode_attention_sm90
+from minfer.kernels.attention.gluon_sm90 import sm90_available
+from minfer.kernels.attention.prefill_attention import paged_prefill_attention
+from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
+from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
+from minfer.kernels.moe.moe import fused_moe
+from minfer.kernels.quant.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
+from minfer.kernels.quant.fp8_ref import FP8_GROUP
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_store_kv
 from minfer.kernels.sampling import greedy_argmax, gumbel_argmax

@@ -19,11 +19,11 @@ if not glob.glob("/dev/nvidia[0-9]*"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from minfer.kernels import (  # noqa: E402
-    fused_add_rms_norm, fused_add_rms_norm_ref,
-    paged_decode_attention, paged_decode_attention_ref, paged_prefill_attention, paged_prefill_attention_ref,
-    rms_norm, rms_norm_ref, silu_and_mul, silu_and_mul_ref, store_kv, store_kv_ref,
-)
+from minfer.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from minfer.kernels.attention.decode_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from minfer.kernels.attention.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
+from minfer.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
+from minfer.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -172,7 +172,7 @@ def quantize_paged_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_dtype: st
                       scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, ...]:
     """(k codes, v codes, k_scale, v_scale) of float caches ``[blocks, page, Hkv, D]`` in format ``kv_dtype``,
     scales in the paged layout ``[blocks, Hkv, page]``."""
-    from minfer.kernels.kv_quant import KV_QUANT_FORMATS, quantize_ref
+    from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS, quantize_ref
 
     fmt = KV_QUANT_FORMATS[kv_dtype]
     kc, ks = quantize_ref(k_cache, fmt, scale_dtype)
@@ -232,7 +232,7 @@ def check_prefill_quant(q_lens: list[int], ctx_lens: list[int], num_heads: int, 
 def check_store_kv_quant(num_tokens: int, num_kv_heads: int, head_dim: int, page: int, kv_dtype: str,
                          dtype: torch.dtype, scale_dtype: torch.dtype, device: str) -> None:
     """Kernel vs reference: the same codes and scales bit for bit; untouched slots stay untouched."""
-    from minfer.kernels.kv_quant import KV_QUANT_FORMATS
+    from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS
 
     code_dtype = KV_QUANT_FORMATS[kv_dtype].dtype
     num_blocks = num_tokens // page + 4

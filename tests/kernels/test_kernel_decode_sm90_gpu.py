@@ -9,10 +9,10 @@ import torch
 from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
     check_decode, check_decode_quant, make_paged_kv, quantize_paged_kv, rel_err, seed_per_case,
 )
-from minfer.kernels import paged_decode_attention
-from minfer.kernels import decode_attention_sm90 as sm90
-from minfer.kernels.decode_attention_sm90 import paged_decode_attention_sm90
-from minfer.kernels.gluon_sm90 import sm90_available
+from minfer.kernels.attention import decode_attention_sm90 as sm90
+from minfer.kernels.attention.decode_attention import paged_decode_attention
+from minfer.kernels.attention.decode_attention_sm90 import paged_decode_attention_sm90
+from minfer.kernels.attention.gluon_sm90 import sm90_available
 
 pytestmark = [
     pytest.mark.gpu,

@@ -9,12 +9,11 @@ import pytest
 import torch
 from kernel_testlib import EXACT_BF16, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
 
-from minfer.kernels import fp8_gemm as fg
-from minfer.kernels import fp8_quant as fq
-from minfer.kernels import fp8_ref as fr
+from minfer.kernels.gemm import fp8_gemm as fg
+from minfer.kernels.quant import fp8_quant as fq
+from minfer.kernels.quant import fp8_ref as fr
 from minfer.kernels.activation import silu_and_mul
-from minfer.kernels.gemv import (
-    GemvConfig,
+from minfer.kernels.gemm.gemv import (
     gemv,
     gemv_ref,
     gemv_rms_norm,
@@ -22,6 +21,7 @@ from minfer.kernels.gemv import (
     gemv_silu_mul,
     gemv_silu_mul_ref,
 )
+from minfer.kernels.gemm.gemv_config import BLOCK, CHANNEL, RMS_NORM, SILU_MUL, GemvConfig, default_fp8_config
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
 MK = [(1, 200), (3, 77), (17, 300)]  # M = 1, 3, 17; K never a multiple of 128
@@ -301,13 +301,11 @@ def test_gemv_fp8_fused_prologues_match_unfused(n, k, config, fmt, dtype):
 
 
 def _silu_config(n: int, k: int, fmt: str) -> GemvConfig:
-    from minfer.kernels import gemv as gm
-    return gm.default_fp8_config(n, k, gm._SILU_MUL, gm._BLOCK if fmt == "block" else gm._CHANNEL)
+    return default_fp8_config(n, k, SILU_MUL, BLOCK if fmt == "block" else CHANNEL)
 
 
 def _rms_config(n: int, k: int, fmt: str) -> GemvConfig:
-    from minfer.kernels import gemv as gm
-    return gm.default_fp8_config(n, k, gm._RMS_NORM, gm._BLOCK if fmt == "block" else gm._CHANNEL)
+    return default_fp8_config(n, k, RMS_NORM, BLOCK if fmt == "block" else CHANNEL)
 
 
 def test_gemv_fp8_rejects_bad_scales():

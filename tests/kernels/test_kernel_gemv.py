@@ -6,10 +6,9 @@ import pytest
 import torch
 from kernel_testlib import EXACT_BF16, REL_TOL, rel_err
 
-from minfer.kernels import fused_add_rms_norm, rms_norm, silu_and_mul
-from minfer.kernels import gemv as gemv_module
-from minfer.kernels.gemv import (
-    GemvConfig,
+from minfer.kernels.activation import silu_and_mul
+from minfer.kernels.gemm import gemv as gemv_module
+from minfer.kernels.gemm.gemv import (
     gemv,
     gemv_ref,
     gemv_rms_norm,
@@ -17,6 +16,8 @@ from minfer.kernels.gemv import (
     gemv_silu_mul,
     gemv_silu_mul_ref,
 )
+from minfer.kernels.gemm.gemv_config import GemvConfig
+from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
 
 @pytest.mark.parametrize("n,k,bias,config", [

@@ -17,10 +17,10 @@ from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
     assert_close, check_decode_quant, check_prefill_quant, check_store_kv_quant, make_paged_kv, quantize_paged_kv,
     seed_per_case,
 )
-from minfer.kernels import paged_decode_attention_ref, paged_prefill_attention_ref
-from minfer.kernels.decode_attention import DecodeConfig
-from minfer.kernels.kv_quant import KV_QUANT_FORMATS, dequantize_ref, quantize_ref
-from minfer.kernels.quant import split_q_int8
+from minfer.kernels.attention.decode_attention import DecodeConfig, paged_decode_attention_ref
+from minfer.kernels.attention.prefill_attention import paged_prefill_attention_ref
+from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS, dequantize_ref, quantize_ref
+from minfer.kernels.quant.quant import split_q_int8
 from minfer.ops import AttentionMetadata
 from minfer.ops.torch_attention import torch_decode_attention, torch_prefill_attention
 
@@ -122,7 +122,8 @@ def test_engine_torch_path_matches_reference(kv_dtype: str) -> None:
 
 
 def test_scales_are_required_and_checked() -> None:
-    from minfer.kernels import paged_decode_attention, store_kv
+    from minfer.kernels.attention.decode_attention import paged_decode_attention
+    from minfer.kernels.kv_store import store_kv
 
     kf, vf, table = make_paged_kv([5], 2, 32, PAGE, torch.float32, "cpu")
     kc, vc, ks, vs = quantize_paged_kv(kf, vf, "int8")

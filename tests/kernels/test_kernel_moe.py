@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from kernel_testlib import EXACT_BF16, distinct_logits, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse)
 
-from minfer.kernels.moe import MOE_CONFIGS, MoeConfig, fused_moe, max_blocks, moe_config, moe_route
-from minfer.kernels.moe_ref import fused_moe_ref, moe_experts_ref, moe_route_ref
+from minfer.kernels.moe.moe import MOE_CONFIGS, MoeConfig, fused_moe, max_blocks, moe_config, moe_route
+from minfer.kernels.moe.moe_ref import fused_moe_ref, moe_experts_ref, moe_route_ref
 
 KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 1e-2 if EXACT_BF16 else 4e-2}
 SMALL = MoeConfig(16, 32, 32)  # 16-row blocks, 16-column gate/up halves: several blocks and tiles at test shapes

@@ -19,8 +19,8 @@ import pytest
 import torch
 from kernel_testlib import distinct_logits, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
 
-from minfer.kernels.moe import fused_moe, moe_route
-from minfer.kernels.moe_ref import fused_moe_ref
+from minfer.kernels.moe.moe import fused_moe, moe_route
+from minfer.kernels.moe.moe_ref import fused_moe_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

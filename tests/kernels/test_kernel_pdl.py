@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kernel_testlib import seed_per_case  # noqa: F401 (autouse fixture)
-from minfer.kernels import fused_add_rms_norm, silu_and_mul
-from minfer.kernels.gemv import gemv, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.activation import silu_and_mul
+from minfer.kernels.gemm.gemv import gemv, gemv_rms_norm, gemv_silu_mul
 from minfer.kernels.pdl import launch_options, use_pdl
+from minfer.kernels.rmsnorm import fused_add_rms_norm
 
 
 def test_pdl_is_off_on_the_cpu_and_for_the_interpreter(monkeypatch):

@@ -9,10 +9,10 @@ import torch
 from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
     check_prefill, check_prefill_quant, make_paged_kv, quantize_paged_kv, rel_err, seed_per_case,
 )
-from minfer.kernels import paged_prefill_attention
-from minfer.kernels import prefill_attention_sm90 as sm90
-from minfer.kernels.gluon_sm90 import sm90_available
-from minfer.kernels.prefill_attention_sm90 import paged_prefill_attention_sm90
+from minfer.kernels.attention import prefill_attention_sm90 as sm90
+from minfer.kernels.attention.prefill_attention import paged_prefill_attention
+from minfer.kernels.attention.gluon_sm90 import sm90_available
+from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kernel_testlib import EXACT_BF16, REL_TOL, assert_close, seed_per_case  # noqa: F401 (seed_per_case: autouse)
-from minfer.kernels import rms_norm, store_kv
-from minfer.kernels.kv_quant import KV_QUANT_FORMATS
+from minfer.kernels.kv_store import store_kv
+from minfer.kernels.rmsnorm import rms_norm
+from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS
 from minfer.kernels.rope_store import apply_rotary_ref, rope_store_kv, rope_store_kv_ref
 from minfer.model.layers.rotary import RotaryEmbedding
 

@@ -36,7 +36,7 @@ def _compile(fn, sig: dict, consts: dict, maxnreg: int | None = None):
 
 
 def build_prefill(head_dim: int, page: int, kv: str):
-    from minfer.kernels import prefill_attention_sm90 as sm90
+    from minfer.kernels.attention import prefill_attention_sm90 as sm90
 
     gl = sm90.gl
     lay16 = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -56,8 +56,8 @@ def build_prefill(head_dim: int, page: int, kv: str):
 
 
 def build_decode(head_dim: int, page: int, kv: str, group: int = 4, direct: bool = False):
-    from minfer.kernels import decode_attention_sm90 as sm90
-    from minfer.kernels import decode_attention_sm90_8bit as sm90_8bit
+    from minfer.kernels.attention import decode_attention_sm90 as sm90
+    from minfer.kernels.attention import decode_attention_sm90_8bit as sm90_8bit
 
     gl = sm90.gl
     rows = min(page, sm90.BLOCK_N)

@@ -5,12 +5,12 @@ whenever a Hopper kernel does not build."""
 import pytest
 import torch
 
-from minfer.kernels import decode_attention_sm90 as sm90_decode
-from minfer.kernels import gluon_sm90
-from minfer.kernels import prefill_attention_sm90 as sm90
-from minfer.kernels.decode_attention import paged_decode_attention
-from minfer.kernels.gluon_sm90 import BuildGuard
-from minfer.kernels.prefill_attention import paged_prefill_attention
+from minfer.kernels.attention import decode_attention_sm90 as sm90_decode
+from minfer.kernels.attention import gluon_sm90
+from minfer.kernels.attention import prefill_attention_sm90 as sm90
+from minfer.kernels.attention.decode_attention import paged_decode_attention
+from minfer.kernels.attention.gluon_sm90 import BuildGuard
+from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.ops.triton_ops import TritonOps
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

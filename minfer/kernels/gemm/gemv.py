@@ -21,38 +21,24 @@ vector; a channel scale multiplies each row's sum once at the end, a block scale
 products before they join the row's accumulator. The input keeps its precision, unlike the batched path,
 which quantizes it. Half the weight bytes do not halve the time: the fp8 -> float32 conversions bound these
 kernels (``benchmarks/bench_fp8.py``).
+
+The launch configs and the rules that choose them per shape are in ``gemv_config.py``.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, next_pow2
-from .pdl import launch_options, use_pdl, wait_for_previous
-from .activation import silu_and_mul_ref
-from .fp8_ref import FP8_DTYPE, FP8_GROUP, dequantize_fp8, num_groups
-from .rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from .._utils import check_dtype, next_pow2
+from ..pdl import launch_options, use_pdl, wait_for_previous
+from ..activation import silu_and_mul_ref
+from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, dequantize_fp8, num_groups
+from ..rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+from .gemv_config import (BLOCK, CHANNEL, NO_SCALE, PLAIN, RMS_NORM, SILU_MUL, GemvConfig, default_config,
+                          default_fp8_config)
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    """Rows per program, columns per step, warps. Four rows won on every layer shape of the 0.6B and 1B
-    models on an H200 (sweep of 4/8/16 rows x 512/1024/2048 columns x 4/8 warps; the column width
-    moved results by under 5%)."""
-
-    block_n: int = 4
-    block_k: int = 1024
-    num_warps: int = 4
-    num_stages: int = 3  # software-pipelining depth of the K loop (Triton's default)
-
-
-# What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, or rms_norm(x + residual).
-_PLAIN, _SILU_MUL, _RMS_NORM = 0, 1, 2
-# How the weight is scaled (the kernel's SCALE): not at all (a float weight), per row, per row and 128 columns.
-_NO_SCALE, _CHANNEL, _BLOCK = 0, 1, 2
 # Widest single block the RMS prologue sums in one tl.sum (like rmsnorm.py's one next_pow2(K) block); wider
 # rows are summed block by block, which changes the float32 summation order. Module-level so tests can shrink it.
 RMS_MAX_BLOCK = 8192
@@ -213,30 +199,8 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
-def default_config(n: int, k: int, prologue: int = _PLAIN) -> GemvConfig:
-    """Four rows per program on four warps, with the widest column chunk each prologue affords: 2048 columns for
-    the plain product; 1024 under the RMS prologue (its chunk also loads x, residual and norm weight); eight rows
-    by 2048 columns on eight warps under the SwiGLU prologue, whose exp and division per element want more warps
-    in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
-    projections in one CUDA graph under PDL, H200: 552 us). ``n`` is unused by this rule; a per-shape rule
-    would take it."""
-    if prologue == _SILU_MUL:
-        return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
-    return GemvConfig(block_k=min(1024 if prologue == _RMS_NORM else 2048, next_pow2(k)))
-
-
-def default_fp8_config(n: int, k: int, prologue: int = _PLAIN, scale: int = _CHANNEL) -> GemvConfig:
-    """The config for an e4m3 weight (``scale``: ``_CHANNEL`` or ``_BLOCK``, which share it): eight rows by 1024
-    columns on four warps, 512 columns under the RMS prologue. The fastest of 7 candidates on llama-3.1-8b's
-    projections on an H200 (``bench_fp8.py --sweep``; within 5% of each shape's best). The fp8 -> float32
-    conversions, not the weight bytes, bound this kernel: ~35-60% of HBM bandwidth, against ~50-80% for bf16
-    weights. A block-scaled K chunk covers whole 128-column groups or lies inside one (any power of two does)."""
-    block_k = 512 if prologue == _RMS_NORM else 1024
-    return GemvConfig(block_n=8, block_k=min(block_k, max(next_pow2(k), FP8_GROUP)), num_warps=4)
-
-
 def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> int:
-    """Check the weight (and its scale and bias) and return its scaling (``_NO_SCALE``, ``_CHANNEL``, ``_BLOCK``)."""
+    """Check the weight (and its scale and bias) and return its scaling (``NO_SCALE``, ``CHANNEL``, ``BLOCK``)."""
     if weight.stride(1) != 1:
         raise ValueError("weight rows must be contiguous")
     n, k = weight.shape
@@ -245,25 +209,24 @@ def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, weight_scale:
     if weight.dtype != FP8_DTYPE:
         if weight_scale is not None:
             raise ValueError(f"weight_scale is for a {FP8_DTYPE} weight, got a {weight.dtype} weight")
-        return _NO_SCALE
+        return NO_SCALE
     if weight_scale is None:
         raise ValueError(f"a {FP8_DTYPE} weight needs its weight_scale ([N] or [N, ceil(K/128)] float32)")
     if weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous() or \
             tuple(weight_scale.shape) not in ((n,), (n, num_groups(k))):
         raise ValueError(f"weight_scale must be a contiguous float32 [{n}] (per row) or [{n}, {num_groups(k)}] "
                          f"(per 128x128 block, row-expanded), got {weight_scale.dtype} {list(weight_scale.shape)}")
-    return _CHANNEL if weight_scale.dim() == 1 else _BLOCK
+    return CHANNEL if weight_scale.dim() == 1 else BLOCK
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
-            prologue: int = _PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+            prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             new_residual: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None,
-            scale: int = _NO_SCALE) -> torch.Tensor:
+            scale: int = NO_SCALE) -> torch.Tensor:
     n, k = weight.shape
-    cfg = config or (default_config(n, k, prologue) if scale == _NO_SCALE else default_fp8_config(n, k, prologue,
-                                                                                                    scale))
+    cfg = config or (default_config(n, k, prologue) if scale == NO_SCALE else default_fp8_config(n, k, prologue, scale))
     sub = min(cfg.block_k, FP8_GROUP)
-    if scale == _BLOCK and (cfg.block_k & (cfg.block_k - 1)):
+    if scale == BLOCK and (cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"block-scaled weights need a power-of-two block_k, got {cfg.block_k}")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
@@ -275,7 +238,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         RMS_BLOCK=rms_block, EVEN_R=k % rms_block == 0, ONE_BLOCK=rms_block >= k, PDL=pdl,
-        WS=weight_scale if weight_scale is not None else y, stride_ws=weight_scale.stride(0) if scale == _BLOCK else 0,
+        WS=weight_scale if weight_scale is not None else y, stride_ws=weight_scale.stride(0) if scale == BLOCK else 0,
         n_groups=num_groups(k), SCALE=scale, NSUB=cfg.block_k // sub, SUB=sub, GROUP=FP8_GROUP,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl),
@@ -308,7 +271,7 @@ def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvCon
     llama-3.2-1b), for a vector the down projection reads next anyway. Here every program recomputes
     ``silu(gate) * up`` for its own K chunk as it streams its weight rows; the vector stays in L2, so the
     recomputation costs a few FLOPs per weight row, while the launch and the [1, K] round trip go away (see
-    ``default_config`` for why this variant runs eight warps).
+    ``gemv_config.default_config`` for why this variant runs eight warps).
 
     The roundings are activation.py's (silu in float32 rounded to the dtype, then the product rounded), so the
     vector fed to the products is bit-identical to ``silu_and_mul``'s; ``y`` matches ``gemv`` of it exactly
@@ -328,7 +291,7 @@ def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvCon
     if not x_gate_up.is_contiguous():
         raise ValueError("x_gate_up must be contiguous")
     scale = _check_weight(weight, None, weight_scale)
-    return _launch(x_gate_up, weight, None, config, prologue=_SILU_MUL, weight_scale=weight_scale, scale=scale)
+    return _launch(x_gate_up, weight, None, config, prologue=SILU_MUL, weight_scale=weight_scale, scale=scale)
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -369,7 +332,7 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
         raise ValueError(f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     scale = _check_weight(weight, bias, weight_scale)
     new_residual = x if residual is None else torch.empty_like(x)
-    y = _launch(x, weight, bias, config, prologue=_RMS_NORM, residual=residual, norm_weight=norm_weight,
+    y = _launch(x, weight, bias, config, prologue=RMS_NORM, residual=residual, norm_weight=norm_weight,
                 new_residual=new_residual if residual is not None else None, eps=eps, weight_scale=weight_scale,
                 scale=scale)
     return y, new_residual

@@ -46,10 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting, next_pow2, num_sms
-from .kv_quant import dequantize_ref, gather_scales
-from .pdl import launch_options, use_pdl, wait_for_previous
-from .quant import check_cache_scales, check_paged_attention, codes_to_f16, product_mode, q_to_f16, split_q_int8
+from .._utils import interpreting, next_pow2, num_sms
+from ..quant.kv_quant import dequantize_ref, gather_scales
+from ..pdl import launch_options, use_pdl, wait_for_previous
+from ..quant.quant import check_cache_scales, check_paged_attention, codes_to_f16, product_mode, q_to_f16, split_q_int8
 
 LOG2E = 1.4426950408889634
 

@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
-from .pdl import launch_options, use_pdl, wait_for_previous
-from .activation import silu_and_mul_ref
+from .._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
+from ..pdl import launch_options, use_pdl, wait_for_previous
+from ..activation import silu_and_mul_ref
 from .fp8_ref import FP8_DTYPE, FP8_MIN_SCALE, num_groups, quantize_fp8_ref
 from .quant import round_to_float_grid
-from .rmsnorm import norm_launch, norm_row, rms_norm_ref
+from ..rmsnorm import norm_launch, norm_row, rms_norm_ref
 
 # A per-token row up to this width is quantized from registers in one pass; wider rows take two passes over
 # BLOCK-wide chunks (amax, then codes), the second reading the row back from L2. Wide enough for SwiGLU's

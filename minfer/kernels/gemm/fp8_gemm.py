@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_last_dim_contiguous
-from .fp8_ref import FP8_DTYPE, FP8_GROUP, dequantize_fp8, num_groups
-from .pdl import launch_options, use_pdl, wait_for_previous
+from .._utils import check_last_dim_contiguous
+from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, dequantize_fp8, num_groups
+from ..pdl import launch_options, use_pdl, wait_for_previous
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting
-from .kv_quant import dequantize_ref, gather_scales
-from .quant import check_cache_scales, check_paged_attention, codes_to_f16, product_mode, q_to_f16
+from .._utils import interpreting
+from ..quant.kv_quant import dequantize_ref, gather_scales
+from ..quant.quant import check_cache_scales, check_paged_attention, codes_to_f16, product_mode, q_to_f16
 
 LOG2E = 1.4426950408889634
 

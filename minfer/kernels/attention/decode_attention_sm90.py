@@ -30,9 +30,9 @@ from .decode_attention import (
     SPLIT_TARGET_PER_SM, choose_num_splits, merge_partials, paged_decode_attention, split_partials,
 )
 from . import decode_attention_sm90_8bit as sm90_8bit
-from ._utils import num_sms
+from .._utils import num_sms
 from .gluon_sm90 import HALF, LOG2E, BuildGuard, gluon, sm90_available
-from .quant import check_paged_attention
+from ..quant.quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (

@@ -38,7 +38,7 @@ import triton
 
 from .gluon_sm90 import HALF, LOG2E, BuildGuard, gluon, sm90_available
 from .prefill_attention import paged_prefill_attention
-from .quant import check_paged_attention
+from ..quant.quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (

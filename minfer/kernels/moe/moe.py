@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, dot_mode, next_pow2
+from .._utils import check_dtype, dot_mode, next_pow2
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_dtype, check_last_dim_contiguous, dot_mode, interpreting
+from .._utils import check_dtype, check_last_dim_contiguous, dot_mode, interpreting
 from .kv_quant import KVQuantFormat, format_of, min_scale, scale_grid
 
 

@@ -1,0 +1,53 @@
+"""Launch configs of the batch-1 matrix-vector kernel (``gemv.py``): the config type, the codes of the
+kernel's prologues and weight scalings, and the rules that pick a config from a product's shape.
+
+Kept apart from the kernel because they change for different reasons: the rules are measured on a GPU
+(``benchmarks/gemv_chain.py`` for bf16 weights, ``benchmarks/bench_fp8.py --sweep`` for e4m3 ones) and retuned
+when the hardware or Triton changes, while the kernel is held to its reference by the tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._utils import next_pow2
+from ..quant.fp8_ref import FP8_GROUP
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Rows per program, columns per step, warps. Four rows won on every layer shape of the 0.6B and 1B
+    models on an H200 (sweep of 4/8/16 rows x 512/1024/2048 columns x 4/8 warps; the column width
+    moved results by under 5%)."""
+
+    block_n: int = 4
+    block_k: int = 1024
+    num_warps: int = 4
+    num_stages: int = 3  # software-pipelining depth of the K loop (Triton's default)
+
+
+# What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, or rms_norm(x + residual).
+PLAIN, SILU_MUL, RMS_NORM = 0, 1, 2
+# How the weight is scaled (the kernel's SCALE): not at all (a float weight), per row, per row and 128 columns.
+NO_SCALE, CHANNEL, BLOCK = 0, 1, 2
+
+
+def default_config(n: int, k: int, prologue: int = PLAIN) -> GemvConfig:
+    """Four rows per program on four warps, with the widest column chunk each prologue affords: 2048 columns for
+    the plain product; 1024 under the RMS prologue (its chunk also loads x, residual and norm weight); eight rows
+    by 2048 columns on eight warps under the SwiGLU prologue, whose exp and division per element want more warps
+    in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
+    projections in one CUDA graph under PDL, H200: 552 us). ``n`` is unused by this rule; a per-shape rule
+    would take it."""
+    if prologue == SILU_MUL:
+        return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
+    return GemvConfig(block_k=min(1024 if prologue == RMS_NORM else 2048, next_pow2(k)))
+
+
+def default_fp8_config(n: int, k: int, prologue: int = PLAIN, scale: int = CHANNEL) -> GemvConfig:
+    """The config for an e4m3 weight (``scale``: ``CHANNEL`` or ``BLOCK``, which share it): eight rows by 1024
+    columns on four warps, 512 columns under the RMS prologue. The fastest of 7 candidates on llama-3.1-8b's
+    projections on an H200 (``bench_fp8.py --sweep``; within 5% of each shape's best). The fp8 -> float32
+    conversions, not the weight bytes, bound this kernel: ~35-60% of HBM bandwidth, against ~50-80% for bf16
+    weights. A block-scaled K chunk covers whole 128-column groups or lies inside one (any power of two does)."""
+    block_k = 512 if prologue == RMS_NORM else 1024
+    return GemvConfig(block_n=8, block_k=min(block_k, max(next_pow2(k), FP8_GROUP)), num_warps=4)
