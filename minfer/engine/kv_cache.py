@@ -6,7 +6,7 @@ p % block_size`` of both.
 
 With an 8-bit ``kv_cache_dtype`` (int8, fp8_e4m3, fp8_e5m2) those tensors hold codes, and each
 layer also owns ``k_scale``/``v_scale`` ``[num_blocks, kv_heads, block_size]``: one scale per
-token per KV head (see ``minfer/kernels/kv_quant.py``). Scales belong to their block like the codes,
+token per KV head (see ``minfer/kernels/quant/kv_quant.py``). Scales belong to their block like the codes,
 so the block manager, prefix caching and preemption handle quantized blocks unchanged.
 """
 from __future__ import annotations
@@ -31,12 +31,25 @@ class KVCacheSpec:
     kv_cache_dtype: str = "auto"
 
     @classmethod
+    def for_layers(cls, layers: list, block_size: int, dtype: torch.dtype,
+                   kv_cache_dtype: str = "auto") -> "KVCacheSpec":
+        """The cache of a built model's attention layers (``model.attention_layers()``: their count, and
+        the KV heads and head size each holds on this rank): what the engine allocates."""
+        first = layers[0]
+        return cls._make(len(layers), block_size, first.num_kv_heads, first.head_dim, dtype, kv_cache_dtype)
+
+    @classmethod
     def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype,
                   kv_cache_dtype: str = "auto", num_kv_heads: int | None = None) -> "KVCacheSpec":
-        """``dtype`` is the model's compute dtype, stored as is when ``kv_cache_dtype`` is 'auto';
+        """The cache of a model config before any model is built (size estimates: benchmarks, tests).
+        ``dtype`` is the model's compute dtype, stored as is when ``kv_cache_dtype`` is 'auto';
         ``num_kv_heads``: the heads this rank holds under tensor parallelism (default: all)."""
-        layers, dim = config.num_hidden_layers, config.head_dim
         heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        return cls._make(config.num_hidden_layers, block_size, heads, config.head_dim, dtype, kv_cache_dtype)
+
+    @classmethod
+    def _make(cls, layers: int, block_size: int, heads: int, dim: int, dtype: torch.dtype,
+              kv_cache_dtype: str) -> "KVCacheSpec":
         if kv_cache_dtype == "auto":
             return cls(layers, block_size, heads, dim, dtype)
         fmt = KV_QUANT_FORMATS.get(kv_cache_dtype)

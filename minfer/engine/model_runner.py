@@ -74,8 +74,8 @@ class ModelRunner:
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
         self.sampler = Sampler(self.device, self.ops)
         self.input_batch = InputBatch(config.max_num_seqs, cdiv(max_model_len, self.block_size), self.device)
-        self.kv_spec = KVCacheSpec.for_model(model_config, self.block_size, self.dtype, config.kv_cache_dtype,
-                                             self.model.attention_layers()[0].num_kv_heads)
+        self.kv_spec = KVCacheSpec.for_layers(self.model.attention_layers(), self.block_size, self.dtype,
+                                              config.kv_cache_dtype)  # the model's cache, as its layers hold it
         started = time.perf_counter()
         blocks = count_kv_blocks(config, self.block_bytes, max_model_len, self.device, model_config.vocab_size,
                                  self._profile_peak)
