@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A/B on one GPU machine: this working tree against commit $1 (or a folder holding an old tree), alternating in separate processes (same machine,
+# A/B on one GPU machine: this working tree against commit $1 (or a folder holding an old tree), alternating in separate processes
+# (which side goes first alternates by round) (same machine,
 # same minutes, so host and clock noise hit both), logs and a summary under $OUT.
 #   batch 1 (llama-3.2-1b, batch1.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
 #   workload A on $SHAPES (minfer bench; shape:fp8 adds --quantization fp8), $A_ROUNDS rounds (default 1; 0 skips it)
@@ -15,8 +16,9 @@ else
 fi
 cp benchmarks/batch1.py "$OLD/benchmarks/"  # today's measurement, old engine (it imports no kernel module)
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; echo "new: $(git rev-parse --short HEAD) + working tree, old: $1"; } | tee "$OUT/summary.md"
+order() { if [ $(($1 % 2)) = 1 ]; then echo new old; else echo old new; fi; }  # odd rounds new first, even old
 for r in $(seq "${ROUNDS:-2}"); do
-  for side in new old; do
+  for side in $(order "$r"); do
     dir=$NEW; [ $side = old ] && dir=$OLD
     (cd "$dir" && PYTHONPATH="$dir" timeout 120 python3 benchmarks/batch1.py --output-len 512) 2>&1 \
       | grep -E "^\||Error" | sed "s/^| base |/| batch 1, $side |/" | tee -a "$OUT/summary.md"
@@ -26,7 +28,7 @@ for r in $(seq "${A_ROUNDS:-1}"); do
  for variant in ${SHAPES:-qwen3-0.6b}; do  # a shape, or shape:fp8 for --quantization fp8
   shape=${variant%%:*}; quant=(); [ "$variant" != "$shape" ] && quant=(--quantization "${variant#*:}")
   name=${variant//:/-}
-  for side in new old; do
+  for side in $(order "$r"); do
     dir=$NEW; [ $side = old ] && dir=$OLD
     (cd "$dir" && PYTHONPATH="$dir" timeout 200 python3 -m minfer.cli bench --quiet --shape "$shape" "${quant[@]}" \
       --output-json "$OUT/A_${name}_${side}_$r.json") > "$OUT/A_${name}_${side}_$r.log" 2>&1 || echo "exit $?"
