@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A/B on one GPU machine: this working tree against commit $1 (or a folder holding an old tree), alternating in separate processes
-# (which side goes first alternates by round) (same machine,
-# same minutes, so host and clock noise hit both), logs and a summary under $OUT.
+# A/B on one GPU machine: this working tree against commit $1 (or a folder holding an old tree), alternating in separate
+# processes, the side that goes first alternating by round (same machine, same minutes, so host and clock noise hit
+# both), logs and a summary under $OUT.
 #   batch 1 (llama-3.2-1b, batch1.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
 #   workload A on $SHAPES (minfer bench; shape:fp8 adds --quantization fp8), $A_ROUNDS rounds (default 1; 0 skips it)
 # Usage: OUT=/tmp/ab ROUNDS=2 A_ROUNDS=2 SHAPES=qwen3-0.6b benchmarks/ab_compare.sh 0724a14
