@@ -283,7 +283,7 @@ def mask_cost(batches: tuple[int, ...] = (1, 64, 256), reps: int = 10) -> str:
     info = tokenizer_info(vocab, eos=128001)
     t_vocab = time.perf_counter() - t0
     compiler = xgrammar.GrammarCompiler(info, max_threads=os.cpu_count() or 1)
-    from minfer.structured_outputs import MAX_WHITESPACE
+    from minfer.structured_grammar import MAX_WHITESPACE
 
     ws = dict(any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)  # as the engine compiles JSON
     t0 = time.perf_counter()

@@ -361,7 +361,7 @@ def _watch_parent(parent: int) -> None:
 
 
 def _compile(compiler: Any, key: tuple[str, str]) -> tuple[float, str]:
-    from minfer.structured_outputs import build_grammar
+    from minfer.structured_grammar import build_grammar
 
     grammar = build_grammar(*key)  # the grammar StructuredOutputsParams checked
     started = time.perf_counter()

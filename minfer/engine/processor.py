@@ -15,7 +15,7 @@ from typing import Any
 
 from minfer.config import cdiv
 from minfer.sampling_params import SamplingParams
-from minfer.structured_outputs import DEFAULT_LIMITS, StructuredOutputsLimits
+from minfer.structured_limits import DEFAULT_LIMITS, StructuredOutputsLimits
 
 PromptType = str | dict[str, Any] | list[int]
 

@@ -276,7 +276,7 @@ def accepted(compiled, token_ids: list[int], complete: bool) -> bool:
 
 def test_recursive_schema(llm, xgr_compiler):
     """Sampled trees: the ones that end are valid; the ones cut by max_tokens are a valid prefix."""
-    from minfer.structured_outputs import MAX_WHITESPACE
+    from minfer.structured_grammar import MAX_WHITESPACE
 
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=200,
                              structured_outputs=so(json=TREE, disable_any_whitespace=s % 2 == 1)) for s in range(6)]
@@ -536,7 +536,7 @@ def test_preemption_and_sync_scheduling(small_cache_sync_llm):
 def _accepts(schema: dict, text: str) -> bool:
     from xgrammar.testing import _is_grammar_accept_string
 
-    from minfer.structured_outputs import build_grammar
+    from minfer.structured_grammar import build_grammar
     return _is_grammar_accept_string(build_grammar(*so(json=schema, disable_any_whitespace=True).key), text)
 
 
@@ -624,7 +624,7 @@ OVER_LIMITS = [  # (a constraint just past one default limit, the flag its refus
 def test_limits_refuse_before_jsonschema_or_xgrammar(kwargs, flag):
     """Past a default limit, construction defers (the engine's limits may be higher) and the check against
     the defaults refuses, naming the limit and its flag, before jsonschema or xgrammar reads the input."""
-    from minfer.structured_outputs import DEFAULT_LIMITS
+    from minfer.structured_limits import DEFAULT_LIMITS
 
     params = so(**kwargs)
     with pytest.raises(ValueError, match=f"over the limit of .*--structured-outputs-{flag}"):
@@ -635,7 +635,7 @@ def test_the_engines_limits_decide(monkeypatch):
     """The Processor checks with the engine's limits: a raised limit admits what the default refuses, a lowered
     one refuses what the default admits; a server-built constraint's refusal names the request's field."""
     from minfer.engine.processor import Processor, PromptError
-    from minfer.structured_outputs import StructuredOutputsLimits
+    from minfer.structured_limits import StructuredOutputsLimits
 
     def processor(**limits) -> Processor:
         return Processor(None, 320, 64, 16, 16, structured_outputs_limits=StructuredOutputsLimits(**limits))
