@@ -19,10 +19,11 @@ from minfer.server.completions import create_completion
 from minfer.server.errors import APIError, install_error_handlers
 from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from minfer.server.metrics import ServerMetrics
-from minfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                    CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from minfer.server.offload import ClientGone, OffloadedBodyRoute
+from minfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from minfer.server.responses import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
 from minfer.server.routes_tokenize import tokenize_router
-from minfer.server.serving import ClientGone, OffloadedBodyRoute, ServerContext
+from minfer.server.serving import ServerContext
 from minfer.server.tool_parsers import check_tool_flags
 from minfer.version import __version__
 

@@ -13,8 +13,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minfer.server.errors import APIError
-from minfer.server.protocol import ChatMessage, ErrorResponse
-from minfer.server.serving import OffloadedBodyRoute, ServerContext
+from minfer.server.offload import OffloadedBodyRoute
+from minfer.server.protocol import ChatMessage
+from minfer.server.responses import ErrorResponse
+from minfer.server.serving import ServerContext
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404)}
 

@@ -1,10 +1,11 @@
-"""What both OpenAI endpoints share: the model check, prompt checks, SamplingParams, and running
-engine streams under a watch for the client going away.
+"""What both OpenAI endpoints share: ``ServerContext`` (the model check, prompt checks, SamplingParams,
+the work pools, queueing), and running engine streams under a watch for the client going away
+(``collect``, ``stream_response``).
 
 None of it runs on the engine thread: a bad request is turned away here with a 4xx before the
 engine sees it. Nothing that grows with the request runs on the event loop, which keeps answering
-/health and streaming other clients' tokens; such work runs on small thread pools, one per kind, so
-that no kind waits behind another:
+/health and streaming other clients' tokens; such work runs on small thread pools (``offload.WorkPool``),
+one per kind, so that no kind waits behind another:
 
 - ``parse``: the body's JSON and its pydantic model (``parse_body``, called by ``OffloadedBodyRoute``);
 - ``check``: output constraints (a schema, a grammar, a tool choice's schema) and the tool plan;
@@ -20,23 +21,15 @@ flag the client's disconnect or the server's shutdown sets).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from queue import SimpleQueue
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from minfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream,
                                         StepFailedError)
@@ -45,7 +38,8 @@ from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams, StructuredOutputsParams
 from minfer.server.chat_template import RENDER_TIMEOUT_S, RenderBudget
 from minfer.server.errors import APIError, bad_request, error_body
-from minfer.server.protocol import SamplingFields
+from minfer.server.offload import ClientGone, WorkPool, parse_body, until_disconnect
+from minfer.server.request_fields import SamplingFields
 from minfer.server.stream import DONE, sse
 from minfer.server.structured import build, request_constraint
 
@@ -58,41 +52,6 @@ TEMPLATE_WORKERS = 2  # a request's own chat template
 CHECK_WORKERS = 2  # output constraints
 PARSE_WORKERS = 2  # request bodies
 logger = logging.getLogger("minfer.server")
-
-
-class ClientGone(Exception):
-    """The client closed the connection; its requests have been aborted."""
-
-
-class WorkPool:
-    """A few threads for one kind of work; with ``processors``, each call borrows one no other thread uses
-    now (one per thread)."""
-
-    def __init__(self, name: str, workers: int, processors: list[Processor] | None = None) -> None:
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix=f"minfer-{name}")
-        self._processors: SimpleQueue[Processor | None] = SimpleQueue()
-        for processor in processors or [None] * workers:
-            self._processors.put(processor)
-
-    async def run(self, fn: Callable[[Processor], T], on_cancel: Callable[[], None] | None = None) -> T:
-        """``fn(processor)`` on a pool thread. Cancelled (the client left, the server stops), a call still
-        queued never runs, and ``on_cancel`` is called for one already running (to stop it)."""
-        def call() -> T:
-            processor = self._processors.get()
-            try:
-                return fn(processor)  # type: ignore[arg-type]
-            finally:
-                self._processors.put(processor)
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, call)
-        except asyncio.CancelledError:
-            if on_cancel is not None:
-                on_cancel()
-            raise
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass
@@ -146,16 +105,8 @@ class ServerContext:
             self._renders.discard(budget)
 
     async def parse_body(self, request: Request, model: type[M]) -> M:
-        """The request body as ``model``, decoded and validated on the parse pool; a body that is no JSON, or
-        not the model, raises FastAPI's RequestValidationError (the 400s of ``errors.py``)."""
-        try:
-            body = await request.body()
-        except ClientDisconnect:
-            raise ClientGone() from None
-        if not _is_json(request.headers.get("content-type")):  # as FastAPI: the body is then no object
-            raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",),
-                                           "msg": "the request body must be a JSON object"}])
-        return await self._parse.run(lambda _: _parse(body, model))
+        """The request body as ``model``, decoded and validated on the parse pool (``offload.parse_body``)."""
+        return await parse_body(self._parse, request, model)
 
     def close(self) -> None:
         for budget in list(self._renders):
@@ -250,49 +201,6 @@ class ServerContext:
                 self.engine.abort(stream.request_id)
 
 
-def _is_json(content_type: str | None) -> bool:
-    """``application/json`` or ``application/<x>+json``, parameters aside."""
-    kind = (content_type or "").split(";", 1)[0].strip().lower()
-    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
-
-
-def _parse(body: bytes, model: type[M]) -> M:
-    if not body:
-        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError) as exc:  # RecursionError: brackets nested past Python's stack
-        why = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                                       "ctx": {"error": why}}]) from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
-    except RecursionError:
-        raise RequestValidationError([{"type": "value_error", "loc": ("body",),
-                                       "msg": "the request body is nested too deeply"}]) from None
-
-
-class OffloadedBodyRoute(APIRoute):
-    """A POST route whose endpoint takes ``(req: <model>, raw: Request)`` and returns a Response or a model:
-    FastAPI still documents both models, but the body is decoded and validated on the parse pool
-    (``ServerContext.parse_body``, the app's ``state.ctx``), not on the event loop, where a large body would
-    hold up every other client."""
-
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        assert self.body_field is not None, f"{self.path}: an offloaded route needs a body model"
-        model, endpoint = self.body_field.field_info.annotation, self.endpoint
-
-        async def handler(request: Request) -> Response:
-            req = await request.app.state.ctx.parse_body(request, model)
-            result = await endpoint(req, request)  # a Response, or a model FastAPI would have serialized
-            return result if isinstance(result, Response) else JSONResponse(jsonable_encoder(result))
-
-        return handler
-
-
 def process(processor: Processor, request_id: str, text: str | None, ids: list[int] | None,
             params: SamplingParams, param: str, add_special_tokens: bool = True) -> EngineRequest:
     """Tokenize ``text`` unless ``ids`` are given, then the engine's own checks (``Processor``), before the
@@ -369,36 +277,6 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for task in tasks:
             task.cancel()
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first, which cancels it and raises ClientGone.
-
-    Used for non-streamed responses and for the wait before a stream's first chunk: nothing is
-    being written then, so a closed socket would otherwise go unnoticed until the very end.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    with contextlib.suppress(BaseException):  # let it unwind before the caller cleans up after it
-        await task
-    raise ClientGone()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def collect(ctx: ServerContext, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:

@@ -13,7 +13,7 @@ from typing import Any
 
 from minfer.sampling_params import StructuredOutputsParams
 from minfer.server.errors import APIError
-from minfer.server.protocol import SamplingFields
+from minfer.server.request_fields import SamplingFields
 
 _ENGINE_MESSAGE = re.compile(r"^structured_outputs(\.[a-z_]+)?:? ?(.*)$", re.S)
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from minfer.server.protocol import UNSUPPORTED
+from minfer.server.request_fields import UNSUPPORTED
 
 from .conftest import MODEL_NAME, LiveServer
 
