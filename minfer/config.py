@@ -213,7 +213,7 @@ class EngineConfig:
                              "them), so the folder needs only config.json (and the tokenizer's files unless "
                              "skipped): benchmarks of shapes too big for the disk", LOAD_FORMATS)
     # Bounds on a request's structured-outputs constraint, checked before jsonschema or xgrammar reads it
-    # (minfer.structured_outputs.StructuredOutputsLimits): a 400 naming the flag past them.
+    # (minfer.structured_limits.StructuredOutputsLimits): a 400 naming the flag past them.
     structured_outputs_max_bytes: int = _knob(DEFAULT_LIMITS.max_bytes, "structured outputs: most bytes of a "
                                               "schema, grammar, regex or choice list")
     structured_outputs_max_depth: int = _knob(DEFAULT_LIMITS.max_depth, "structured outputs: deepest nesting of "
