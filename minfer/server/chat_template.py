@@ -13,6 +13,7 @@ body-size cap bounds the inputs, and a request's own template needs ``--trust-re
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -42,7 +43,17 @@ class RenderBudget:
     ``run`` calls a function under a trace function installed on the calling thread only: every Python call
     checks the deadline and the flag, and so does every line of the template's own compiled code (loops,
     macros), where a runaway template spends its time. Other frames are not line-traced, which keeps the
-    cost of a real template's render small."""
+    cost of a real template's render small.
+
+    A render also shares the interpreter: Python runs one thread at a time, and a thread that never waits
+    takes its turn every few milliseconds against the event loop, the engine thread and the tokenizers, so
+    two looping templates would slow every other request several-fold until their deadline. After each
+    ``SLICE_S`` of running, a traced render sleeps (releasing the interpreter) for that long times the
+    renders under way: together they hold it at most half of the time, whatever their number."""
+
+    SLICE_S = 0.005
+    _active = 0  # traced renders under way, in every thread
+    _active_lock = threading.Lock()
 
     def __init__(self, timeout_s: float = RENDER_TIMEOUT_S) -> None:
         self.timeout_s = timeout_s
@@ -59,9 +70,16 @@ class RenderBudget:
         def stopped() -> RenderStopped:
             return RenderStopped("cancelled" if self.cancelled else "timeout")
 
+        slice_end = [clock() + self.SLICE_S]
+
         def line(frame: FrameType, event: str, arg: Any) -> Any:
-            if event == "line" and (self.cancelled or clock() > deadline):
-                raise stopped()
+            if event == "line":
+                now = clock()
+                if self.cancelled or now > deadline:
+                    raise stopped()
+                if now > slice_end[0]:  # a slice used: give the interpreter back for a while
+                    time.sleep(self.SLICE_S * RenderBudget._active)
+                    slice_end[0] = clock() + self.SLICE_S
             return line
 
         def call(frame: FrameType, event: str, arg: Any) -> Any:
@@ -72,11 +90,15 @@ class RenderBudget:
         if self.cancelled:
             raise stopped()
         previous = sys.gettrace()  # a coverage tool's or a debugger's, put back after
+        with RenderBudget._active_lock:
+            RenderBudget._active += 1
         sys.settrace(call)
         try:
             return fn(*args, **kwargs)
         finally:
             sys.settrace(previous)
+            with RenderBudget._active_lock:
+                RenderBudget._active -= 1
 
 
 def load_chat_template(value: str) -> str:
