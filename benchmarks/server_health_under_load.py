@@ -5,10 +5,14 @@ or ``--model``, probes /health every ``--probe-interval`` seconds from one threa
 a loop, each request of ``attacks()``: bodies past the size cap (declared and chunked), a text prompt
 longer than the context can hold, a huge token-id list, thousands of prompts, a chat of tens of thousands of
 messages, and a prompt just inside the character bound (tokenized, then refused), while a third client
-streams tokens. Reports the /health percentiles, the longest gap between that client's tokens, and each
+streams tokens. With ``--hostile``, the attacks also bring work that grows without bound unless the server
+bounds it: a request's chat template that loops 10^10 times, a 900 KB grammar of 50,000 rules, a 10,000-link
+``$ref`` chain, a schema of 5,000 properties and an enum of 10,000 entries to compile. A fourth client
+sends plain 6-token requests in a loop (also without ``--hostile``, for comparison). Reports the /health
+percentiles, the longest gap between the streaming client's tokens, the plain requests' latency, and each
 attack's status and time.
 
-    python benchmarks/server_health_under_load.py [--model DIR] [--seconds 20] [--max-request-bytes N]
+    python benchmarks/server_health_under_load.py [--model DIR] [--seconds 20] [--max-request-bytes N] [--hostile]
 """
 from __future__ import annotations
 
@@ -28,6 +32,36 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 Attack = tuple[str, str, Callable[[], dict[str, Any]]]  # (name, path, httpx.request kwargs)
+
+
+LOOPS = ("{% for a in range(100000) %}{% for b in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+         "{{ messages[0].content }}")  # 150 bytes, 10^10 iterations
+
+
+def hostile_attacks() -> list[Attack]:
+    """Requests whose template, grammar or schema would run unbounded: each must end in a bounded time."""
+    def body(payload: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+        data = json.dumps(payload).encode()
+        return lambda: {"content": data, "headers": {"Content-Type": "application/json"}}
+
+    def schema(s: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "json_schema", "json_schema": {"name": "s", "schema": s}}
+
+    chain = {"$ref": "#/$defs/d0", "$defs": {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(10_000)}}
+    chain["$defs"]["d10000"] = {"type": "integer"}
+    grammar = "root ::= r0\n" + "\n".join(f'r{i}::="a" r{i + 1}' for i in range(49_999)) + '\nr49999::="z"'
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5_000)}}
+    return [
+        ("looping request chat template", "/v1/chat/completions",
+         body({"messages": [{"role": "user", "content": "hi"}], "chat_template": LOOPS, "max_tokens": 2})),
+        ("50,000-rule grammar", "/v1/completions", body({"prompt": "x", "max_tokens": 2, "guided_grammar": grammar})),
+        ("10,000-link $ref chain", "/v1/completions",
+         body({"prompt": "x", "max_tokens": 2, "response_format": schema(chain)})),
+        ("schema of 5,000 properties", "/v1/completions",
+         body({"prompt": "x", "max_tokens": 2, "response_format": schema({**wide, "title": "w"})})),
+        ("enum of 10,000 entries", "/v1/completions",
+         body({"prompt": "x", "max_tokens": 2, "response_format": schema({"enum": [f"v{i}" for i in range(10_000)]})})),
+    ]
 
 
 def attacks(max_request_bytes: int, max_prompt_chars: int) -> list[Attack]:
@@ -63,10 +97,12 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run(base_url: str, seconds: float, probe_interval: float, max_request_bytes: int,
-        max_prompt_chars: int, at_least: dict[str, int] | None = None, timeout: float = 300.0) -> dict[str, Any]:
+        max_prompt_chars: int, at_least: dict[str, int] | None = None, timeout: float = 300.0,
+        hostile: bool = False, plain: bool = False) -> dict[str, Any]:
     """The load for ``seconds``, then on until the report's counts reach ``at_least`` ("health_probes",
     "stream_chunks", "attack_rounds") or ``timeout`` seconds have passed since the start: the test asks for
-    counts, whatever this machine's speed; the benchmark for a duration."""
+    counts, whatever this machine's speed; the benchmark for a duration. ``hostile``: add
+    ``hostile_attacks``; ``plain``: a fourth client timing plain 6-token requests."""
     stop = threading.Event()
     health: list[float] = []
     failures: list[str] = []
@@ -98,7 +134,17 @@ def run(base_url: str, seconds: float, probe_interval: float, max_request_bytes:
                         if stop.is_set():
                             break
 
-    requests = attacks(max_request_bytes, max_prompt_chars)
+    requests = attacks(max_request_bytes, max_prompt_chars) + (hostile_attacks() if hostile else [])
+    latencies: list[float] = []
+
+    def plain_requests() -> None:
+        with httpx.Client(base_url=base_url, timeout=120) as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                r = c.post("/v1/completions", json={"prompt": "hello there", "max_tokens": 6, "ignore_eos": True})
+                latencies.append(time.perf_counter() - t)
+                if r.status_code != 200:
+                    failures.append(f"plain request {r.status_code}")
 
     def attack() -> None:
         with httpx.Client(base_url=base_url, timeout=120) as c:
@@ -116,7 +162,8 @@ def run(base_url: str, seconds: float, probe_interval: float, max_request_bytes:
                 else:
                     rounds[0] += 1
 
-    threads = [threading.Thread(target=f, daemon=True) for f in (probe, stream, attack)]
+    clients = (probe, stream, attack) + ((plain_requests,) if plain else ())
+    threads = [threading.Thread(target=f, daemon=True) for f in clients]
     counts = {"health_probes": lambda: len(health), "stream_chunks": lambda: len(gaps),
               "attack_rounds": lambda: rounds[0]}
     started = time.monotonic()
@@ -135,6 +182,9 @@ def run(base_url: str, seconds: float, probe_interval: float, max_request_bytes:
         "health_p99_ms": 1e3 * percentile(health, 0.99) if health else None,
         "health_max_ms": 1e3 * max(health) if health else None,
         "stream_chunks": len(gaps), "stream_max_gap_ms": 1e3 * max(gaps) if gaps else None,
+        **({"plain_requests": len(latencies), "plain_p50_ms": 1e3 * statistics.median(latencies),
+            "plain_p99_ms": 1e3 * percentile(latencies, 0.99), "plain_max_ms": 1e3 * max(latencies)}
+           if latencies else {}),
         "attacks": {name: {"statuses": sorted({s for s, _ in rs}), "mean_s": statistics.mean(t for _, t in rs)}
                     for name, rs in results.items()},
         "failures": failures[:10],
@@ -147,6 +197,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--probe-interval", type=float, default=0.01)
     ap.add_argument("--max-request-bytes", type=int, default=None, help="default: the server's default")
+    ap.add_argument("--hostile", action="store_true", help="add the attacks that bring unbounded work")
     args = ap.parse_args()
 
     sys.path.insert(0, str(ROOT / "tests"))
@@ -159,7 +210,8 @@ def main() -> None:
     cap = args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
     live = LiveServer(model, max_request_bytes=cap)
     try:
-        report = run(live.base_url, args.seconds, args.probe_interval, cap, live.ctx.processor.max_prompt_chars)
+        report = run(live.base_url, args.seconds, args.probe_interval, cap, live.ctx.processor.max_prompt_chars,
+                     hostile=args.hostile, plain=True)
         report["idle_after"] = {k: v for k, v in live.wait_idle().items()
                                 if k in ("healthy", "kv_blocks_used", "num_running", "num_waiting")}
     finally:
