@@ -27,22 +27,21 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    """The class of an HF architecture name; an unknown one is an error naming the supported list."""
-    try:
-        return ARCHITECTURES[architecture]
-    except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r} (config.json 'architectures'); minfer "
-                         f"supports: {', '.join(ARCHITECTURES)}") from None
+def model_class(architecture: str | None, listed: list[str] | None = None) -> type[nn.Module]:
+    """The class of an HF architecture name; an unknown one is an error naming the supported list
+    (``listed``: the config's whole ``architectures`` entry, for the message)."""
+    cls = ARCHITECTURES.get(architecture or "")
+    if cls is None:
+        raise ValueError(f"unsupported architecture {architecture!r} (config.json 'architectures'="
+                         f"{listed if listed is not None else [architecture]}); minfer supports: "
+                         f"{', '.join(ARCHITECTURES)}")
+    return cls
 
 
 def model_config(hf: dict[str, Any]) -> ModelConfig:
     """A checkpoint's ``ModelConfig`` from its ``config.json`` contents, read by its family."""
     archs = hf.get("architectures") or []
-    if not archs or archs[0] not in ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {archs[0] if archs else None!r} (config.json "
-                         f"'architectures'={archs}); minfer supports: {', '.join(ARCHITECTURES)}")
-    return model_class(archs[0]).read_config(hf)
+    return model_class(archs[0] if archs else None, archs).read_config(hf)
 
 
 def load_model_config(model_dir: Path | str) -> ModelConfig:
