@@ -13,6 +13,7 @@ from minfer.config import EngineConfig
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import PromptType
 from minfer.outputs import RequestOutput, RequestOutputKind
+from minfer.reasoning import parse_whole, reasoning_parser_class
 from minfer.sampling_params import SamplingParams
 
 
@@ -99,10 +100,13 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, reasoning_parser: str | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation (``tools``: OpenAI-style function specs
         the template shows the model), then generate; for calls that must parse, constrain the output with
-        ``SamplingParams(structured_outputs=...)``."""
+        ``SamplingParams(structured_outputs=...)``. ``reasoning_parser`` (``qwen3``, ``deepseek_r1``: the
+        server's ``--reasoning-parser``) moves each completion's ``<think>`` text to ``reasoning_content`` and
+        leaves the answer alone in ``text`` (checked before anything is generated)."""
+        parser = reasoning_parser_class(reasoning_parser) if reasoning_parser is not None else None
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
@@ -112,7 +116,12 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        if parser is not None:
+            for completion in (c for out in outputs for c in out.outputs):
+                reasoning, content = parse_whole(parser(), completion.text)
+                completion.reasoning_content, completion.text = reasoning, content or ""
+        return outputs
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self._engine

@@ -23,6 +23,9 @@ class CompletionOutput:
     server's), where it counts the tokens that earlier outputs of this sequence already carried, so each step copies
     only its new tokens instead of the whole output so far. ``text`` and ``cumulative_logprob``
     are always whole: a str is shared, not copied.
+
+    ``reasoning_content`` is set only by ``LLM.chat(..., reasoning_parser=...)``: the model's ``<think>`` text
+    (None when it did not think), with ``text`` then the answer alone (vLLM's reasoning parsers' split).
     """
 
     index: int
@@ -33,6 +36,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     token_offset: int = 0  # output tokens before token_ids[0]; nonzero only in delta outputs
+    reasoning_content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

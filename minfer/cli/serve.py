@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from minfer.engine_args import add_engine_args, engine_kwargs
+from minfer.reasoning import REASONING_PARSERS
 from minfer.server.run import DEFAULT_MAX_WAITING, require_server_extra, run_server
 from minfer.server.tool_parsers import TOOL_PARSERS
 
@@ -44,6 +45,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how the model writes tool calls: hermes (Qwen, Hermes: <tool_call> blocks), llama3_json "
                         "(Llama 3.x: a JSON object)")
+    p.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="split a reasoning model's <think>...</think> text from its answer into reasoning_content: "
+                        "qwen3 (both tags in the output), deepseek_r1 (the prompt opens <think>)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name clients pass as `model` (repeatable; default: the model as given)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
@@ -83,5 +87,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                log_level=args.uvicorn_log_level, access_log=not args.no_access_log, api_key=key,
                chat_template=template, max_request_bytes=args.max_request_bytes,
                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-               trust_request_chat_template=args.trust_request_chat_template)
+               trust_request_chat_template=args.trust_request_chat_template,
+               reasoning_parser=args.reasoning_parser)
     return 0

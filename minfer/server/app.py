@@ -21,6 +21,7 @@ from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddlew
 from minfer.server.metrics import ServerMetrics
 from minfer.server.offload import ClientGone, OffloadedBodyRoute
 from minfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from minfer.server.reasoning import check_reasoning_flag
 from minfer.server.responses import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
 from minfer.server.routes_tokenize import tokenize_router
 from minfer.server.serving import ServerContext
@@ -38,7 +39,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
               chat_template: str | None = None,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, on_engine_dead: Callable[[str], None] | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> FastAPI:
     """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
@@ -53,8 +54,11 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     it the app goes on answering 503 on /health and 500 to requests.
     ``trust_request_chat_template``: a request may send its own ``chat_template`` (vLLM's
     ``--trust-request-chat-template``); without it that field is a 400.
+    ``reasoning_parser``: chat answers' ``<think>`` text goes to ``reasoning_content`` (vLLM's
+    ``--reasoning-parser``: a name in ``minfer.reasoning.REASONING_PARSERS``); None: all of it is content.
     """
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
+    check_reasoning_flag(reasoning_parser)
     if chat_template is not None:
         if engine.processor.tokenizer is None:
             raise ValueError("--chat-template needs a tokenizer, but the server runs with --skip-tokenizer-init")
@@ -62,7 +66,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
     ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)],
                         auto_tool_parser=tool_call_parser if enable_auto_tool_choice else None,
-                        trust_request_chat_template=trust_request_chat_template)
+                        trust_request_chat_template=trust_request_chat_template,
+                        reasoning_parser=reasoning_parser)
     metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy, ctx.model_name, ctx.max_model_len)
     async_engine.observer = metrics
     async_engine.on_dead = on_engine_dead

@@ -4,7 +4,9 @@ tokenizer pool (a request's own template on a pool of its own), after bounds on 
 and a render is bounded in time (``chat_template.RenderBudget``) and stopped when the client leaves.
 
 With tools (``server/tools.py``) each choice's text goes through a ``ToolParser``, the same one for a stream
-and a whole response; without them the text is the content, and streaming pays nothing for tools."""
+and a whole response; without them the text is the content, and streaming pays nothing for tools. With
+``--reasoning-parser`` (``server/reasoning.py``) the reasoning is split off first: the tool parser reads the
+content only."""
 from __future__ import annotations
 
 import json
@@ -22,6 +24,7 @@ from minfer.outputs import RequestOutput
 from minfer.server.chat_template import RenderBudget, RenderStopped
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
+from minfer.server.reasoning import StreamSplitter, split_whole
 from minfer.server.serving import ServerContext, collect, process, request_id, stream_response
 from minfer.server.stream import (DeltaTracker, TokenText, chat_logprobs, holdback_for, prompt_logprobs_entries, sse,
                                   usage)
@@ -168,9 +171,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         (final,) = await collect(ctx, raw, streams)
         if req.prompt_logprobs is not None:  # decodes every prompt token: off the loop
             body = await ctx.offload(lambda p: _response(cid, created, model, final, TokenText(p.tokenizer), top_k,
-                                                         True, plan))
+                                                         True, plan, ctx.reasoning_parser))
         else:
-            body = _response(cid, created, model, final, tok, top_k, False, plan)
+            body = _response(cid, created, model, final, tok, top_k, False, plan, ctx.reasoning_parser)
         return JSONResponse(body)
 
     tracker = DeltaTracker(holdback_for(req.stop))
@@ -179,6 +182,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     every_chunk_usage = opts is not None and opts.continuous_usage_stats
     header = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model}
     parsers: dict[int, ToolParser] = {}  # per choice, with tools
+    splitter = StreamSplitter(ctx.reasoning_parser)
 
     def render(_: int, out: RequestOutput) -> list[bytes]:
         choices = []
@@ -188,15 +192,22 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                 continue
             lp = {"content": chat_logprobs(d.logprobs, d.token_ids, tok, top_k)} if top_k is not None else None
             reason = d.finish_reason
-            if plan.mode == "none":
+            thought, text = splitter.split(c.index, d.text, reason is not None)
+            if plan.mode == "none" and not splitter.active:
                 delta: dict[str, Any] = {"role": "assistant", "content": d.text} if d.first else {"content": d.text}
+            elif plan.mode == "none":
+                delta = {"role": "assistant"} if d.first else {}
+                if text:
+                    delta["content"] = text
             else:
                 parser = parsers.get(c.index)
                 if parser is None:
                     parser = parsers[c.index] = plan.new_parser()
-                delta, reason = _tool_delta(parser, d.text, d.first, reason)
-                if not delta and reason is None and lp is None:
-                    continue
+                delta, reason = _tool_delta(parser, text, d.first, reason)
+            if thought:
+                delta["reasoning_content"] = thought
+            if not delta and reason is None and lp is None:
+                continue
             choices.append({"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason,
                             "stop_reason": d.stop_reason})
         if not choices:
@@ -227,26 +238,33 @@ def _tool_delta(parser: ToolParser, text: str, first: bool, reason: str | None) 
     return delta, finish_reason(reason, parser)
 
 
-def _message(text: str, reason: str | None, plan: ToolPlan) -> tuple[dict[str, Any], str | None]:
+def _message(text: str, reason: str | None, plan: ToolPlan,
+             reasoning_parser: str | None) -> tuple[dict[str, Any], str | None]:
+    """A whole choice's message: its reasoning split off first (with a reasoning parser: ``reasoning_content``,
+    null when it did not think, and a content that is null when empty), then its tool calls out of the content."""
+    thought, text = split_whole(reasoning_parser, text)
+    extra = {} if reasoning_parser is None else {"reasoning_content": thought}
     if plan.mode == "none":
-        return {"role": "assistant", "content": text}, reason
+        content = text if reasoning_parser is None else text or None
+        return {"role": "assistant", "content": content, **extra}, reason
     parser = plan.new_parser()
     content, calls = parse_whole(parser, text)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
+    message: dict[str, Any] = {"role": "assistant", "content": content, **extra}
     if calls:
         message["tool_calls"] = [call.to_dict() for call in calls]
     return message, finish_reason(reason, parser)
 
 
 def _response(cid: str, created: int, model: str, out: RequestOutput, tok: TokenText,
-              top_k: int | None, with_prompt_logprobs: bool, plan: ToolPlan) -> dict[str, Any]:
+              top_k: int | None, with_prompt_logprobs: bool, plan: ToolPlan,
+              reasoning_parser: str | None = None) -> dict[str, Any]:
     choices, completion_tokens = [], 0
     prompt_lps = prompt_logprobs_entries(out.prompt_logprobs, tok) if with_prompt_logprobs else None
     for c in out.outputs:
         completion_tokens += len(c.token_ids)
         lp = {"content": chat_logprobs(c.logprobs, c.token_ids, tok, top_k)} \
             if top_k is not None and c.logprobs is not None else None
-        message, reason = _message(c.text, c.finish_reason, plan)
+        message, reason = _message(c.text, c.finish_reason, plan, reasoning_parser)
         choices.append({"index": c.index, "message": message, "logprobs": lp,
                         "finish_reason": reason, "stop_reason": c.stop_reason,
                         **({"prompt_logprobs": prompt_lps} if prompt_lps is not None else {})})

@@ -78,8 +78,12 @@ class ToolCallOut(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """``reasoning_content``: the model's ``<think>`` text, only with ``--reasoning-parser`` (null when it did
+    not think); ``content`` is then the answer alone."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallOut] | None = None
 
 

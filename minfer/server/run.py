@@ -13,6 +13,7 @@ import signal
 import threading
 from typing import Any
 
+from minfer.server.reasoning import check_reasoning_flag
 from minfer.server.tool_parsers import check_tool_flags
 
 DEFAULT_MAX_WAITING = 1024
@@ -45,7 +46,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                log_level: str = "info", access_log: bool = True, api_key: str | None = None,
                chat_template: str | None = None, max_request_bytes: int | None = None,
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-               trust_request_chat_template: bool = False) -> None:
+               trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
     the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
@@ -54,7 +55,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     ``engine_kwargs``: ``EngineConfig`` fields but ``model``; ``model`` None serves the built-in model.
     ``chat_template``: the template's text (``chat_template.load_chat_template`` reads a file).
     ``enable_auto_tool_choice``, ``tool_call_parser``: see ``build_app`` (checked before the model loads).
-    ``trust_request_chat_template``: see ``build_app``.
+    ``trust_request_chat_template``, ``reasoning_parser``: see ``build_app`` (the parser's name is checked
+    before the model loads).
     """
     require_server_extra()
     try:
@@ -65,6 +67,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         raise ValueError(f"the server's packages do not import ({exc}): {_INSTALL}") from None
 
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
+    check_reasoning_flag(reasoning_parser)
     if api_key is None and not is_loopback(host):
         logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
                        "(pass --api-key or set MINFER_API_KEY)", host)
@@ -103,6 +106,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                         on_engine_dead=engine_dead, trust_request_chat_template=trust_request_chat_template,
+                        reasoning_parser=reasoning_parser,
                         **limit)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                                timeout_graceful_shutdown=5))

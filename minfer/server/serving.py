@@ -61,7 +61,9 @@ class ServerContext:
     ``auto_tool_parser``: the parser (``--tool-call-parser``) of ``tool_choice="auto"`` answers, None unless
     auto tool choice is enabled (``--enable-auto-tool-choice``). ``trust_request_chat_template``: a request
     may send its own ``chat_template`` (``--trust-request-chat-template``; else that field is a 400).
-    ``render_timeout_s``: the time one chat template render may take."""
+    ``render_timeout_s``: the time one chat template render may take. ``reasoning_parser``: the name
+    (``--reasoning-parser``, in ``minfer.reasoning.REASONING_PARSERS``) that splits a chat answer's reasoning
+    into ``reasoning_content``; None: the whole text is the content."""
 
     engine: AsyncLLMEngine
     served_model_names: list[str]
@@ -71,6 +73,7 @@ class ServerContext:
     auto_tool_parser: str | None = None
     trust_request_chat_template: bool = False
     render_timeout_s: float = RENDER_TIMEOUT_S
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         self.processor.clamp_max_tokens = False  # a max_tokens past the context is a 400, as in vLLM
