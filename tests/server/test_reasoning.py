@@ -124,18 +124,22 @@ def _chat(oai: Any, forced: str, **kw: Any) -> Any:
                                        extra_body=body, **kw)
 
 
-def _stream(oai: Any, forced: str, **kw: Any) -> tuple[Any, str | None]:
-    """The stream as the openai client accumulates it, and its reasoning joined from the chunks' deltas."""
-    state, reasoning = ChatCompletionStreamState(), []
+def _stream_choices(oai: Any, forced: str, **kw: Any) -> tuple[Any, dict[int, str]]:
+    """The stream as the openai client accumulates it, and each choice's reasoning joined from its deltas."""
+    state, reasoning = ChatCompletionStreamState(), {}
     for chunk in _chat(oai, forced, stream=True, **kw):
         for choice in chunk.choices:
             piece = (choice.delta.model_extra or {}).get("reasoning_content")
             assert piece != ""  # a delta carries reasoning only when there is some
             if piece:
-                assert not choice.delta.content  # thinking and answering in one delta: only at </think>
-                reasoning.append(piece)
+                reasoning[choice.index] = reasoning.get(choice.index, "") + piece
         state.handle_chunk(chunk)
-    return state.current_completion_snapshot, "".join(reasoning) or None
+    return state.current_completion_snapshot, reasoning
+
+
+def _stream(oai: Any, forced: str, **kw: Any) -> tuple[Any, str | None]:
+    completion, reasoning = _stream_choices(oai, forced, **kw)
+    return completion, reasoning.get(0)
 
 
 def _reasoning(choice: Any) -> Any:
@@ -150,6 +154,13 @@ def test_reasoning_whole_and_streamed(oai: Any) -> None:
     assert (reasoning, streamed.choices[0].message.content) == ("Two and two.", "\n\nFour.")
     plain = _chat(oai, "Four, without thinking.").choices[0]  # qwen3 with thinking disabled
     assert (_reasoning(plain), plain.message.content) == (None, "Four, without thinking.")
+
+
+def test_each_choice_has_its_own_parser(oai: Any) -> None:
+    forced = "<think>Two and two.</think>Four."
+    completion, reasoning = _stream_choices(oai, forced, n=3, temperature=1.0)
+    assert reasoning == {i: "Two and two." for i in range(3)}
+    assert [c.message.content for c in completion.choices] == ["Four."] * 3
 
 
 def test_unterminated_reasoning_has_no_content(oai: Any) -> None:
