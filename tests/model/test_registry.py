@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.config import ModelConfig
 from minfer.model import registry
 from minfer.model.models.llama import LlamaForCausalLM
 
@@ -36,10 +34,6 @@ def test_each_family_reads_its_own_config(checkpoints):
 class ScaledEmbeddingLM(LlamaForCausalLM):
     """A made-up family: Llama whose embeddings are multiplied by 2 (as Gemma scales by sqrt(hidden)).
     What a new dense architecture needs: its class, and a registry line."""
-
-    @classmethod
-    def read_config(cls, hf: dict) -> ModelConfig:
-        return ModelConfig.from_hf(hf)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids) * 2
