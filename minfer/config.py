@@ -70,6 +70,20 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[int, ...] = ()
+    # Per-layer attention kind as HF names it ('full_attention', 'sliding_attention'); empty: every layer
+    # alike (windowed when ``sliding_window`` is set).
+    layer_types: tuple[str, ...] = ()
+    # A family's own settings beyond these fields (Gemma's soft-caps, scalars, rope bases...), read by its
+    # ``read_config`` and used by its layers.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def layer_window(self, layer: int) -> int:
+        """The attention window of ``layer`` (0: the whole context)."""
+        if not self.sliding_window:
+            return 0
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return 0
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], **family: Any) -> "ModelConfig":
@@ -108,6 +122,7 @@ class ModelConfig:
             attention_bias=False,
             qk_norm=False,
             sliding_window=int(window) if window else None,
+            layer_types=tuple(cfg.get("layer_types") or ()),
             torch_dtype=torch_dtype(dtype_name if dtype_name in DTYPE_NAMES else "float32"),
             eos_token_ids=_as_ids(cfg.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id"),

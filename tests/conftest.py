@@ -40,6 +40,11 @@ ARCHS: dict[str, dict] = {
     "mistral": dict(arch="MistralForCausalLM", model_type="mistral", tie=False, sliding_window=None),
     "qwen2": dict(arch="Qwen2ForCausalLM", model_type="qwen2", tie=True),
     "qwen3": dict(arch="Qwen3ForCausalLM", model_type="qwen3", tie=True, head_dim=32),
+    # sliding windows that end mid-page (16-token blocks), shorter than the longer prompts: every layer
+    # (Mistral), and the layers from max_window_layers on (Qwen2)
+    "mistral_sw": dict(arch="MistralForCausalLM", model_type="mistral", tie=False, sliding_window=21),
+    "qwen2_sw": dict(arch="Qwen2ForCausalLM", model_type="qwen2", tie=True, use_sliding_window=True,
+                     sliding_window=21, max_window_layers=1),
 }
 
 
@@ -70,9 +75,7 @@ def make_checkpoint(out: Path, name: str, *, scale: float = 2.0, layers: int = 2
     kw = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
               num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
               tie_word_embeddings=spec["tie"], bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
-    for key in ("rope_parameters", "head_dim", "sliding_window"):
-        if key in spec:
-            kw[key] = spec[key]
+    kw |= {key: value for key, value in spec.items() if key not in ("arch", "model_type", "tie")}
     config = AutoConfig.for_model(spec["model_type"], **kw)
     config.architectures = [spec["arch"]]
     torch.manual_seed(seed)

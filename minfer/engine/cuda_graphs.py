@@ -53,7 +53,7 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], block_tables=self.block_tables[:b], context_lens=self.context_lens[:b],
+            slot_mapping=[self.slot_mapping[:b]], block_tables=[self.block_tables[:b]], context_lens=self.context_lens[:b],
             num_decodes=b, block_size=self.block_size)
 
     @torch.no_grad()

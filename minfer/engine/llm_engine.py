@@ -95,13 +95,10 @@ class LLMEngine:
         return self.output_processor.output_kind
 
     def _resolve_max_model_len(self) -> int:
-        mc, limit = self.model_config, self.model_config.max_position_embeddings
+        limit = self.model_config.max_position_embeddings
         length = self.config.max_model_len or limit
         if length > limit:
             raise ValueError(f"max_model_len ({length}) exceeds the model's max_position_embeddings ({limit})")
-        if mc.sliding_window is not None and mc.sliding_window < length:
-            raise ValueError(f"this model uses sliding-window attention (window {mc.sliding_window}), which minfer "
-                             f"does not implement; set max_model_len <= {mc.sliding_window} (now {length})")
         return length
 
     # ---- requests -------------------------------------------------------------------------

@@ -234,9 +234,9 @@ class ModelRunner:
         tables, ctx_lens, p_tables, p_ctx, p_cu = self._upload(
             torch.int32, a.tables, a.ctx_lens, a.tables[nd:], a.ctx_lens[nd:], a.cu[nd:] - nd)
         return AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, context_lens=ctx_lens, num_decodes=nd, block_size=self.block_size,
+            slot_mapping=[slots], block_tables=[tables], context_lens=ctx_lens, num_decodes=nd, block_size=self.block_size,
             prefill_query_start_loc=p_cu, max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
-            prefill_block_tables=p_tables, prefill_context_lens=p_ctx,
+            prefill_block_tables=[p_tables], prefill_context_lens=p_ctx,
             context_lens_host=a.ctx_lens.tolist(), query_lens_host=a.q_lens.tolist())
 
     @torch.no_grad()

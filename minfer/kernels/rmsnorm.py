@@ -4,6 +4,9 @@ HF computes ``r = x + residual`` in the model dtype, the variance and the normal
 float32, casts the normalised row back to the model dtype, and only then multiplies by the weight
 (again in the model dtype). We reproduce each rounding step so greedy decoding matches HF
 token for token; a single fp32 pass with one final rounding would drift by an ulp here and there.
+
+A float32 weight (Gemma's ``1 + w``, kept in float32 by ``model/layers/norm.py``) is Gemma's rounding
+instead: the normalised row stays float32, is multiplied by the weight, and is rounded once.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from .pdl import launch_options, use_pdl, wait_for_previous
 
 
 @triton.jit
-def norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL: tl.constexpr):
+def norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL: tl.constexpr,
+             F32_WEIGHT: tl.constexpr):
     """One loaded row ``x`` (BLOCK wide, ``mask`` over ``hidden``): the residual added (and stored back to R)
     when HAS_RESIDUAL, RMS-normalised and weighted, with HF's roundings; returned in x's dtype. The
     FP8-emitting norm (fp8_quant.py) shares it, so both round alike."""
@@ -28,22 +32,24 @@ def norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL: tl.c
         tl.store(R + row * stride_r + cols, x, mask=mask)
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=0) / hidden
-    normed = (xf * tl.rsqrt(var + eps)).to(dtype)
     w = tl.load(W + cols, mask=mask, other=0.0)
+    if F32_WEIGHT:
+        return (w * (xf * tl.rsqrt(var + eps))).to(dtype)
+    normed = (xf * tl.rsqrt(var + eps)).to(dtype)
     return (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
 
 
 @triton.jit
 def _rms_norm_kernel(
     X, R, W, OUT, stride_x, stride_xh, stride_r, heads, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr, F32_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(X + (row // heads) * stride_x + (row % heads) * stride_xh + cols, mask=mask, other=0.0)
-    out = norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL)
+    out = norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL, F32_WEIGHT)
     tl.store(OUT + row * hidden + cols, out, mask=mask)  # OUT is contiguous
 
 
@@ -80,7 +86,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     pdl = use_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](
         x, res, weight, out, x.stride(0), stride_xh, res.stride(0), heads, hidden, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=pdl, num_warps=num_warps, **launch_options(pdl),
+        HAS_RESIDUAL=residual is not None, F32_WEIGHT=weight.dtype == torch.float32, BLOCK=block, PDL=pdl, num_warps=num_warps, **launch_options(pdl),
     )
     return out
 
@@ -103,6 +109,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     """Torch reference of :func:`rms_norm`, the HF LlamaRMSNorm arithmetic."""
     xf = x.float() if x.dtype != torch.float64 else x
     var = xf.pow(2).mean(-1, keepdim=True)
+    if weight.dtype == torch.float32:  # Gemma's rounding: the weight multiplies in float32
+        return (weight * (xf * torch.rsqrt(var + eps))).to(x.dtype)
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
 
 

@@ -28,7 +28,8 @@ class Ops(ABC):
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm over the last dimension of ``x`` (2-D or 3-D)."""
+        """RMSNorm over the last dimension of ``x`` (2-D or 3-D). A float32 ``weight`` on a lower-precision
+        ``x`` multiplies in float32 and rounds once (Gemma's ``1 + w`` norms); otherwise Llama's rounding."""
 
     @abstractmethod
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -41,6 +42,10 @@ class Ops(ABC):
         """SwiGLU on a fused ``[T, 2I]`` gate|up product → ``[T, I]``."""
 
     @abstractmethod
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """GeGLU (tanh-approximated GELU, Gemma) on a fused ``[T, 2I]`` gate|up product → ``[T, I]``."""
+
+    @abstractmethod
     def rope_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeInputs,
                       cache: PagedKVCache, slot_mapping: torch.Tensor) -> torch.Tensor:
         """Per-head q/k norms (when ``rope`` has their weights), rotary, then k and v into the cache at
@@ -51,7 +56,9 @@ class Ops(ABC):
     def paged_attention(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
         """Attention of ``q`` ``[T, Hq, D]`` over the paged cache: the decodes' rows against their whole
-        context, then each prompt chunk causally against its cached context and itself."""
+        context, then each prompt chunk causally against its cached context and itself; within the layer's
+        ``cache.window`` (sliding-window attention) when it has one, its scores capped by ``cache.softcap``
+        when set, through the block tables of its KV group (``cache.kv_group``)."""
 
     @abstractmethod
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -23,18 +23,20 @@ class AttentionMetadata:
     They are None when the step has no chunk (CUDA-graph decodes).
     """
 
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    # Per KV group (one for most models; a hybrid cache gives each sliding window's layers their own):
+    slot_mapping: list[torch.Tensor]  # [num_tokens] int64 each
+    block_tables: list[torch.Tensor]  # [num_seqs, max_blocks] int32 each
     context_lens: torch.Tensor  # [num_seqs] int32
     num_decodes: int
     block_size: int
     prefill_query_start_loc: torch.Tensor | None = None  # chunk row offsets from 0: [num_chunks + 1] int32
-    prefill_block_tables: torch.Tensor | None = None  # block_tables[num_decodes:]
+    prefill_block_tables: list[torch.Tensor] | None = None  # block_tables[g][num_decodes:] per group
     prefill_context_lens: torch.Tensor | None = None  # context_lens[num_decodes:]
     max_prefill_query_len: int = 0
     context_lens_host: list[int] = field(default_factory=list)
     query_lens_host: list[int] = field(default_factory=list)
-    _decode_slots: torch.Tensor | None = None  # torch ops: cache slots of the decodes' context, once per step
+    # torch ops: the decodes' cache slots and key positions, once per step for each block table and window
+    _decode_slots: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -51,12 +53,17 @@ class RopeInputs:
 
 class PagedKVCache(Protocol):
     """One layer's paged cache, ``[num_blocks, block_size, Hkv, D]`` each; 8-bit caches carry a scale
-    per token and KV head in ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``."""
+    per token and KV head in ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``. ``window`` (0: none)
+    and ``softcap`` (0: none) say how the layer attends; ``kv_group`` which of the step's block tables and
+    slot mappings address its cache (a hybrid cache gives sliding-window layers tables of their own)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
+    window: int
+    softcap: float
+    kv_group: int
 
 
 @dataclass(slots=True)

@@ -3,6 +3,11 @@
 The engine's CPU path and the reference the Triton path is held to on whole models. An 8-bit cache
 is dequantized right after the gather of the context (``minfer/kernels/quant/kv_quant.py``), where the
 Triton kernels dequantize in registers.
+
+A layer's ``window`` (sliding-window attention: a query at position p sees keys in (p - window, p]) and
+``softcap`` (Gemma 2: scores s become softcap·tanh(s / softcap)) apply as HF applies them. Only the
+blocks a window can reach are gathered: a hybrid KV cache may already have freed the others, and their
+block-table entries are then stale.
 """
 from __future__ import annotations
 
@@ -34,27 +39,45 @@ def _gather_kv(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Te
     return rows if scales is None else dequantize_ref(rows, gather_scales(scales, slots), dtype)
 
 
+def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    return scores if not softcap else torch.tanh(scores / softcap) * softcap
+
+
+def _decode_slots(meta: AttentionMetadata, table: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decodes' cache slots ``[B, L]`` and key positions ``[B, L]`` (-1: padding): each row's whole
+    context, or its last ``window`` positions. Shared by the layers of one KV group and window."""
+    key = (table.data_ptr(), window)
+    if key not in meta._decode_slots:
+        nd, bs = meta.num_decodes, meta.block_size
+        lens = torch.tensor(meta.context_lens_host[:nd], device=table.device)
+        span = max(meta.context_lens_host[:nd]) if not window else min(window, max(meta.context_lens_host[:nd]))
+        first = (lens - span).clamp(min=0) if window else torch.zeros_like(lens)
+        pos = first[:, None] + torch.arange(span, device=table.device)[None, :]
+        pos = torch.where(pos < lens[:, None], pos, -1)
+        safe = pos.clamp(min=0)
+        slots = table[:nd].long().gather(1, safe // bs) * bs + safe % bs
+        meta._decode_slots[key] = (torch.where(pos >= 0, slots, 0), pos)
+    return meta._decode_slots[key]
+
+
 def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """One query per sequence against its whole context, padded to the longest context in the batch.
+                           v_scale: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                           block_tables: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence against its context (its last ``window`` tokens with a window), padded to
+    the longest in the batch; ``block_tables``: the layer's KV group's (default: the first group's).
 
     Heads of one KV group share the gathered K/V (no repeat across heads); matmuls in the model
     dtype and softmax in float32, as HF's eager attention does.
     """
     nd = meta.num_decodes
-    if meta._decode_slots is None:
-        max_ctx = max(meta.context_lens_host[:nd])
-        pos = torch.arange(max_ctx, device=q.device)
-        blocks = meta.block_tables[:nd, pos // meta.block_size].long()
-        meta._decode_slots = blocks * meta.block_size + pos % meta.block_size
-    slots = meta._decode_slots
+    slots, pos = _decode_slots(meta, meta.block_tables[0] if block_tables is None else block_tables, window)
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     k = _gather_kv(k_cache, k_scale, slots, q.dtype)  # [B, L, Hkv, D]
     v = _gather_kv(v_cache, v_scale, slots, q.dtype)
     qg = q.view(nd, hkv, -1, d)  # [B, Hkv, G, D]
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale
-    valid = torch.arange(slots.shape[1], device=q.device)[None, :] < meta.context_lens[:nd, None]
+    scores = _capped(torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale, softcap)
+    valid = pos >= 0
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(nd, -1, d)
@@ -62,20 +85,40 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Each prompt chunk attends causally to its own tokens and its sequence's cached context."""
+                            v_scale: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
+                            block_tables: torch.Tensor | None = None) -> torch.Tensor:
+    """Each prompt chunk attends causally to its own tokens and its sequence's cached context (within
+    ``window`` of each query when set). ``q`` holds the whole step's rows (decodes first)."""
     bs = meta.block_size
+    tables = meta.block_tables[0] if block_tables is None else block_tables
     outs = []
     start = meta.num_decodes  # decodes come first, one row each
     for s in range(meta.num_decodes, len(meta.context_lens_host)):
         ctx, qlen = meta.context_lens_host[s], meta.query_lens_host[s]
-        pos = torch.arange(ctx, device=q.device)
-        slots = meta.block_tables[s, pos // bs].long() * bs + pos % bs
+        first = max(0, ctx - qlen - window + 1) if window else 0  # the first key any of the chunk's queries sees
+        pos = torch.arange(first, ctx, device=q.device)
+        slots = tables[s, pos // bs].long() * bs + pos % bs
         k = _gather_kv(k_cache, k_scale, slots, q.dtype).transpose(0, 1)  # [Hkv, L, D]
         v = _gather_kv(v_cache, v_scale, slots, q.dtype).transpose(0, 1)
         qs = q[start:start + qlen].transpose(0, 1)  # [Hq, Q, D]
-        causal = pos[None, :] <= (ctx - qlen + torch.arange(qlen, device=q.device))[:, None]
-        o = F.scaled_dot_product_attention(qs, k, v, attn_mask=causal, scale=scale, enable_gqa=True)
+        q_pos = (ctx - qlen + torch.arange(qlen, device=q.device))[:, None]
+        visible = pos[None, :] <= q_pos
+        if window:
+            visible &= pos[None, :] > q_pos - window
+        if softcap:
+            o = _softcapped_attention(qs, k, v, visible, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         outs.append(o.transpose(0, 1))
         start += qlen
     return torch.cat(outs)
+
+
+def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                          softcap: float) -> torch.Tensor:
+    """Eager attention with capped scores (SDPA has no cap): q [Hq, Q, D], k/v [Hkv, L, D] → [Hq, Q, D]."""
+    hq, hkv = q.shape[0], k.shape[0]
+    qg = q.view(hkv, hq // hkv, *q.shape[1:])  # [Hkv, G, Q, D]
+    scores = _capped(torch.einsum("kgqd,kld->kgql", qg, k).float() * scale, softcap)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.einsum("kgql,kld->kgqd", probs, v).reshape(q.shape)

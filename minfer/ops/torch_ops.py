@@ -12,9 +12,12 @@ from minfer.ops.torch_sampling import gumbel_argmax
 
 
 def rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama's RMSNorm: statistics in float32, the weight multiply in the model dtype."""
+    """HF Llama's RMSNorm: statistics in float32, the weight multiply in the model dtype; with a float32
+    weight, HF Gemma's: the multiply in float32 (its ``1 + w``), one rounding at the end."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -34,6 +37,10 @@ class TorchOps(Ops):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rope_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeInputs,
                       cache: PagedKVCache, slot_mapping: torch.Tensor) -> torch.Tensor:
         if rope.q_norm_weight is not None:
@@ -44,13 +51,15 @@ class TorchOps(Ops):
 
     def paged_attention(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-        kc, vc, scales = cache.k_cache, cache.v_cache, dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        kc, vc = cache.k_cache, cache.v_cache
+        how = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=cache.window, softcap=cache.softcap,
+                   block_tables=meta.block_tables[cache.kv_group])
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = torch_decode_attention(q[:nd], kc, vc, meta, scale, **scales)
+            out[:nd] = torch_decode_attention(q[:nd], kc, vc, meta, scale, **how)
         if nd < q.shape[0]:
-            out[nd:] = torch_prefill_attention(q, kc, vc, meta, scale, **scales)
+            out[nd:] = torch_prefill_attention(q, kc, vc, meta, scale, **how)
         return out
 
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:

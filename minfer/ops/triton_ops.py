@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minfer.kernels.activation import silu_and_mul
+from minfer.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from minfer.kernels.attention.decode_attention import paged_decode_attention
 from minfer.kernels.attention.decode_attention_sm90 import paged_decode_attention_sm90
 from minfer.kernels.attention.gluon_sm90 import sm90_available
@@ -45,6 +45,9 @@ class TritonOps(Ops):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(x)
+
     def rope_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeInputs,
                       cache: PagedKVCache, slot_mapping: torch.Tensor) -> torch.Tensor:
         rope_store_kv(q, k, v, rope.positions, rope.cos_sin_cache, cache.k_cache, cache.v_cache, slot_mapping,
@@ -54,16 +57,17 @@ class TritonOps(Ops):
 
     def paged_attention(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
-        kc, vc, scales = cache.k_cache, cache.v_cache, dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        kc, vc, g = cache.k_cache, cache.v_cache, cache.kv_group
+        how = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=cache.window, softcap=cache.softcap)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:
-            self.decode_attention(q[:nd], kc, vc, meta.block_tables[:nd], meta.context_lens[:nd], scale,
-                                  out=out[:nd], **scales)
+            self.decode_attention(q[:nd], kc, vc, meta.block_tables[g][:nd], meta.context_lens[:nd], scale,
+                                  out=out[:nd], **how)
         if nd < q.shape[0]:
-            self.prefill_attention(q[nd:], kc, vc, meta.prefill_block_tables, meta.prefill_query_start_loc,
+            self.prefill_attention(q[nd:], kc, vc, meta.prefill_block_tables[g], meta.prefill_query_start_loc,
                                    meta.prefill_context_lens, meta.max_prefill_query_len, scale, out=out[nd:],
-                                   **scales)
+                                   **how)
         return out
 
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -218,19 +218,6 @@ def test_unsupported_architecture_and_missing_paths(tmp_path, checkpoints):
         LLM("some-org/some-model-that-is-not-cached")
 
 
-def test_mistral_sliding_window_shorter_than_context_is_rejected(tmp_path):
-    from conftest import ARCHS
-
-    ARCHS["mistral_sw"] = dict(ARCHS["mistral"], sliding_window=32)
-    try:
-        path = make_checkpoint(tmp_path / "msw", "mistral_sw", max_positions=128)
-    finally:
-        del ARCHS["mistral_sw"]
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLM(str(path))
-    assert LLM(str(path), max_model_len=32, num_kv_blocks=8) is not None
-
-
 def test_cli_generate(checkpoints, capsys):
     rc = cli_main(["generate", "--model", str(checkpoints["llama3"]), "--max-tokens", "6", "--num-kv-blocks", "16",
                    "def f():"])

@@ -110,7 +110,7 @@ def test_engine_torch_path_matches_reference(kv_dtype: str) -> None:
     qsl = torch.tensor([0] + q_lens).cumsum(0).int()
     q = torch.randn(sum(q_lens), hq, d)
     meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long), block_tables=table, context_lens=lens, num_decodes=2,
+        slot_mapping=[torch.empty(0, dtype=torch.long)], block_tables=[table], context_lens=lens, num_decodes=2,
         block_size=PAGE, prefill_query_start_loc=qsl[2:] - 2, max_prefill_query_len=17, context_lens_host=ctx,
         query_lens_host=q_lens)
     dec = torch_decode_attention(q[:2], kc, vc, meta, d ** -0.5, **scales)

@@ -20,9 +20,9 @@ def _meta(slots: list[int], ctx: int, num_decodes: int) -> AttentionMetadata:
     q = torch.tensor([0, len(slots)], dtype=torch.int32)
     table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=table, context_lens=lens, num_decodes=num_decodes,
+        slot_mapping=[torch.tensor(slots)], block_tables=[table], context_lens=lens, num_decodes=num_decodes,
         block_size=BLOCK, prefill_query_start_loc=None if num_decodes else q,
-        prefill_block_tables=None if num_decodes else table, prefill_context_lens=None if num_decodes else lens,
+        prefill_block_tables=None if num_decodes else [table], prefill_context_lens=None if num_decodes else lens,
         max_prefill_query_len=0 if num_decodes else len(slots), context_lens_host=[ctx],
         query_lens_host=[len(slots)])
 

@@ -127,15 +127,15 @@ def _quant_rows_kernel(X, Q, S, K, n_groups, stride_x, stride_q, stride_s, PROLO
 
 @triton.jit
 def _rms_norm_fp8_kernel(X, R, W, Q, S, hidden, n_groups, stride_x, stride_r, stride_q, stride_s, eps,
-                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
+                         HAS_RESIDUAL: tl.constexpr, F32_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+                         GROUP: tl.constexpr, MIN_SCALE: tl.constexpr, EXACT: tl.constexpr, PDL: tl.constexpr = False):
     """rmsnorm.py's kernel (its ``norm_row``: same roundings, same one-block reduction) with a quantizing store."""
     wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-    out = norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL).to(tl.float32)
+    out = norm_row(x, R, W, row, cols, mask, stride_r, hidden, eps, HAS_RESIDUAL, F32_WEIGHT).to(tl.float32)
     _store_quantized(out, Q, S, row, 0, hidden, 0, n_groups, stride_q, stride_s, BLOCK, GROUP, MIN_SCALE, EXACT)
 
 
@@ -231,8 +231,9 @@ def _rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
     pdl = use_pdl(x.device)
     _rms_norm_fp8_kernel[(m,)](
         x, res, weight, q, s, hidden, 1 if group_size is None else s.shape[1], x.stride(0), res.stride(0),
-        q.stride(0), 1 if group_size is None else s.stride(0), eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-        GROUP=block if group_size is None else group_size, MIN_SCALE=FP8_MIN_SCALE, EXACT=interpreting(), PDL=pdl,
+        q.stride(0), 1 if group_size is None else s.stride(0), eps, HAS_RESIDUAL=residual is not None,
+        F32_WEIGHT=weight.dtype == torch.float32, BLOCK=block, GROUP=block if group_size is None else group_size,
+        MIN_SCALE=FP8_MIN_SCALE, EXACT=interpreting(), PDL=pdl,
         num_warps=num_warps, **launch_options(pdl),
     )
     return q, s

@@ -3,6 +3,11 @@
 Attention is the only layer that knows about sequences (``AttentionMetadata``). An 8-bit cache
 (an 8-bit ``kv_cache_dtype``) comes with per-token-per-head ``k_scale``/``v_scale``; the ops
 quantize in the store and dequantize inside attention.
+
+How the layer attends is its own: ``scale`` (head_dim^-0.5 unless the family says otherwise), ``window``
+(sliding-window attention over the last ``window`` positions; 0: the whole context) and ``softcap``
+(Gemma 2's tanh cap on the scores; 0: none). ``kv_group`` is set with the cache: which of the step's
+block tables and slot mappings address it (``engine/kv_cache.py``).
 """
 from __future__ import annotations
 
@@ -16,10 +21,13 @@ class Attention(nn.Module):
     """Finishes q and k (norms, rotary), stores K/V into this layer's cache, then attends for the
     decodes and the prompt chunks. The engine allocates the cache tensors (``engine/kv_cache.py``)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, ops: Ops, scale: float | None = None,
+                 window: int = 0, softcap: float = 0.0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.window, self.softcap = window, softcap
+        self.kv_group = 0
         self.ops = ops
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -29,5 +37,5 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeInputs,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D], before their norms and rotary → [T, Hq, D]."""
-        q = self.ops.rope_store_kv(q, k, v, rope, self, meta.slot_mapping)
+        q = self.ops.rope_store_kv(q, k, v, rope, self, meta.slot_mapping[self.kv_group])
         return self.ops.paged_attention(q, self, meta, self.scale)

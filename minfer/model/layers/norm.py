@@ -1,4 +1,8 @@
-"""``RMSNorm``, with the residual add fused in front of it (the Triton ops fuse the two)."""
+"""``RMSNorm``, with the residual add fused in front of it (the Triton ops fuse the two).
+
+Gemma's norms scale by ``1 + w``: with ``offset=True`` the layer adds the one when its weight loads and keeps
+the sum in float32, which the ops read as Gemma's rounding (the weight multiplies in float32).
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -14,11 +18,19 @@ class RMSNorm(nn.Module):
     """``forward(x, residual)`` first adds the residual and returns the normed output together with the
     new residual stream."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: Ops) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: Ops, offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.ops = ops
-        self.weight = nn.Parameter(torch.empty(size, dtype=dtype), requires_grad=False)
+        self.offset = offset
+        self.weight = nn.Parameter(torch.empty(size, dtype=torch.float32 if offset else dtype), requires_grad=False)
+
+    def load_shard(self, name: str, source: Any, shard: Any) -> None:
+        """The checkpoint's weight (whole on every rank); Gemma's ``w`` becomes ``1 + w`` in float32."""
+        w = source[:]
+        if w.shape != self.weight.shape:
+            raise ValueError(f"checkpoint shape {tuple(w.shape)} != model {tuple(self.weight.shape)}")
+        self.weight.data.copy_(w.float() + 1.0 if self.offset else w)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out: ActivationQuant | None = None) -> Any:

@@ -30,7 +30,8 @@ from minfer.ops import AttentionMetadata, Ops, RopeInputs
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
-                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, prefix: str = "self_attn") -> None:
+                 tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, prefix: str = "self_attn",
+                 window: int = 0) -> None:
         super().__init__()
         self.head_dim = d = cfg.head_dim
         q_head, self.num_heads = tp.split(cfg.num_attention_heads)
@@ -46,7 +47,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops, window=window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attention(self.qkv_proj(x), positions, meta))
@@ -71,7 +72,8 @@ class DecoderLayer(nn.Module):
                  tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn")
+        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn",
+                                        cfg.layer_window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.mlp = mlp
         # the formats the projections want their inputs in, emitted by the norms before them
@@ -196,12 +198,18 @@ class LlamaForCausalLM(nn.Module):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Llama with q/k/v bias; its sliding window applies only with ``use_sliding_window``."""
+    """Llama with q/k/v bias; its sliding window applies only with ``use_sliding_window``, and then (as HF
+    writes ``layer_types``) to the layers from ``max_window_layers`` on."""
 
     @classmethod
     def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
         window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-        return ModelConfig.from_hf(hf, attention_bias=True, sliding_window=int(window) if window else None)
+        n = int(hf["num_hidden_layers"])
+        first = int(hf.get("max_window_layers", n))
+        types = tuple(hf.get("layer_types") or ("sliding_attention" if window and i >= first else "full_attention"
+                                               for i in range(n)))
+        return ModelConfig.from_hf(hf, attention_bias=True, sliding_window=int(window) if window else None,
+                                   layer_types=types)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
