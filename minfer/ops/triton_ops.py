@@ -109,5 +109,6 @@ class TritonOps(Ops):
         return fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize, weights_dtype=weights_dtype)
 
     def model_forward(self, model: nn.Module) -> ModelForward:
-        """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model."""
-        return OneTokenFusedForward(model)
+        """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model; a
+        family whose layers differ from Llama's (``fused_one_token = False``) runs its own forward throughout."""
+        return OneTokenFusedForward(model) if getattr(model, "fused_one_token", False) else model
