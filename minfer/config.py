@@ -100,9 +100,11 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "linear", "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
+            if kind not in ("llama3", "linear", "longrope", "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear, longrope")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
+            if kind == "longrope":
+                scaling = _longrope(scaling, cfg)
         window = cfg.get("sliding_window")
         dtype_name = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         fields_read = dict(
@@ -149,6 +151,21 @@ def sampling_defaults(generation_config: dict[str, Any]) -> dict[str, Any]:
     """The SamplingParams defaults a generation_config.json sets (as vLLM, ``do_sample`` is not read)."""
     return {field: generation_config[key] for key, field in _GENERATION_KEYS.items()
             if generation_config.get(key) is not None}
+
+
+def _longrope(scaling: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """A longrope ``rope_scaling`` completed as HF reads it: the top-level ``original_max_position_embeddings``
+    (Phi-3 keeps it there) before the dict's own, and ``factor`` (which sets the attention factor) defaulting
+    to ``max_position_embeddings`` over it."""
+    missing = [key for key in ("short_factor", "long_factor") if not scaling.get(key)]
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    if missing or not original:
+        raise ValueError(f"longrope rope_scaling needs short_factor, long_factor and original_max_position_embeddings; "
+                         f"missing: {missing + ([] if original else ['original_max_position_embeddings'])}")
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = int(cfg.get("max_position_embeddings", 2048)) / int(original)
+    return {**scaling, "original_max_position_embeddings": int(original), "factor": float(factor)}
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:
@@ -205,6 +222,9 @@ class EngineConfig:
                                               "CPU default: max_num_seqs x max_model_len tokens, at most half the free memory)")
     num_kv_blocks: int | None = _knob(None, "exact number of KV blocks (overrides both KV sizes)")
     enable_prefix_caching: bool = _knob(True, "reuse the KV blocks of a prompt prefix seen before")
+    disable_hybrid_kv_cache_manager: bool = _knob(
+        False, "give every layer a block table over the whole context, even the sliding-window layers of a model "
+        "that mixes windows (by default they keep only their window's blocks: engine/kv_groups.py)")
     enforce_eager: bool = _knob(False, "no CUDA graphs: every step launches its kernels from Python")
     async_scheduling: bool = _knob(True, "launch step N+1 before step N completes (host/GPU overlap; see "
                                    "engine/llm_engine.py)")

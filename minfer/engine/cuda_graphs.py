@@ -32,7 +32,8 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, forward: ModelForward | None = None) -> None:
+                 device: torch.device, forward: ModelForward | None = None, num_groups: int = 1) -> None:
+        """``num_groups``: the KV groups, each with its own slot mapping and block tables."""
         self.model = model
         self.forward = model if forward is None else forward  # the runner's: Ops.model_forward(model)
         self.sizes = graph_batch_sizes(max_batch)
@@ -41,9 +42,9 @@ class DecodeGraphs:
         b, dev = self.max_batch, device
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((b,), -1, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((num_groups, b), -1, dtype=torch.int64, device=dev)
         self.context_lens = torch.ones(b, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(num_groups, b, max_blocks_per_seq, dtype=torch.int32, device=dev)
         # The LM head runs in the graph too (eagerly it was three more launches per step, on the host's
         # critical path at small batches), into one logits buffer that every bucket shares.
         # (the whole vocabulary's: under tensor parallelism the graph holds the logits gather)
@@ -53,15 +54,15 @@ class DecodeGraphs:
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=[self.slot_mapping[:b]], block_tables=[self.block_tables[:b]], context_lens=self.context_lens[:b],
-            num_decodes=b, block_size=self.block_size)
+            slot_mapping=[s[:b] for s in self.slot_mapping], block_tables=[t[:b] for t in self.block_tables],
+            context_lens=self.context_lens[:b], num_decodes=b, block_size=self.block_size)
 
     @torch.no_grad()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first so the pool is sized by the first."""
         # The staging kernel compiles now, not in the first decode step.
-        stage_decode_inputs(torch.zeros(packed_words(1, 1), dtype=torch.int64, device=self.input_ids.device), 1, 1,
-                            None, self.input_ids, self.positions, self.slot_mapping, self.context_lens,
+        packed = torch.zeros(packed_words(1, 1, len(self.block_tables)), dtype=torch.int64, device=self.input_ids.device)
+        stage_decode_inputs(packed, 1, 1, None, self.input_ids, self.positions, self.slot_mapping, self.context_lens,
                             self.block_tables)
         pool = None
         for b in reversed(self.sizes):
@@ -82,7 +83,7 @@ class DecodeGraphs:
         return hidden
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
-        return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[1]
+        return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[2]
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, src_rows: np.ndarray,
             ctx_lens: np.ndarray, tables: np.ndarray, prev_tokens: torch.Tensor | None
@@ -93,13 +94,13 @@ class DecodeGraphs:
         (``kernels/stage_inputs.py``). Returns hidden states [n, H] and model-dtype logits [n, vocab],
         views of the graph's buffers valid until the next replay (work queued before it, like the draws,
         reads them in time)."""
-        n, width = tables.shape
+        groups, n, width = tables.shape
         b = next(s for s in self.sizes if s >= n)
-        host = torch.empty(packed_words(n, width), dtype=torch.int64, pin_memory=self.input_ids.is_cuda)
+        host = torch.empty(packed_words(n, width, groups), dtype=torch.int64, pin_memory=self.input_ids.is_cuda)
         pack_decode_inputs(host.numpy(), ids, positions, slots, src_rows, ctx_lens, tables)
         packed = host.to(self.input_ids.device, non_blocking=True)
         stage_decode_inputs(packed, n, width, prev_tokens, self.input_ids[:b], self.positions[:b],
-                            self.slot_mapping[:b], self.context_lens[:b], self.block_tables[:b])
+                            self.slot_mapping[:, :b], self.context_lens[:b], self.block_tables[:, :b])
         if b in self.graphs:
             self.graphs[b].replay()
             hidden = self.outputs[b]

@@ -79,13 +79,15 @@ def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class InputBatch:
-    def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device, num_groups: int = 1) -> None:
+        """``num_groups``: the KV groups, each with its own block table per sequence."""
         self.device = device
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self._free_rows = list(range(max_rows - 1, -1, -1))
-        self.block_tables = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int32)
-        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
-        self._table_of: list[list[int] | None] = [None] * max_rows  # the block_table list each row copies
+        self.block_tables = np.zeros((num_groups, max_rows, max_blocks_per_seq), dtype=np.int32)
+        self.num_blocks = np.zeros((num_groups, max_rows), dtype=np.int64)
+        # the block-table list each (group, row) copies
+        self._table_of: list[list[list[int] | None]] = [[None] * max_rows for _ in range(num_groups)]
         self.sample_row = np.full(max_rows, -1, dtype=np.int64)  # row in the last launched step's sampled ids
         self.seeds = np.zeros(max_rows, dtype=np.uint64)
         self.prompt_lens = np.zeros(max_rows, dtype=np.int64)
@@ -100,27 +102,31 @@ class InputBatch:
             row = self.row_of.pop(seq_id, None)
             if row is not None:
                 self._free_rows.append(row)
-                self._table_of[row] = self.params[row] = None
+                self.params[row] = None
+                for tables in self._table_of:
+                    tables[row] = None
                 self._facts_key = None  # a row may now be refilled by another sequence
 
     def rows(self, seqs: list[Sequence]) -> np.ndarray:
-        """Each sequence's row (filled on first sight), with its block-table copy brought up to date.
+        """Each sequence's row (filled on first sight), with its block-table copies brought up to date.
 
         A block table only grows by ``append`` (any other change puts a new list in its place), so a
         row whose list is the same object needs only the appended entries."""
         rows = np.empty(len(seqs), dtype=np.int64)
-        row_of, table_of, num_blocks, tables = self.row_of, self._table_of, self.num_blocks, self.block_tables
+        row_of = self.row_of
+        groups = list(zip(self._table_of, self.num_blocks, self.block_tables))
         for i, s in enumerate(seqs):  # plain attributes: this loop runs for every sequence every step
             row = row_of.get(s.seq_id)
             if row is None:
                 row = self._add(s)
-            table, n = s.block_table, num_blocks[row]
-            if table_of[row] is not table:
-                tables[row, :len(table)] = table
-                table_of[row], num_blocks[row] = table, len(table)
-            elif n != len(table):
-                tables[row, n:len(table)] = table[n:]
-                num_blocks[row] = len(table)
+            for table, (table_of, num_blocks, tables) in zip(s.block_tables, groups):
+                n = num_blocks[row]
+                if table_of[row] is not table:
+                    tables[row, :len(table)] = table
+                    table_of[row], num_blocks[row] = table, len(table)
+                elif n != len(table):
+                    tables[row, n:len(table)] = table[n:]
+                    num_blocks[row] = len(table)
             rows[i] = row
         return rows
 
@@ -130,8 +136,9 @@ class InputBatch:
                                f"({len(self.row_of)} rows in use)")
         row = self._free_rows.pop()
         self.row_of[seq.seq_id] = row
-        self._table_of[row] = None
-        self.num_blocks[row] = 0
+        for tables in self._table_of:
+            tables[row] = None
+        self.num_blocks[:, row] = 0
         self.sample_row[row] = -1
         self.seeds[row] = seq.seed
         self.prompt_lens[row] = len(seq.prompt_token_ids)

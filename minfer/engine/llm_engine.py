@@ -70,11 +70,13 @@ class LLMEngine:
             self.workers.shutdown()
             raise error from exc
         defaults = self.model_config.sampling_defaults if config.generation_config == "auto" else {}
+        windows = self.runner.kv_spec.windows
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len,
                                    self.runner.num_kv_blocks, config.block_size, defaults,
-                                   config.structured_outputs_limits())
+                                   config.structured_outputs_limits(), windows, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, output_kind)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}  # live requests' samples
         self._rng = random.Random(config.seed)
@@ -315,11 +317,12 @@ class LLMEngine:
         return self.workers.failure if self.workers is not None else None
 
     # ---- introspection --------------------------------------------------------------------
-    def get_stats(self) -> dict[str, int | str]:
+    def get_stats(self) -> dict[str, int | str | list[int]]:
         """Weights, cache and scheduler counters (``weight_bytes`` and ``num_kv_blocks``: per rank, each holding its KV heads of every
         block, under tensor parallelism). ``kv_cache_dtype`` is the stored format ('int8', 'fp8_e4m3',
         'fp8_e5m2', or the model dtype for 'auto'); ``kv_block_bytes`` one block's K and V across all
-        layers, scales included."""
+        layers (of its group, for a hybrid cache), scales included. ``kv_group_windows`` and
+        ``kv_group_blocks``: each KV group's attention window (0: full) and the blocks it holds now."""
         bm, sched = self.block_manager, self.scheduler
         model = self.runner.model
         return {
@@ -330,7 +333,9 @@ class LLMEngine:
             "kv_block_bytes": self.runner.block_bytes,
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
-            "num_cached_kv_blocks": len(bm.cached),
+            "num_cached_kv_blocks": sum(len(c) for c in bm.cached),
+            "kv_group_windows": list(bm.windows),
+            "kv_group_blocks": list(bm.group_blocks),
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "num_preemptions": sched.num_preemptions,

@@ -73,9 +73,12 @@ class ModelRunner:
         self._rank_min(0)  # every rank has its shard: no collective below waits out a slow load
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
         self.sampler = Sampler(self.device, self.ops)
-        self.input_batch = InputBatch(config.max_num_seqs, cdiv(max_model_len, self.block_size), self.device)
-        self.kv_spec = KVCacheSpec.for_layers(self.model.attention_layers(), self.block_size, self.dtype,
-                                              config.kv_cache_dtype)  # the model's cache, as its layers hold it
+        self.kv_spec = KVCacheSpec.for_layers(  # the model's cache, as its layers hold it
+            self.model.attention_layers(), self.block_size, self.dtype, config.kv_cache_dtype, max_model_len,
+            hybrid=not config.disable_hybrid_kv_cache_manager)
+        self.num_kv_groups = len(self.kv_spec.kv_groups)
+        self.input_batch = InputBatch(config.max_num_seqs, cdiv(max_model_len, self.block_size), self.device,
+                                      self.num_kv_groups)
         started = time.perf_counter()
         blocks = count_kv_blocks(config, self.block_bytes, max_model_len, self.device, model_config.vocab_size,
                                  self._profile_peak)
@@ -87,6 +90,9 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %d bytes each (%.2f GiB, %s%s)", self.num_kv_blocks,
                     self.block_size, self.block_bytes, self.num_kv_blocks * self.block_bytes / 2**30,
                     spec.format_name, scales)
+        if self.num_kv_groups > 1:
+            logger.info("hybrid KV cache: %d groups of %d layers, windows %s", self.num_kv_groups,
+                        spec.pages_per_block, [g.window for g in spec.kv_groups])
         started = time.perf_counter()
         self.graphs = self._capture_graphs()
         if self.graphs is not None:
@@ -115,11 +121,11 @@ class ModelRunner:
     def _copy_blocks(self, pairs: list[tuple[int, int]] | np.ndarray) -> None:
         src = torch.tensor([int(s) for s, _ in pairs], device=self.device)
         dst = torch.tensor([int(d) for _, d in pairs], device=self.device)
-        for attn in self.model.attention_layers():
-            for cache in (attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale):
-                if cache is not None:
-                    raw = cache.view(torch.uint8)  # as bytes: float8 has no CPU indexing kernels
-                    raw[dst] = raw[src]
+        caches = {id(c): c for attn in self.model.attention_layers()  # KV groups share tensors: each once
+                  for c in (attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale) if c is not None}
+        for cache in caches.values():
+            raw = cache.view(torch.uint8)  # as bytes: float8 has no CPU indexing kernels
+            raw[dst] = raw[src]
 
     @property
     def block_bytes(self) -> int:
@@ -136,8 +142,8 @@ class ModelRunner:
         width = cdiv(lens[0], self.block_size)
         blocks = width * len(lens)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, blocks, self.device, zero=False)
-        a = synthetic_step(lens, lens, np.arange(blocks, dtype=np.int32).reshape(len(lens), width))
-        ids, positions, slots = self._upload(torch.int64, a.ids, a.positions, a.slots)
+        a = synthetic_step(lens, lens, np.arange(blocks, dtype=np.int32).reshape(len(lens), width), self.num_kv_groups)
+        ids, positions, *slots = self._upload(torch.int64, a.ids, a.positions, *a.slots)
         hidden = self.model(ids, positions, self._metadata(a, slots))
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         release_kv_cache(self.model.attention_layers())
@@ -157,9 +163,9 @@ class ModelRunner:
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
             q_lens = [1] * num_decodes + ([chunk] if chunk else [])
             ctx = [width * self.block_size - 8] * num_decodes + ([chunk] if chunk else [])
-            a = synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32))
+            a = synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32), self.num_kv_groups)
             a.positions[:] = a.slots[:] = 0  # positions in any rotary table; all writes into block 0
-            ids, positions, slots, rows = self._upload(torch.int64, a.ids, a.positions, a.slots, a.logit_rows)
+            ids, positions, rows, *slots = self._upload(torch.int64, a.ids, a.positions, a.logit_rows, *a.slots)
             hidden = self.forward(ids, positions, self._metadata(a, slots))
             logits = self.model.compute_logits(hidden[rows], float32=False)
         self.ops.gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device),
@@ -172,7 +178,7 @@ class ModelRunner:
         if self.device.type != "cuda" or not self.ops.cuda_graphs or self.config.enforce_eager:
             return None
         graphs = DecodeGraphs(self.model, self.config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
-                              self.block_size, self.device, forward=self.forward)
+                              self.block_size, self.device, forward=self.forward, num_groups=self.num_kv_groups)
         graphs.capture()
         return graphs
 
@@ -201,9 +207,9 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
         positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
         ib = self.input_batch
-        tables = ib.block_tables[rows, :int(ib.num_blocks[rows].max())]
+        tables = ib.block_tables[:, rows, :int(ib.num_blocks[:, rows].max())]  # [groups, seqs, width]
         bs = self.block_size
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slots = tables[:, seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs  # [groups, tokens]
         ends = starts + q_lens
         pending = np.array([i for i, s in enumerate(seqs) if s.num_pending], dtype=np.int64)
         fill_src = ib.sample_row[rows[pending]]
@@ -227,16 +233,18 @@ class ModelRunner:
         dev = host.to(self.device, non_blocking=True)
         return [dev[at:at + a.size].view(a.shape) for a, at in zip(arrays, starts)]
 
-    def _metadata(self, a: StepArrays, slots: torch.Tensor) -> AttentionMetadata:
-        """Attention inputs of an eager step; the prefill rows' tables and lengths go up separately
-        (aligned, see AttentionMetadata)."""
-        nd, num_seqs = a.num_decodes, len(a.q_lens)
-        tables, ctx_lens, p_tables, p_ctx, p_cu = self._upload(
-            torch.int32, a.tables, a.ctx_lens, a.tables[nd:], a.ctx_lens[nd:], a.cu[nd:] - nd)
+    def _metadata(self, a: StepArrays, slots: list[torch.Tensor]) -> AttentionMetadata:
+        """Attention inputs of an eager step (``slots``: each KV group's slot mapping, on the device); each
+        group's tables, and the prefill rows' tables and lengths, go up as arrays of their own (aligned,
+        see AttentionMetadata)."""
+        nd, num_seqs, groups = a.num_decodes, len(a.q_lens), len(a.tables)
+        ctx_lens, p_ctx, p_cu, *tables = self._upload(
+            torch.int32, a.ctx_lens, a.ctx_lens[nd:], a.cu[nd:] - nd, *a.tables, *a.tables[:, nd:])
         return AttentionMetadata(
-            slot_mapping=[slots], block_tables=[tables], context_lens=ctx_lens, num_decodes=nd, block_size=self.block_size,
-            prefill_query_start_loc=p_cu, max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
-            prefill_block_tables=[p_tables], prefill_context_lens=p_ctx,
+            slot_mapping=slots, block_tables=tables[:groups], context_lens=ctx_lens, num_decodes=nd,
+            block_size=self.block_size, prefill_query_start_loc=p_cu,
+            max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
+            prefill_block_tables=tables[groups:], prefill_context_lens=p_ctx,
             context_lens_host=a.ctx_lens.tolist(), query_lens_host=a.q_lens.tolist())
 
     @torch.no_grad()
@@ -290,7 +298,7 @@ class ModelRunner:
         decode graph made them, else None, the sampling rows on the device when they were uploaded)."""
         rows = None
         if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
-                                                                                              a.tables.shape[1]):
+                                                                                              a.tables.shape[2]):
             src_rows = np.full(len(a.ids), -1, dtype=np.int64)
             src_rows[a.fill_dst] = a.fill_src  # a decode's one token is its row
             hidden, logits = self.graphs.run(a.ids, a.positions, a.slots, src_rows, a.ctx_lens, a.tables, prev_tokens)
@@ -298,8 +306,8 @@ class ModelRunner:
                 rows, = self._upload(torch.int64, a.logit_rows)
                 logits = logits[rows]
             return hidden, logits, rows
-        ids, positions, slots, rows, fill_dst, fill_src = self._upload(
-            torch.int64, a.ids, a.positions, a.slots, a.logit_rows, a.fill_dst, a.fill_src)
+        ids, positions, rows, fill_dst, fill_src, *slots = self._upload(
+            torch.int64, a.ids, a.positions, a.logit_rows, a.fill_dst, a.fill_src, *a.slots)
         if len(a.fill_dst):
             ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
         return self.forward(ids, positions, self._metadata(a, slots)), None, rows

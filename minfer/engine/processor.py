@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
 
-from minfer.config import cdiv
+from minfer.engine.block_manager import blocks_needed
 from minfer.sampling_params import SamplingParams
 from minfer.structured_limits import DEFAULT_LIMITS, StructuredOutputsLimits
 
@@ -45,14 +45,16 @@ class Processor:
     """Tokenizes prompts and checks requests against the engine's fixed limits.
 
     ``num_kv_blocks`` x ``block_size`` is the whole cache: a request that could not fit in it even
-    alone is refused here rather than preempted forever. ``clamp_max_tokens``: a ``max_tokens`` past
+    alone is refused here rather than preempted forever (``kv_windows``: the KV groups' windows, and
+    ``max_chunk`` the largest prompt chunk, say how many blocks a sequence holds at most). ``clamp_max_tokens``: a ``max_tokens`` past
     the context is cut to fit (the offline ``LLM``, whose batches mix prompt lengths under one
     SamplingParams) or refused naming the context, the prompt and the request (the server, as vLLM's).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, num_kv_blocks: int,
                  block_size: int, sampling_defaults: dict[str, Any] | None = None,
-                 structured_outputs_limits: StructuredOutputsLimits = DEFAULT_LIMITS) -> None:
+                 structured_outputs_limits: StructuredOutputsLimits = DEFAULT_LIMITS,
+                 kv_windows: tuple[int, ...] = (0,), max_chunk: int = 0) -> None:
         self.tokenizer = tokenizer
         self.structured_outputs_limits = structured_outputs_limits
         self.sampling_defaults = dict(sampling_defaults or {})  # the model's (generation_config.json)
@@ -60,6 +62,7 @@ class Processor:
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.kv_windows, self.max_chunk = kv_windows, max_chunk
         self.clamp_max_tokens = True  # the server's copy sets False
         self._max_token_chars: int | None = None
 
@@ -159,7 +162,7 @@ class Processor:
                               f"{self.max_model_len} tokens and your request has {len(ids)} input tokens "
                               f"({max_tokens} > {self.max_model_len} - {len(ids)})", "max_tokens")
         total = self.max_model_len if max_tokens is None else min(len(ids) + max_tokens, self.max_model_len)
-        need = cdiv(total, self.block_size)
+        need = blocks_needed(total, self.block_size, self.kv_windows, self.max_chunk)
         if need > self.num_kv_blocks:
             raise PromptError(f"this request needs up to {need} KV blocks ({total} tokens) but the whole cache has "
                               f"{self.num_kv_blocks}; lower max_tokens or give the cache more memory", "max_tokens")

@@ -121,7 +121,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last sampled token was in flight: recompute once it is known
-            if seq.params.prompt_logprobs is None and not seq.block_table:  # forked samples hold blocks
+            if seq.params.prompt_logprobs is None and not seq.block_tables:  # forked samples hold blocks
                 self.block_manager.match_prefix(seq)  # (prompt logprobs need every position computed)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.allocate_slots(seq, num_new):

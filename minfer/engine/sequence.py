@@ -36,9 +36,11 @@ class Sequence:
     when the step's results come back; meanwhile the next step reads its value on the device. Only
     the three methods below touch pending tokens.
 
-    ``block_table`` only ever grows by ``append``; any other change (free, fork, copy on write)
-    puts a new list in its place, which lets the runner keep an int32 copy and update it by the
-    appended entries alone.
+    Each of ``block_tables`` (one per KV group) only ever grows by ``append``; any other change (free,
+    fork, copy on write) puts a new list in its place, which lets the runner keep an int32 copy and
+    update it by the appended entries alone. The one edit in place: a sliding-window group's entries that
+    its window has passed become ``NO_BLOCK``, and the runner's copy keeps the old ids, which no kernel
+    reads.
     """
 
     seq_id: int
@@ -53,7 +55,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_scheduled_tokens: int = 0
     num_pending: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV group (empty: holds no block)
     block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

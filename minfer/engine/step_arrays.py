@@ -13,8 +13,8 @@ class StepArrays:
 
     ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
-    slots: np.ndarray  # [T] int64
-    tables: np.ndarray  # [S, max_blocks] int32
+    slots: np.ndarray  # [G, T] int64: each KV group's cache slot of each token
+    tables: np.ndarray  # [G, S, max_blocks] int32: each KV group's block tables
     ctx_lens: np.ndarray  # [S] int32
     q_lens: np.ndarray  # [S] int64
     cu: np.ndarray  # [S + 1] int64
@@ -39,12 +39,14 @@ class StepArrays:
                    logit_rows, int(nd[0]), fill_dst, fill_src), plp
 
 
-def synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray) -> StepArrays:
-    """Step arrays of made-up sequences (token 0 everywhere, each token's slot = its position),
-    for the start-up memory profile and kernel warm-up; decodes (q_len 1) must come first."""
+def synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray, groups: int = 1) -> StepArrays:
+    """Step arrays of made-up sequences (token 0 everywhere, each token's slot = its position, the same
+    ``tables`` [S, width] in each of ``groups`` KV groups), for the start-up memory profile and kernel warm-up;
+    decodes (q_len 1) must come first."""
     q = np.array(q_lens, dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(q)])
     n, none = int(cu[-1]), np.zeros(0, dtype=np.int64)
     positions = np.concatenate([np.arange(c - l, c) for l, c in zip(q_lens, ctx_lens)])
-    return StepArrays(np.zeros(n, dtype=np.int64), positions, positions.copy(), tables,
+    return StepArrays(np.zeros(n, dtype=np.int64), positions, np.tile(positions, (groups, 1)),
+                      np.tile(tables, (groups, 1, 1)),
                       np.array(ctx_lens, dtype=np.int32), q, cu, cu[1:] - 1, int((q == 1).sum()), none, none)

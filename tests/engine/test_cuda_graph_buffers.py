@@ -34,4 +34,4 @@ def test_padded_decode_buffers_match_hf(checkpoints):
         ref, ref_logits = hf_greedy(checkpoints["llama3"], prompt, 6)
         assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
     assert calls and set(calls) == {3}  # every decode step went through the buffers, one padding row
-    assert int(graphs.slot_mapping[3]) == -1 and int(graphs.context_lens[3]) == 1
+    assert int(graphs.slot_mapping[0, 3]) == -1 and int(graphs.context_lens[3]) == 1

@@ -21,6 +21,19 @@ SCENARIOS = {
 }
 
 
+def kv_settings(path, settings: dict) -> dict:
+    """``settings`` with ``num_kv_blocks`` scaled by the model's KV groups: a hybrid cache's block is a page of
+    one group's layers only, so the same memory holds that many times more blocks."""
+    import torch
+
+    from minfer.engine.kv_cache import KVCacheSpec
+    from minfer.model.registry import load_model_config
+
+    cfg = load_model_config(path)
+    groups = len(KVCacheSpec.for_model(cfg, 16, torch.float32, max_model_len=cfg.max_position_embeddings).kv_groups)
+    return dict(settings, num_kv_blocks=settings["num_kv_blocks"] * groups)
+
+
 def _check_all_free(llm: LLM) -> None:
     stats = llm.get_stats()
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"], stats
@@ -30,7 +43,7 @@ def _check_all_free(llm: LLM) -> None:
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_greedy_matches_hf(checkpoints, arch, scenario):
-    llm = LLM(str(checkpoints[arch]), **SCENARIOS[scenario])
+    llm = LLM(str(checkpoints[arch]), **kv_settings(checkpoints[arch], SCENARIOS[scenario]))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         ref, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
@@ -42,7 +55,7 @@ def test_greedy_matches_hf(checkpoints, arch, scenario):
     _check_all_free(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "gemma3"])
 def test_prefix_cache_hits_keep_outputs_exact(checkpoints, arch):
     llm = LLM(str(checkpoints[arch]), num_kv_blocks=64)
     shared = [(i * 11) % 290 + 3 for i in range(40)]
@@ -60,7 +73,7 @@ def test_prefix_cache_hits_keep_outputs_exact(checkpoints, arch):
     _check_all_free(llm)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "gemma2", "gemma3"])
 def test_logprobs_match_hf_log_softmax(checkpoints, arch):
     llm = LLM(str(checkpoints[arch]), num_kv_blocks=64)
     prompt = PROMPTS[3]
