@@ -50,6 +50,8 @@ class DecodeCost:
     per token in the decoder layers / per sampled token in the LM head. ``kv_bytes_per_token``: its KV
     heads' K and V over all layers (a KV head is replicated when N exceeds their number).
     ``attn_flops_per_pair``: one query token against one context token (QK and PV) over its query heads.
+    ``window_shares``: (window, share of the KV bytes and attention FLOPs) per window class of layers (0:
+    full attention): a sliding-window layer reads at most its window's K and V.
     ``matmul_flop_s``: the decoder layers' products' rate; the LM head and attention stay at bf16's.
     """
 
@@ -64,6 +66,7 @@ class DecodeCost:
     expert_bytes: float = 0.0
     num_experts: int = 0
     top_k: int = 0
+    window_shares: tuple[tuple[int, float], ...] = ((0, 1.0),)
 
     def step_weight_bytes(self, batch: int) -> float:
         """Weight bytes one decode step of ``batch`` sequences reads: ``weight_bytes`` counts a token's own
@@ -89,10 +92,12 @@ class DecodeCost:
         bias = (heads + 2 * kv_heads) * d if cfg.attention_bias else 0
         norms = 2 * h + (2 * d if cfg.qk_norm else 0)
         weights = active + router + layers * (bias + norms) + vocab * h + h  # a token's own experts only
+        windows = [cfg.layer_window(i) for i in range(layers)]
+        shares = tuple((w, windows.count(w) / layers) for w in sorted(set(windows)))
         return cls(tp, weights * weight_element_bytes, active, vocab * h,
                    2 * layers * kv_heads * d * kv_element_bytes, 4 * heads * d * layers,
                    expert_bytes=moe * expert * weight_element_bytes, num_experts=cfg.num_experts,
-                   top_k=cfg.num_experts_per_tok)
+                   top_k=cfg.num_experts_per_tok, window_shares=shares)
 
     @classmethod
     def of_engine(cls, llm: LLM) -> "DecodeCost":
@@ -107,7 +112,7 @@ class DecodeCost:
             held -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
         cost = cls.for_model(cfg, tp, runner.dtype.itemsize)
         held -= (cost.num_experts - cost.top_k) * cost.expert_bytes  # a token reads its top-k experts only
-        return replace(cost, weight_bytes=float(held), kv_bytes_per_token=runner.block_bytes / runner.block_size,
+        return replace(cost, weight_bytes=float(held), kv_bytes_per_token=float(runner.kv_spec.token_bytes),
                        matmul_flop_s=FP8_FLOP_S if model.quant is not None else BF16_FLOP_S)
 
 
@@ -125,8 +130,9 @@ def throughput_bounds(cost: DecodeCost, prompt_lens: list[int], output_lens: lis
     (decode contexts and causal prefill). Bound = max(byte time, FLOP time) -> output tok/s; the
     "sum" bound adds the two times. All per GPU (``DecodeCost``), so N GPUs bound N x higher."""
     n_in, n_out = sum(prompt_lens), sum(output_lens)
-    decode_ctx = sum(p * o + o * (o - 1) / 2 for p, o in zip(prompt_lens, output_lens))
-    prefill_ctx = sum(p * (p + 1) / 2 for p in prompt_lens)
+    decode_ctx = sum(share * sum(_decode_context(p, o, w) for p, o in zip(prompt_lens, output_lens))
+                     for w, share in cost.window_shares)  # keys read per layer, averaged over the layers
+    prefill_ctx = sum(share * sum(_prefill_context(p, w) for p in prompt_lens) for w, share in cost.window_shares)
     kv = decode_ctx * cost.kv_bytes_per_token
     byte_s = (max(output_lens) * cost.step_weight_bytes(len(prompt_lens)) + kv) / bandwidth
     layer_flops = 2 * cost.layer_params * (n_in + n_out)  # at the layers' rate (FP8 tensor cores for FP8)
@@ -136,6 +142,20 @@ def throughput_bounds(cost: DecodeCost, prompt_lens: list[int], output_lens: lis
     return {"gpus": cost.tp, "byte_s": _sig(byte_s), "kv_share_of_bytes": round(kv_share, 3),
             "flop_s": _sig(compute_s), "bound_tok_s": round(n_out / max(byte_s, compute_s), 1),
             "sum_bound_tok_s": round(n_out / (byte_s + compute_s), 1)}
+
+
+def _decode_context(prompt: int, output: int, window: int) -> float:
+    """Keys the ``output`` decoded tokens of one request read in a layer of ``window`` (0: all): token t
+    reads min(prompt + t, window)."""
+    below = output if not window else min(output, max(0, window - prompt))  # tokens whose context fits
+    return below * prompt + below * (below - 1) / 2 + (output - below) * window
+
+
+def _prefill_context(prompt: int, window: int) -> float:
+    """Keys a prompt's tokens read in a layer of ``window`` (0: all): token i reads min(i + 1, window)."""
+    if not window or window >= prompt:
+        return prompt * (prompt + 1) / 2
+    return window * (window + 1) / 2 + (prompt - window) * window
 
 
 def _sig(x: float) -> float:

@@ -116,6 +116,13 @@ class KVCacheSpec:
         return self._row_bytes(1, self.head_dim)
 
     @property
+    def token_bytes(self) -> int:
+        """K and V of one token across every layer, scales included (what a full-length cache holds per token)."""
+        if self.layer_shapes is not None:
+            return 2 * sum(self._row_bytes(h, d) for h, d in self.layer_shapes)
+        return 2 * self.num_layers * self._row_bytes(self.num_kv_heads, self.head_dim)
+
+    @property
     def block_bytes(self) -> int:
         """K and V of one block of the pool, scales included: a page in every layer's tensor (or in each of
         the group size's shared tensors)."""

@@ -143,3 +143,23 @@ def test_cli_output_len_defaults(checkpoints, monkeypatch, argv, expected):
     assert seen["output_len"] == expected
     if "--batch1" not in argv:  # --output-len alone asks for fixed lengths too (workload A ignored it)
         assert seen["input_len"] == (8 if "--input-len" in argv else 128)
+
+
+def test_windowed_layers_read_at_most_their_window_in_the_bound():
+    """A sliding-window layer's decoded token reads min(context, window) keys; a model whose layers all have a
+    window wider than every context bounds exactly as one without."""
+    from dataclasses import replace
+
+    from minfer.benchmark.offline import DecodeCost, _decode_context, _prefill_context, throughput_bounds
+
+    assert _decode_context(100, 50, 0) == 100 * 50 + 50 * 49 / 2
+    assert _decode_context(100, 50, 120) == sum(min(100 + t, 120) for t in range(50))
+    assert _decode_context(300, 10, 120) == 10 * 120
+    assert _prefill_context(50, 0) == _prefill_context(50, 64) == sum(range(1, 51))
+    assert _prefill_context(50, 20) == sum(min(i + 1, 20) for i in range(50))
+    cost = DecodeCost(1, 1e9, 1e9, 1e8, 1e5, 1e4)
+    lens = ([500, 900], [400, 200])
+    wide = throughput_bounds(replace(cost, window_shares=((0, 0.5), (4096, 0.5))), *lens)
+    assert wide == throughput_bounds(cost, *lens)
+    narrow = throughput_bounds(replace(cost, window_shares=((0, 0.5), (128, 0.5))), *lens)
+    assert narrow["byte_s"] < wide["byte_s"] and narrow["kv_share_of_bytes"] < wide["kv_share_of_bytes"]
