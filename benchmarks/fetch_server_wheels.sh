@@ -4,7 +4,8 @@
 # them (it has torch, triton, transformers, numpy, safetensors, tokenizers). Carry `.whl` with the device
 # call (~10 MB): the device scripts install it (benchmarks/device_call.sh).
 # `--test` adds what the gpu tests import beyond that (openai, schemathesis, compressed-tensors and theirs,
-# ~13 MB more), so `pytest -m gpu` there skips only the tests that need 2 GPUs. Playwright's wheel (53 MB,
+# and transformers 5.25 with its hub client: the device's 5.17 lacks Gemma 4 and Qwen 3.5; ~26 MB more),
+# so `pytest -m gpu` there skips only the tests that need 2 GPUs. Playwright's wheel (53 MB,
 # past what a call carries) is not among them: the web-page test imports it inside the test, not at collection.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,9 @@ pkgs=(fastapi starlette pydantic pydantic-core annotated-types typing-inspection
       xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs)
 if [ "${1:-}" = "--test" ]; then
     pkgs+=(openai httpx2 httpcore2 truststore jiter distro schemathesis harfile hypothesis-graphql graphql-core
-           "jsonschema-rs<0.61" pyrate-limiter hypothesis compressed-tensors loguru pytest-timeout)
+           "jsonschema-rs<0.61" pyrate-limiter hypothesis compressed-tensors loguru pytest-timeout
+           "transformers==5.25.0" huggingface-hub hf-xet typer typer-slim shellingham fsspec filelock tqdm regex
+           "kernels<0.20" tomlkit "tokenizers>=0.23.1,<0.24" "safetensors>=0.8.0")
 fi
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${plat[@]}" \
     -d .whl "${pkgs[@]}"
@@ -28,7 +31,8 @@ device = {"sys_platform": "linux", "platform_system": "Linux", "python_version":
 norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
 wheels = list(Path(".whl").glob("*.whl"))
 on_device = {"torch", "triton", "transformers", "numpy", "safetensors", "tokenizers",  # and, for --test:
-             "pytest", "pyyaml", "requests", "rich", "werkzeug", "psutil", "sortedcontainers", "h11", "certifi"}
+             "pytest", "pyyaml", "requests", "rich", "werkzeug", "psutil", "sortedcontainers", "h11", "certifi",
+             "packaging"}
 have = {norm(w.name.split("-")[0]) for w in wheels} | on_device
 missing = set()
 for w in wheels:
