@@ -5,7 +5,9 @@ store. Each reads and writes rows a few KB long, so as separate kernels each wou
 launch and ramp-up (1.5-3 us on an H200), 4 x 28 of them in a Qwen3-0.6B decode step. Here
 program ``(t, 0)`` normalises and rotates token t's q heads in place (attention reads q through
 the same strided view), and program ``(t, 1)`` normalises and rotates its k heads and
-writes k and v into the paged cache, quantizing them for 8-bit caches.
+writes k and v into the paged cache, quantizing them for 8-bit caches. ``rope_q`` launches only the
+q programs (``STORE=False``): a layer that attends over another layer's cache (Gemma 4's shared-KV
+layers) finishes its q and writes nothing.
 
 Rotation pairs dimension d with d ± D/2. Rather than split the head into halves, each program
 loads the whole head twice, once in order and once partner-permuted (the second load hits L1),
@@ -20,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import interpreting, next_pow2
+from ._utils import check_dtype, check_last_dim_contiguous, interpreting, next_pow2
 from .kv_store import check_store_args, store_kv_ref, store_token_rows
 from .pdl import launch_options, use_pdl, wait_for_previous
 from .quant.quant import store_constexprs
@@ -62,7 +64,7 @@ def _rope_store_kernel(
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, MAX_SCALE: tl.constexpr,
     IS_INT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, S_MANT: tl.constexpr, S_EMIN: tl.constexpr,
-    EXACT: tl.constexpr, PDL: tl.constexpr = False,
+    EXACT: tl.constexpr, STORE: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -75,7 +77,7 @@ def _rope_store_kernel(
         q, mask = _norm_rope(Q + t * stride_qt, stride_qh, QW, cos, sin, eps, NUM_Q_HEADS, BLOCK_HQ, HEAD_DIM, NORM)
         heads = tl.arange(0, BLOCK_HQ)
         tl.store(Q + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], q, mask=mask)
-    else:
+    elif STORE:
         slot = tl.load(SLOTS + t)
         if slot >= 0:  # padding rows carry slot -1
             k, mask = _norm_rope(K + t * stride_kt, stride_kh, KW, cos, sin, eps, NUM_KV_HEADS, BLOCK_HK,
@@ -131,6 +133,32 @@ def rope_store_kv(
         cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(num_kv_heads),
         HEAD_DIM=head_dim, PAGE=k_cache.shape[1], NORM=norm, **quant, PDL=pdl,
+        num_warps=min(8, max(1, block_hq * head_dim // 1024)), **launch_options(pdl),
+    )
+
+
+def rope_q(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+           q_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+    """Rotate ``q`` ``[T, Hq, D]`` in place, after its per-head RMSNorm when ``q_norm_weight`` is given:
+    :func:`rope_store_kv`'s q programs alone (the same arithmetic), no cache touched."""
+    check_dtype("q", q)
+    check_last_dim_contiguous("q", q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 2, got {head_dim}")
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != head_dim:
+        raise ValueError(f"cos_sin_cache must be float32 [max_pos, {head_dim}]")
+    if num_tokens == 0:
+        return
+    norm = q_norm_weight is not None
+    block_hq = next_pow2(num_q_heads)
+    pdl = use_pdl(q.device)
+    # the k/v arguments are never read (STORE=False): q and positions stand in for them
+    _rope_store_kernel[(num_tokens, 1)](
+        q, q, q, positions, cos_sin_cache, q_norm_weight if norm else q, q, q, q, q, q, positions, eps,
+        q.stride(0), q.stride(1), q.stride(0), q.stride(1), q.stride(0), q.stride(1), cos_sin_cache.stride(0),
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=1, BLOCK_HQ=block_hq, BLOCK_HK=1, HEAD_DIM=head_dim, PAGE=1,
+        NORM=norm, **store_constexprs(None, None, False), STORE=False, PDL=pdl,
         num_warps=min(8, max(1, block_hq * head_dim // 1024)), **launch_options(pdl),
     )
 

@@ -53,6 +53,12 @@ class Ops(ABC):
         returns q ready for attention (possibly ``q`` itself, rotated in place)."""
 
     @abstractmethod
+    def rope_q(self, q: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        """``rope_store_kv`` for q alone: its per-head norm (when ``rope`` has ``q_norm_weight``) and rotary,
+        nothing stored. A layer that attends over another layer's cache (Gemma 4's shared-KV layers) has no
+        K/V of its own to write. Returns q ready for attention (possibly ``q`` itself, rotated in place)."""
+
+    @abstractmethod
     def paged_attention(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
         """Attention of ``q`` ``[T, Hq, D]`` over the paged cache: the decodes' rows against their whole

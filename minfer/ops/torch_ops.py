@@ -49,6 +49,11 @@ class TorchOps(Ops):
         write_kv_rows(k, v, cache.k_cache, cache.v_cache, slot_mapping, cache.k_scale, cache.v_scale)
         return q
 
+    def rope_q(self, q: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        if rope.q_norm_weight is not None:
+            q = rms_norm_hf(q, rope.q_norm_weight, rope.eps)
+        return rotate_hf(rope.positions, rope.cos_sin_cache, q, q[:, :0])[0]  # k: no heads
+
     def paged_attention(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
         kc, vc = cache.k_cache, cache.v_cache

@@ -18,7 +18,7 @@ from minfer.kernels.moe.moe import fused_moe
 from minfer.kernels.quant.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
 from minfer.kernels.quant.fp8_ref import FP8_GROUP
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
-from minfer.kernels.rope_store import rope_store_kv
+from minfer.kernels.rope_store import rope_q, rope_store_kv
 from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
 from minfer.ops.base import ModelForward, Ops
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
@@ -53,6 +53,10 @@ class TritonOps(Ops):
         rope_store_kv(q, k, v, rope.positions, rope.cos_sin_cache, cache.k_cache, cache.v_cache, slot_mapping,
                       k_scale=cache.k_scale, v_scale=cache.v_scale, q_norm_weight=rope.q_norm_weight,
                       k_norm_weight=rope.k_norm_weight, eps=rope.eps)
+        return q  # rotated in place
+
+    def rope_q(self, q: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        rope_q(q, rope.positions, rope.cos_sin_cache, q_norm_weight=rope.q_norm_weight, eps=rope.eps)
         return q  # rotated in place
 
     def paged_attention(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,

@@ -10,7 +10,7 @@ from kernel_testlib import EXACT_BF16, REL_TOL, assert_close, seed_per_case  # n
 from minfer.kernels.kv_store import store_kv
 from minfer.kernels.rmsnorm import rms_norm
 from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS
-from minfer.kernels.rope_store import apply_rotary_ref, rope_store_kv, rope_store_kv_ref
+from minfer.kernels.rope_store import apply_rotary_ref, rope_q, rope_store_kv, rope_store_kv_ref
 from minfer.model.layers.rotary import RotaryEmbedding
 
 PAGE = 16
@@ -133,6 +133,25 @@ def check_rope_store(num_tokens: int, hq: int, hkv: int, d: int, dtype: torch.dt
                          ids=["gqa-bf16", "ragged-heads-fp32"])
 def test_rope_store(hq: int, hkv: int, d: int, dtype: torch.dtype, norm: bool, kv_dtype: str | None) -> None:
     check_rope_store(13, hq, hkv, d, dtype, kv_dtype, norm, "cpu")
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "q-norm"])
+def test_rope_q_is_rope_store_kv_q(norm: bool) -> None:
+    """q alone (a shared-KV layer's): the same q as the fused store's, bit for bit, and no cache written;
+    the torch ops' q the same within a rounding."""
+    from minfer.ops import RopeInputs, TorchOps
+
+    case = _case(13, 4, 2, 32, torch.float32, None, norm, "cpu")
+    fused, alone = _clone(case), _clone(case)
+    _run_fused(fused)
+    before = alone["qkv"].clone()
+    rope_q(alone["q"], alone["positions"], alone["cos_sin_cache"], alone["q_norm_weight"], eps=1e-6)
+    assert torch.equal(alone["q"], fused["q"])
+    q_size = alone["q"].shape[1] * alone["q"].shape[2]
+    assert torch.equal(alone["qkv"][:, q_size:], before[:, q_size:]), "k and v must stay untouched"
+    assert alone["k_cache"].isnan().all(), "rope_q writes no cache"
+    rope = RopeInputs(case["positions"], case["cos_sin_cache"], case["q_norm_weight"], case["k_norm_weight"])
+    torch.testing.assert_close(TorchOps().rope_q(case["q"].clone(), rope), fused["q"], rtol=1e-5, atol=1e-5)
 
 
 def test_rope_store_rejects_half_norm() -> None:
