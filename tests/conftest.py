@@ -45,6 +45,15 @@ ARCHS: dict[str, dict] = {
     "mistral_sw": dict(arch="MistralForCausalLM", model_type="mistral", tie=False, sliding_window=21),
     "qwen2_sw": dict(arch="Qwen2ForCausalLM", model_type="qwen2", tie=True, use_sliding_window=True,
                      sliding_window=21, max_window_layers=1),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint, a window on every layer that ends mid-page
+    "phi3": dict(arch="Phi3ForCausalLM", model_type="phi3", tie=False, sliding_window=21, pad_token_id=None),
+    # longrope within its original length (max_model_len = 64 = original_max_position_embeddings): the short
+    # factors and an explicit attention factor; the long factors are tested beyond it (test_engine_vs_hf.py)
+    "phi3_longrope": dict(arch="Phi3ForCausalLM", model_type="phi3", tie=False, pad_token_id=None,
+                          max_position_embeddings=64, original_max_position_embeddings=64,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 1.2,
+                                           "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 7.5],
+                                           "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]}),
 }
 
 

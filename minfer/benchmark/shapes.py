@@ -58,6 +58,18 @@ SHAPES: dict[str, dict] = {
                          intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
                          tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0,
                          rms_norm_eps=1e-5, sliding_window=None, bos_token_id=1, eos_token_id=2),
+    # Phi-4 (14.7 B): Phi3ForCausalLM with fused qkv_proj / gate_up_proj tensors, no rope scaling, no window
+    "phi-4": dict(architectures=["Phi3ForCausalLM"], model_type="phi3", hidden_size=5120, num_hidden_layers=40,
+                  num_attention_heads=40, num_key_value_heads=10, intermediate_size=17920, vocab_size=100352,
+                  tie_word_embeddings=False, max_position_embeddings=16384, original_max_position_embeddings=16384,
+                  rope_theta=250000.0, rope_scaling=None, rms_norm_eps=1e-5, sliding_window=None, hidden_act="silu",
+                  bos_token_id=100257, eos_token_id=100265, pad_token_id=100349),
+    # Mistral 7B v0.1: Llama's layout with a 4096-token sliding window on every layer
+    "mistral-7b-v0.1": dict(architectures=["MistralForCausalLM"], model_type="mistral", hidden_size=4096,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                            intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False,
+                            max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5,
+                            sliding_window=4096, hidden_act="silu", bos_token_id=1, eos_token_id=2),
 }
 
 

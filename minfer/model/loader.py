@@ -3,8 +3,10 @@
 Shards are read one tensor at a time straight into the (fused) parameters, so host memory never
 holds a second full copy of the weights. Each tensor is opened as a memory-mapped slice and a layer
 reads only the rows or columns its tensor-parallel rank holds (``FusedLinear.load_shard``,
-``VocabParallelEmbedding.load_shard``): no rank reads the whole model. ``load_format="dummy"`` feeds
-random tensors drawn on the device (``random_weights``) down the same path instead.
+``VocabParallelEmbedding.load_shard``): no rank reads the whole model. A tensor that stacks a fused layer's
+matrices (Phi-3's ``qkv_proj``, the family's ``stacked_modules``) fills each shard in turn, each reading
+only this rank's rows of it. ``load_format="dummy"`` feeds random tensors drawn on the device
+(``random_weights``) down the same path instead.
 """
 from __future__ import annotations
 
@@ -72,28 +74,29 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, load_f
     missing-tensor check all run as they would for a real checkpoint."""
     loaded: set[str] = set()
     tensors = _dummy_tensors(model, device) if load_format == "dummy" else _checkpoint_tensors(model_dir)
+    stacked = model.stacked_modules(model.config)
     for name, source, where in tensors:
         if "rotary_emb" in name:
             continue
-        target = _target(model, name)
-        if target is None:
+        targets = _targets(model, name, stacked)
+        if not targets:
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store it
             raise ValueError(f"unexpected tensor {name!r} in {where}")
-        module_name, attr, shard = target
-        module = model.get_submodule(module_name)
-        if hasattr(module, "load_shard"):
-            try:
-                attr = module.load_shard(attr, source, shard) or attr
-            except ValueError as exc:
-                raise ValueError(f"{name}: {exc}") from None
-        else:  # replicated (norms)
-            param = getattr(module, attr)
-            tensor = source[:]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            param.data.copy_(tensor)
-        loaded.add(f"{module_name}.{attr}" + ("" if shard is None else f"#{shard}"))
+        for module_name, attr, shard in targets:  # several: a stacked tensor fills each of its shards
+            module = model.get_submodule(module_name)
+            if hasattr(module, "load_shard"):
+                try:
+                    attr = module.load_shard(attr, source, shard) or attr
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+            else:  # replicated (norms)
+                param = getattr(module, attr)
+                tensor = source[:]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(f"{module_name}.{attr}" + ("" if shard is None else f"#{shard}"))
     expected = set()
     for pname, param in model.named_parameters():
         module_name, attr = pname.rsplit(".", 1)
@@ -124,26 +127,32 @@ def _dummy_tensors(model: nn.Module, device: torch.device) -> Iterator[tuple[str
         yield name, tensor, "dummy weights"
 
 
-def _target(model: nn.Module, name: str) -> tuple[str, str, int | None] | None:
-    """Map an HF tensor name to (module path in our model, attribute, shard index or None)."""
+def _targets(model: nn.Module, name: str,
+             stacked: dict[str, tuple[str, list[int]]]) -> list[tuple[str, str, int | None]]:
+    """Map an HF tensor name to the (module path in our model, attribute, shard index or None) it fills: one,
+    or one per shard for a tensor that stacks a fused layer's matrices (the family's ``stacked_modules``);
+    none for a name the model does not have."""
     if name.startswith("model."):
         name = name[len("model."):]
     elif name == "lm_head.weight":
-        return None if model.config.tie_word_embeddings else ("lm_head", "weight", None)
+        return [] if model.config.tie_word_embeddings else [("lm_head", "weight", None)]
     module_name, attr = name.rsplit(".", 1)
     parts = ["mlp" if p == model.moe_block else p for p in module_name.split(".")]  # the family's MoE block name
     if len(parts) >= 3 and parts[-3] == "experts" and parts[-1] in model.expert_matrices:  # an expert's matrix
         matrix = model.expert_matrices[parts[-1]] + ("" if attr == "weight" else f".{attr}")  # and its scales
-        return ".".join(parts[:-3]), matrix, int(parts[-2])
+        return [(".".join(parts[:-3]), matrix, int(parts[-2]))]
     module_name = ".".join(parts)
+    if parts[-1] in stacked:
+        fused, sizes = stacked[parts[-1]]
+        return [(".".join(parts[:-1] + [fused]), attr, shard) for shard in range(len(sizes))]
     if parts[-1] in model.packed_modules:
         fused, shard = model.packed_modules[parts[-1]]
-        return ".".join(parts[:-1] + [fused]), attr, shard
+        return [(".".join(parts[:-1] + [fused]), attr, shard)]
     try:
         model.get_submodule(module_name)
     except AttributeError:
-        return None
-    return module_name, attr, None
+        return []
+    return [(module_name, attr, None)]
 
 
 @torch.no_grad()

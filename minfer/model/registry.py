@@ -15,6 +15,7 @@ from torch import nn
 from minfer.config import ModelConfig
 from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from minfer.model.models.mixtral import MixtralForCausalLM
+from minfer.model.models.phi3 import Phi3ForCausalLM
 from minfer.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -24,6 +25,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

@@ -138,3 +138,46 @@ def test_prompt_logprobs_match_hf(checkpoints, kwargs):
     if kwargs["num_kv_blocks"] == 4:
         assert llm.get_stats()["num_preemptions"] > 0
     _check_all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def phi3_beyond(checkpoints, tmp_path_factory):
+    """phi3_longrope's weights with an original length of 16 and a context of 512: the engine's default
+    max_model_len (512) is past the original length, so its table holds the long factors, and the
+    attention factor comes from 512 / 16."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(checkpoints["phi3_longrope"], tmp_path_factory.mktemp("phi3") / "beyond")
+    config = json.loads((folder / "config.json").read_text())
+    rope = {k: v for k, v in config["rope_parameters"].items() if k != "attention_factor"}
+    config |= dict(max_position_embeddings=512, original_max_position_embeddings=16,
+                   rope_parameters=rope | {"original_max_position_embeddings": 16})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_phi3_longrope_beyond_the_original_length_matches_hf(phi3_beyond, scenario):
+    """Prompts longer than the original length: HF rotates the whole prompt and every later token with the
+    long factors, as the engine's one table does, whatever the chunking or preemption."""
+    prompts = [list(range(3, 20)), PROMPTS[3][:30], PROMPTS[3]]
+    llm = LLM(str(phi3_beyond), **SCENARIOS[scenario])
+    assert llm.llm_engine.max_model_len == 512
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref, ref_logits = hf_greedy(phi3_beyond, prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+    _check_all_free(llm)
+
+
+def test_phi3_longrope_within_max_model_len_matches_hf(phi3_beyond):
+    """The same checkpoint with max_model_len 16 (the original length): every sequence stays within it,
+    and the table holds the short factors, as HF's forward does for these sequences."""
+    prompts = [[5], list(range(2, 7))]
+    llm = LLM(str(phi3_beyond), max_model_len=16, num_kv_blocks=16)
+    params = SamplingParams(max_tokens=11, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ref, ref_logits = hf_greedy(phi3_beyond, prompt, 11)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)

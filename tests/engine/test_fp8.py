@@ -30,7 +30,7 @@ def float_ckpts(tmp_path_factory):
     """Float checkpoints whose dimensions are multiples of 128 (FP8 blocks and activation groups)."""
     root = tmp_path_factory.mktemp("fp8src")
     return {arch: make_checkpoint(root / arch, arch, hidden=128, intermediate=256, scale=1.0)
-            for arch in ("llama3", "qwen2", "qwen3")}
+            for arch in ("llama3", "qwen2", "qwen3", "phi3")}
 
 
 def _generate(model_dir, **kwargs):
@@ -42,11 +42,13 @@ def _check_against(outs, reference, unquantized) -> None:
     assert_within_quant_noise(outs, PROMPTS, reference, hf_model(unquantized))
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "phi3"])
 @pytest.mark.parametrize("strategy,static", [("channel", False), ("tensor", True), ("block", False)])
 def test_compressed_tensors_checkpoint_matches_hf(float_ckpts, tmp_path, arch, strategy, static):
     """Written by compressed-tensors itself; HF's forward of it rounds the activations to e4m3 as we do,
-    so the logprobs agree to float32 rounding where no rounding flips, and within FP8's noise where one does."""
+    so the logprobs agree to float32 rounding where no rounding flips, and within FP8's noise where one does.
+    Phi-3 quantizes its fused qkv_proj and gate_up_proj whole: one scale per tensor, per row of the stack, or
+    per 128-row block (k and v share one here), read at each shard's checkpoint rows."""
     ckpt = write_compressed_tensors(float_ckpts[arch], tmp_path / "ct", strategy, static)
     llm, outs = _generate(ckpt)
     quant = llm.llm_engine.runner.model.quant
@@ -86,13 +88,15 @@ def test_online_fp8_matches_its_reference_and_halves_the_weights(float_ckpts):
     assert plain["weight_bytes"] - fp8["weight_bytes"] >= 3 * linear - 4 * linear // 100  # 4 -> 1 byte, + scales
 
 
-def test_fp8_under_tensor_parallelism_equals_one_process(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_fp8_under_tensor_parallelism_equals_one_process(tmp_path, arch):
     """Block scales shard with their rows and columns (each rank's share of o_proj's and down's inputs
-    starts on a 128-column block: 4 heads of 64, MLP 512, over 2 ranks). The all-reduce sums the ranks'
+    starts on a 128-column block: 4 heads of 64, MLP 512, over 2 ranks), and with Phi-3's fused qkv_proj and
+    gate_up_proj each rank reads the block rows of its own shards from the one tensor. The all-reduce sums the ranks'
     partial products in another order than one process's GEMM, so an e4m3 rounding can flip between the
     two: both runs are held to the dequantized reference within FP8's noise, and to each other token for
     token until one process's top two are a near-tie on that scale."""
-    src = make_checkpoint(tmp_path / "src", "qwen2", hidden=256, intermediate=512, scale=1.0)
+    src = make_checkpoint(tmp_path / "src", arch, hidden=256, intermediate=512, scale=1.0)
     ckpt = write_block_fp8(src, tmp_path / "fp8")
     reference = fake_quant_reference(write_dequantized(ckpt, tmp_path / "deq"), block=True)
     _, one = _generate(ckpt)

@@ -98,7 +98,7 @@ def test_kv_heads_replicate_when_tp_exceeds_them(tmp_path):
         assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "phi3"])
 def test_each_rank_loads_only_its_shard(checkpoints, arch):
     """Resident parameter bytes per rank ≈ 1/N of the model (norms, replicated, are the only excess),
     and the shards together hold every weight."""
@@ -122,6 +122,52 @@ def test_each_rank_loads_only_its_shard(checkpoints, arch):
         assert torch.equal(o, full.layers[0].self_attn.o_proj.weight)
         emb = torch.cat([s.embed_tokens.weight for s in shards])[:cfg.vocab_size]
         assert torch.equal(emb, full.embed_tokens.weight)
+
+
+class _RecordedSlice:
+    """A safetensors slice that notes every index a loader reads it with."""
+
+    def __init__(self, source, reads: list) -> None:
+        self.source, self.reads = source, reads
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.source[index]
+
+
+def test_phi3_ranks_read_only_their_rows_of_the_fused_tensors(checkpoints, monkeypatch):
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: at tp=2 each rank reads, from
+    each, only its q heads, its KV heads and its intermediate rows (one row slice per shard, never the whole
+    tensor), and those rows hold the same values as one process's model."""
+    import minfer.model.loader as loader
+
+    folder = checkpoints["phi3"]
+    cfg = load_model_config(folder)
+    reads: dict[str, list] = {}
+    plain = loader._checkpoint_tensors
+
+    def recorded(model_dir):
+        for name, source, where in plain(model_dir):
+            yield name, _RecordedSlice(source, reads.setdefault(name, [])), where
+
+    monkeypatch.setattr(loader, "_checkpoint_tensors", recorded)
+    full = build_model(folder, cfg, torch.float32, torch.device("cpu"), 64, TorchOps())
+    d, i = cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    for rank in range(2):
+        reads.clear()
+        shard = build_model(folder, cfg, torch.float32, torch.device("cpu"), 64, TorchOps(), TensorParallel(rank, 2))
+        qkv_rows = [(rank * q // 2, (rank + 1) * q // 2), (q + rank * kv // 2, q + (rank + 1) * kv // 2),
+                    (q + kv + rank * kv // 2, q + kv + (rank + 1) * kv // 2)]
+        gate_up_rows = [(rank * i // 2, (rank + 1) * i // 2), (i + rank * i // 2, i + (rank + 1) * i // 2)]
+        for n in range(cfg.num_hidden_layers):
+            for module, rows in (("self_attn.qkv_proj", qkv_rows), ("mlp.gate_up_proj", gate_up_rows)):
+                name = f"model.layers.{n}.{module}.weight"
+                assert [(r.start, r.stop) for r in reads[name]] == rows, (rank, name, reads[name])
+                # one process's fused parameter stacks the whole matrices as the checkpoint does
+                whole = full.layers[n].get_submodule(module).weight
+                held = shard.layers[n].get_submodule(module).weight
+                assert torch.equal(held, torch.cat([whole[a:b] for a, b in rows]))
 
 
 @pytest.mark.parametrize("size", [0, 3, 8])

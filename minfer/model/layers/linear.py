@@ -7,7 +7,10 @@ Under tensor parallelism a layer holds a slice of each checkpoint matrix and rea
 the file. Column-parallel (``rows_from``: the first checkpoint row of each stacked matrix this rank holds)
 splits the outputs, and the product needs no communication; row-parallel (``cols_from``: the first input
 column) splits the inputs, and ``reduce`` sums the partial products across ranks. Only rank 0 keeps a
-row-parallel bias, so the sum adds it once.
+row-parallel bias, so the sum adds it once. A checkpoint that stores the stacked matrices as one tensor
+(Phi-3's ``qkv_proj``) fills every shard from it: ``stack_checkpoint_rows`` moves each shard's
+``rows_from`` past the whole matrices before it, so each rank still reads only its rows, and a weight
+format's scales (per row or per block of rows) are read at the same checkpoint rows.
 
 What a weight row is made of, how it loads and how the product runs belong to the layer's
 ``LinearMethod`` (``minfer.model.quantization``): float by default.
@@ -37,6 +40,14 @@ class FusedLinear(nn.Module):
         n = sum(shard_sizes)
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
         method.create_weights(self, n, in_features, dtype)
+
+    def stack_checkpoint_rows(self, full_sizes: list[int]) -> None:
+        """Read the shards from one checkpoint tensor that stacks their whole matrices (``full_sizes`` rows
+        each, in shard order): shard i's rows start after the matrices of shards 0..i-1."""
+        if len(full_sizes) != len(self.shard_sizes):
+            raise ValueError(f"{len(full_sizes)} stacked matrices for a layer of {len(self.shard_sizes)} shards")
+        offsets = [sum(full_sizes[:i]) for i in range(len(full_sizes))]
+        self.rows_from = [first + offset for first, offset in zip(self.rows_from, offsets)]
 
     @property
     def input_quant(self) -> ActivationQuant | None:

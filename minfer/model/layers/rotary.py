@@ -1,4 +1,4 @@
-"""Rotary position embeddings: the cos/sin table, with 'linear' or 'llama3' context extension applied."""
+"""Rotary position embeddings: the cos/sin table, with 'linear', 'llama3' or 'longrope' context extension applied."""
 from __future__ import annotations
 
 import math
@@ -8,13 +8,23 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Rotary inverse frequencies, with 'linear' or 'llama3' context extension applied.
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, context: int = 0) -> torch.Tensor:
+    """Rotary inverse frequencies, with 'linear', 'llama3' or 'longrope' context extension applied.
 
     llama3 keeps high frequencies, divides low ones by ``factor`` and blends the band between
-    (wavelengths measured against the original training context).
+    (wavelengths measured against the original training context). longrope divides each frequency by
+    its own factor: ``short_factor`` for sequences within ``original_max_position_embeddings``,
+    ``long_factor`` beyond it. ``context`` is the longest sequence the table serves (the engine's
+    max_model_len): longrope takes the long factors when it exceeds the original length (``long_rope``).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        # as HF writes it: 1 / (factor * theta^(2i/d)), the factor inside the product
+        factors = scaling["long_factor"] if long_rope(scaling, context) else scaling["short_factor"]
+        if len(factors) != head_dim // 2:
+            raise ValueError(f"longrope needs {head_dim // 2} factors (head_dim / 2), got {len(factors)}")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if scaling is None:
         return inv_freq
     factor = float(scaling["factor"])
@@ -30,15 +40,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(medium, blended, scaled)
 
 
+def long_rope(scaling: dict[str, Any], context: int) -> bool:
+    """Whether a longrope table serving sequences of up to ``context`` tokens takes the long factors.
+
+    HF chooses per forward, by the sequence's length so far (``> original_max_position_embeddings``:
+    long), so a sequence's earlier keys may have been rotated with the other set. A paged cache shares and
+    recomputes keys across steps, so here every position of every sequence uses one set, fixed by the
+    longest sequence the engine admits (as vLLM does). With ``max_model_len`` within the original length,
+    every sequence is short and the table is HF's; beyond it, the table is HF's for every sequence whose
+    prompt is longer than the original length (HF then rotates the prompt, and everything after it, with
+    the long factors), and shorter sequences are rotated with the long factors where HF uses the short."""
+    return context > int(scaling["original_max_position_embeddings"])
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What longrope multiplies cos and sin by (1 otherwise): the config's ``attention_factor``, or
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) for a ``factor`` above 1 (HF's default)."""
+    if scaling is None or scaling["rope_type"] != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(int(scaling["original_max_position_embeddings"])))
+
+
 class RotaryEmbedding(nn.Module):
     """The table of a non-interleaved ("rotate half") rotary embedding, precomputed in float32.
 
-    ``cos_sin_cache[p] = [cos(p·f) | sin(p·f)]`` over the head_dim/2 frequencies f: any scaling is
-    decided here, once, and the ops that rotate (``Ops.rope_store_kv``) read only this table.
+    ``cos_sin_cache[p] = [a·cos(p·f) | a·sin(p·f)]`` over the head_dim/2 frequencies f (``a``: longrope's
+    attention factor, else 1): any scaling is decided here, once, and the ops that rotate
+    (``Ops.rope_store_kv``) read only this table. ``max_position`` is the engine's max_model_len, which also
+    picks longrope's factor set (``long_rope``).
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        scale = rope_attention_factor(scaling)  # HF multiplies the float32 cos/sin by it, then rounds
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1),
+                             persistent=False)

@@ -107,6 +107,13 @@ class LlamaForCausalLM(nn.Module):
     expert_matrices: dict[str, str] = {}  # an expert's checkpoint matrix names -> 'gate' / 'up' / 'down'
 
     @classmethod
+    def stacked_modules(cls, config: ModelConfig) -> dict[str, tuple[str, list[int]]]:
+        """Checkpoint module name -> (the fused module it fills, every shard's whole row count in the order the
+        checkpoint stacks them), for checkpoints that store a fused matrix as one tensor (Phi-3's ``qkv_proj``);
+        each shard of the fused layer reads its rows from it (``FusedLinear.stack_checkpoint_rows``)."""
+        return {}
+
+    @classmethod
     def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """The model's config from its HF ``config.json`` (``ModelConfig.from_hf`` reads what every family
         shares; a family passes what is its own)."""
@@ -166,6 +173,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)  # a weight holder
+        for fused, sizes in self.stacked_modules(cfg).values():
+            for name, module in self.named_modules():
+                if name.rsplit(".", 1)[-1] == fused:
+                    module.stack_checkpoint_rows(sizes)
 
     def make_mlp(self, cfg: ModelConfig, index: int, dtype: torch.dtype, ops: Ops, tp: TensorParallel,
                  quant: QuantConfig | None) -> nn.Module:
