@@ -195,3 +195,14 @@ def make_moe_checkpoint(out: Path, name: str, scale: float = 2.0, tokenizer: boo
     if tokenizer:
         make_tokenizer(out)
     return out
+
+
+def kv_settings(path, settings: dict) -> dict:
+    """``settings`` with ``num_kv_blocks`` scaled by the model's KV groups: a hybrid cache's block is a page of
+    one group's layers only, so the same memory holds that many times more blocks."""
+    from minfer.engine.kv_cache import KVCacheSpec
+    from minfer.model.registry import load_model_config
+
+    cfg = load_model_config(path)
+    groups = len(KVCacheSpec.for_model(cfg, 16, torch.float32, max_model_len=cfg.max_position_embeddings).kv_groups)
+    return dict(settings, num_kv_blocks=settings["num_kv_blocks"] * groups)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from conftest import ARCHS, assert_greedy_match, assert_same_outputs, hf_greedy, make_checkpoint
+from conftest import ARCHS, assert_greedy_match, assert_same_outputs, hf_greedy, kv_settings, make_checkpoint
 from minfer import LLM, SamplingParams, StructuredOutputsParams
 from minfer.model.registry import load_model_config
 from minfer.distributed import TensorParallel
@@ -40,8 +40,9 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_tp2_matches_tp1_and_hf(checkpoints, arch, scenario):
     prompts = PROMPTS + ([SHARED + [7, 8], SHARED + [9]] if scenario == "default" else [])
-    one = _run(LLM(str(checkpoints[arch]), **SCENARIOS[scenario]), prompts)
-    llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **SCENARIOS[scenario])
+    settings = kv_settings(checkpoints[arch], SCENARIOS[scenario])
+    one = _run(LLM(str(checkpoints[arch]), **settings), prompts)
+    llm = LLM(str(checkpoints[arch]), tensor_parallel_size=2, **settings)
     try:
         two = _run(llm, prompts)
         assert_same_outputs(two, one)
