@@ -6,16 +6,19 @@ element fails), and a torch reference evaluated in float64 on upcast inputs.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
 import zlib
+from collections.abc import Iterator
 
 # Must precede the first `import triton` (Triton reads it when kernels are decorated). minfer.kernels
 # does the same when CUDA is absent; this also covers a CUDA build of torch on a GPU-less machine.
 if not glob.glob("/dev/nvidia[0-9]*"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -259,3 +262,133 @@ def check_store_kv_quant(num_tokens: int, num_kv_heads: int, head_dim: int, page
     untouched[written] = False
     assert (k_cache.view(torch.uint8).view(-1, num_kv_heads, head_dim)[untouched] == 0x5A).all()
     assert torch.isfinite(k_scale.view(-1)).sum() > 0 and (k_scale[~k_scale.isnan()] > 0).all()
+
+
+# ------------------------------------------------------------------ sliding windows and logit soft-capping
+def poison_before_window(table: torch.Tensor, first_pos: list[int], window: int, page: int,
+                         stale: int) -> torch.Tensor:
+    """A copy of ``table`` whose entries for blocks wholly before every query's window (each sequence's first
+    query at ``first_pos[s]``) hold ``stale``: what a hybrid cache leaves there after freeing them (-1, or an id
+    past the cache). A kernel that looked one up would read out of bounds or wrong data."""
+    table = table.clone()
+    for s, p in enumerate(first_pos):
+        table[s, :max(0, p - window + 1) // page] = stale
+    return table
+
+
+@contextlib.contextmanager
+def forbid_table_reads(table: torch.Tensor, intact: torch.Tensor) -> Iterator[list[int]]:
+    """Under the interpreter, fail at the first load of an entry where ``table`` differs from ``intact``: the proof
+    that a kernel never looks at those entries, which its output cannot give (a stale id fetched for a key that is
+    then masked out leaves the output right; on a GPU a -1 or freed block's id read that way is a fault or a wrong
+    page). The check runs before the load returns, so the kernel never goes on to use a wild id. Yields a
+    one-element count of the table entries read (a recording that saw no table load proves nothing)."""
+    from triton.runtime import interpreter
+
+    base, size = table.data_ptr(), table.element_size()
+    stale = (table != intact).cpu().numpy()
+    builder = interpreter.interpreter_builder
+    original = builder.create_masked_load
+    count = [0]
+
+    def load(ptrs, mask, *args):
+        addr = np.asarray(ptrs.data)
+        addr = addr[np.broadcast_to(np.asarray(mask.data), addr.shape)].astype(np.int64)
+        addr = addr[(addr >= base) & (addr < base + table.numel() * size)]
+        rows, cols = np.divmod((addr - base) // size, table.stride(0))
+        hits = stale[rows, cols]
+        bad = sorted({(int(r), int(c)) for r, c in zip(rows[hits], cols[hits])})
+        assert not bad, f"loaded table entries (row, block) before the window: {bad}"
+        count[0] += addr.size
+        return original(ptrs, mask, *args)
+
+    builder.create_masked_load = load  # an instance attribute over the method, removed on exit
+    try:
+        yield count
+    finally:
+        del builder.create_masked_load
+
+
+def _watching(kernel_table: torch.Tensor, table: torch.Tensor,
+              stale: int | str | None) -> contextlib.AbstractContextManager:
+    """``forbid_table_reads`` when the table is poisoned and the interpreter runs the kernel."""
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "on", "yes")
+    if stale is None or not interpreting:
+        return contextlib.nullcontext([1])
+    return forbid_table_reads(kernel_table, table)
+
+
+def _window_case(ctx_lens: list[int], first_pos: list[int], num_kv_heads: int, head_dim: int, page: int,
+                 dtype: torch.dtype, device: str, window: int, kv_dtype: str | None,
+                 stale: int | str | None) -> tuple[tuple[torch.Tensor, ...], dict, torch.Tensor, torch.Tensor]:
+    """(kernel's caches, their scales as kwargs, kernel's table, reference's table). ``stale``: an id written
+    into the kernel's table before the window (``poison_before_window``), or "nan": those entries point to a
+    spare block of NaN (a read there poisons the output)."""
+    cache_dtype = torch.float32 if kv_dtype else dtype
+    k_cache, v_cache, table = make_paged_kv(ctx_lens, num_kv_heads, head_dim, page, cache_dtype, device)
+    scales: dict = {}
+    if kv_dtype:
+        k_cache, v_cache = _outlier_kv(k_cache.shape, device), _outlier_kv(v_cache.shape, device)
+        k_cache, v_cache, ks, vs = quantize_paged_kv(k_cache, v_cache, kv_dtype)
+        scales = dict(k_scale=ks, v_scale=vs)
+    kernel_table = table
+    if stale == "nan":
+        nan_block = torch.full((1, *k_cache.shape[1:]), float("nan"), device=device).to(k_cache.dtype)
+        k_cache, v_cache = torch.cat([k_cache, nan_block]), torch.cat([v_cache, nan_block])
+        for name in scales:  # NaN codes do not exist in int8: the block's scales carry the NaN
+            sc = scales[name]
+            scales[name] = torch.cat([sc, torch.full((1, *sc.shape[1:]), float("nan"), dtype=sc.dtype, device=device)])
+        kernel_table = poison_before_window(table, first_pos, window, page, k_cache.shape[0] - 1)
+    elif stale is not None:
+        kernel_table = poison_before_window(table, first_pos, window, page, stale)
+    if stale is not None:
+        assert (kernel_table != table).any(), "the case has no block wholly before its window"
+    return (k_cache, v_cache), scales, kernel_table, table
+
+
+def check_decode_window(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
+                        dtype: torch.dtype, device: str, window: int = 0, softcap: float = 0.0,
+                        num_splits: int | None = None, kv_dtype: str | None = None, stale: int | str | None = None,
+                        q_gain: float = 1.0, kernel=paged_decode_attention) -> torch.Tensor:
+    """Decode with a sliding window and/or soft cap vs the float64 reference (on the same codes and scales for
+    an 8-bit ``kv_dtype``), the kernel's table poisoned before each window when ``stale`` is set. ``q_gain``
+    scales q, so scores reach the cap's saturation. Returns the kernel's output."""
+    (k_cache, v_cache), scales, kernel_table, table = _window_case(
+        ctx_lens, [c - 1 for c in ctx_lens], num_kv_heads, head_dim, page, dtype, device, window, kv_dtype, stale)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    q = (q_gain * torch.randn(len(ctx_lens), num_heads, head_dim, device=device)).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    with _watching(kernel_table, table, stale) as table_reads:
+        kernel(q, k_cache, v_cache, kernel_table, lens, scale, out=out, num_splits=num_splits, window=window,
+               softcap=softcap, **scales)
+    assert table_reads[0] > 0, "no block-table load was seen"
+    up = (lambda t: t) if kv_dtype else (lambda t: t.double())
+    ref = paged_decode_attention_ref(q.double(), up(k_cache), up(v_cache), table, lens, scale, window=window,
+                                     softcap=softcap, **scales)
+    assert_close(out, ref, dtype, f"decode window={window} softcap={softcap} splits={num_splits} {kv_dtype or ''}")
+    return out
+
+
+def check_prefill_window(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                         page: int, dtype: torch.dtype, device: str, window: int = 0, softcap: float = 0.0,
+                         kv_dtype: str | None = None, stale: int | str | None = None, q_gain: float = 1.0,
+                         kernel=paged_prefill_attention) -> torch.Tensor:
+    """Prefill counterpart of ``check_decode_window``; sequence s's first query sits at ``ctx - q_len``."""
+    (k_cache, v_cache), scales, kernel_table, table = _window_case(
+        ctx_lens, [c - n for c, n in zip(ctx_lens, q_lens)], num_kv_heads, head_dim, page, dtype, device, window,
+        kv_dtype, stale)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int().to(device)
+    q = (q_gain * torch.randn(sum(q_lens), num_heads, head_dim, device=device)).to(dtype)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    with _watching(kernel_table, table, stale) as table_reads:
+        kernel(q, k_cache, v_cache, kernel_table, qsl, lens, max(q_lens), scale, out=out, window=window,
+               softcap=softcap, **scales)
+    assert table_reads[0] > 0, "no block-table load was seen"
+    up = (lambda t: t) if kv_dtype else (lambda t: t.double())
+    ref = paged_prefill_attention_ref(q.double(), up(k_cache), up(v_cache), table, qsl, lens, max(q_lens), scale,
+                                      window=window, softcap=softcap, **scales)
+    assert_close(out, ref, dtype, f"prefill window={window} softcap={softcap} {kv_dtype or ''}")
+    return out

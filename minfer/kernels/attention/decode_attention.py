@@ -36,6 +36,14 @@ per element means the per-element work must cost less than the load saved. With 
 
 H200, B=64 x 4k, llama-3.1-8b heads: int8 193 us / fp8_e4m3 198 us against bf16's 258 us (1.34x / 1.30x).
 A float32 q keeps float32 products (codes converted by casts), exact under the interpreter.
+
+Sliding windows and logit soft-capping are compile-time constants (``WINDOW``, ``SOFTCAP_LOG2``; 0 = none, the
+defaults): a model without them compiles the kernel it compiled before, argument list included, and one with them
+one variant per (window, cap) pair its layers use (Gemma 2: two). A window's keys are ``[max(0, ctx - window), ctx)``:
+the splits divide that range alone and the key loop starts there, so a block wholly before the window is never
+looked up (a hybrid cache frees those, leaving stale or -1 table entries) and a long context costs O(window) (H200,
+B=32 x 32k, window 4096: 143 us, as at 4k without a window; 967 us without). The cap is applied in the log2 domain,
+with the cap scaled by log2(e): ``c * tanh(s / c)`` scales with s and c together; decode does not notice its cost.
 """
 
 from __future__ import annotations
@@ -47,9 +55,9 @@ import triton
 import triton.language as tl
 
 from .._utils import interpreting, next_pow2, num_sms
-from ..quant.kv_quant import dequantize_ref, gather_scales
 from ..pdl import launch_options, use_pdl, wait_for_previous
-from ..quant.quant import check_cache_scales, check_paged_attention, codes_to_f16, product_mode, q_to_f16, split_q_int8
+from ..quant.quant import check_paged_attention, codes_to_f16, product_mode, q_to_f16, split_q_int8
+from .attention_ref import paged_decode_attention_ref  # noqa: F401 (re-exported for this module's importers)
 
 LOG2E = 1.4426950408889634
 
@@ -66,6 +74,14 @@ class DecodeConfig:
     column_sums: bool = False
 
 
+@triton.jit
+def soft_cap(s, cap):
+    """``cap * tanh(s / cap)`` in float32, tanh through exp2 as ``1 - 2 / (e^2x + 1)``: it saturates to +-1
+    without overflow (e^2x = inf gives 1, 0 gives -1) and needs no libdevice call, so the interpreter runs it.
+    The absolute error near 0 (cancellation in ``1 - ...``) is a few float32 ulps of ``cap``."""
+    return cap - (2.0 * cap) / (tl.exp2(s * (2.8853900817779268 / cap)) + 1.0)  # 2 * log2(e)
+
+
 # Ints that change from step to step are not specialised on (Triton would compile a variant for
 # values of 1 and multiples of 16): the block-table width and the split count.
 @triton.jit(do_not_specialize=["stride_btb", "num_splits"])
@@ -76,16 +92,21 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, Q8: tl.constexpr, ASM: tl.constexpr,
-    COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False,
+    COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False, WINDOW: tl.constexpr = 0, SOFTCAP_LOG2: tl.constexpr = 0.0,
 ):
     wait_for_previous(PDL)
     kvh = tl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
     b = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(CL + b)
-    # Equal ranges of this sequence's own context, rounded up to whole tiles.
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # Equal ranges of this sequence's own keys, rounded up to whole tiles. Every position from `lo` on is in
+    # the window, so no key needs a window mask and no table entry before lo // PAGE is loaded.
+    if WINDOW > 0:
+        lo = tl.maximum(ctx - WINDOW, 0)
+    else:
+        lo = 0
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -150,6 +171,8 @@ def _decode_split_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2e
+        if SOFTCAP_LOG2 > 0:  # s is log2(e) * scale * q.k here, so the cap comes scaled the same way
+            s = soft_cap(s, SOFTCAP_LOG2)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -259,10 +282,14 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, D]`` (the token at ``context_lens[b] - 1``) over its paged context.
 
     8-bit caches (int8 / fp8) need their ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``.
+    ``window`` > 0: only the last ``window`` keys (HF's ``sliding_window``); table entries of blocks wholly
+    before them are never read. ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``.
 
     ``num_splits`` overrides the split-K heuristic (tests, tuning); by default it is derived from
     the batch, the KV heads, the widest possible context (``block_tables.shape[1] * block_size``,
@@ -270,6 +297,7 @@ def paged_decode_attention(
     """
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens)
+    check_window_softcap(window, softcap)
     quant = fmt is not None
     batch, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -280,7 +308,8 @@ def paged_decode_attention(
         return out
     cfg = config or default_config(q.device, head_dim, q.dtype, k_cache.dtype if quant else None)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device)
+        width = block_tables.shape[1] * page
+        num_splits = choose_num_splits(batch, num_kv_heads, min(window, width) if window else width, q.device)
     mid_o, mid_lse = split_partials(q, out, num_splits)
     direct = num_splits == 1
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
@@ -293,12 +322,21 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
-        F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums, PDL=pdl,
+        F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums,
+        PDL=pdl, WINDOW=int(window), SOFTCAP_LOG2=float(softcap) * LOG2E,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if not direct:
         merge_partials(mid_o, mid_lse, out)
     return out
+
+
+def check_window_softcap(window: int, softcap: float) -> None:
+    """A window is a key count (0: none) and a cap a positive bound (0: none); anything else is a caller's bug."""
+    if int(window) != window or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no window), got {window!r}")
+    if not 0 <= softcap < float("inf"):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: no cap), got {softcap!r}")
 
 
 def split_partials(q: torch.Tensor, out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,46 +381,3 @@ def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,
         return DecodeConfig(block_n=128, num_warps=4, num_stages=2, column_sums=True)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3 if dtype != torch.float32 else 2)
 
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    out: torch.Tensor | None = None,
-    *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Torch reference (the tests' oracle): gather every context into a padded batch, masked softmax in fp32.
-
-    The gather width is ``block_tables.shape[1] * block_size``; positions past each context are
-    masked, and their (arbitrary) block ids are clamped into range so nothing out of bounds is read.
-    8-bit caches are dequantized after the gather, in the compute dtype.
-    """
-    batch, num_heads, head_dim = q.shape
-    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    width = block_tables.shape[1] * page
-    pos = torch.arange(width, device=q.device)
-    valid = pos[None, :] < context_lens[:, None].long()  # [B, W]
-    blocks = block_tables.long().gather(1, (pos // page).expand(batch, -1)).clamp_(0, k_cache.shape[0] - 1)
-    slots = blocks * page + pos % page  # [B, W]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [B, W, Hkv, D]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots]
-    if check_cache_scales(k_cache, v_cache, k_scale, v_scale) is not None:
-        k = dequantize_ref(k, gather_scales(k_scale, slots), compute)
-        v = dequantize_ref(v, gather_scales(v_scale, slots), compute)
-    k, v = k.to(compute), v.to(compute)
-    qg = q.to(compute).view(batch, num_kv_heads, group, head_dim)
-    scores = torch.einsum("bhgd,bwhd->bhgw", qg, k) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    res = torch.einsum("bhgw,bwhd->bhgd", probs, v).reshape(batch, num_heads, head_dim)
-    if out is None:
-        return res.to(q.dtype)
-    out.copy_(res)
-    return out
