@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_greedy_match, hf_greedy
+from conftest import ARCHS, assert_greedy_match, hf_greedy, kv_settings
 from minfer import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -12,12 +12,14 @@ pytestmark = pytest.mark.gpu
 PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("kwargs", [dict(num_kv_blocks=64), dict(num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=4),
                                     dict(num_kv_blocks=5)])
 def test_triton_engine_on_gpu_matches_hf(checkpoints, arch, kwargs):
+    """Every architecture on the Triton kernels (sliding windows, soft-caps, the hybrid cache's groups in the
+    decode graphs), default / chunked / preempting, against HF."""
     assert torch.cuda.is_available()
-    llm = LLM(str(checkpoints[arch]), device="cuda", dtype="float32", **kwargs)
+    llm = LLM(str(checkpoints[arch]), device="cuda", dtype="float32", **kv_settings(checkpoints[arch], kwargs))
     assert llm.llm_engine.runner.ops.name == "triton"
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), use_tqdm=False)

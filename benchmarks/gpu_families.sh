@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The 2026 dense families on one H200 (issue 35), in one command that ends within DEADLINE seconds:
+#
+#   PARTS="tests bench hybrid" bash benchmarks/gpu_families.sh     # results under $OUT (default /tmp/minfer-out)
+#
+# tests:  the gpu tests of the windowed / soft-capped attention kernels (Triton and Hopper) and the engine's
+#         HF agreement on the GPU for every architecture (transformers 5.25 from .whl: carry it).
+# bench:  workload A on llama-3.1-8b, gemma-3-27b and phi-4 (same call, against each one's bound), batch-1
+#         decode on gemma-3-12b and phi-4 (target >= 85% of the weight-bandwidth bound). Random weights drawn on
+#         the device (--load-format dummy); SHAPES narrows the workload-A shapes, B1 the batch-1 ones.
+# hybrid: benchmarks/hybrid_kv.py on gemma-3-27b at 32k: sequences that fit and a long-context workload's
+#         throughput, hybrid KV cache against a full-length cache for every layer.
+DEADLINE_DEFAULT=570
+source "$(dirname "$0")/device_call.sh"
+PARTS="${PARTS:-tests bench hybrid}"
+{ nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
+python3 -c "import transformers; print('transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+bench() {  # name, then minfer bench arguments
+  local name=$1; shift
+  echo "== $name ($(left) s left)"
+  timeout "$(cap 200)" python3 -m minfer.cli -v bench --load-format dummy --quiet --output-json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.log" 2>&1 || echo "   exit $? (124: cut by the time limit)"
+  grep -E "KV cache:|hybrid KV|\"output_tok_s|decode_tok_s|share_of_bound|Error" "$OUT/$name.log" | head -6
+}
+
+case " $PARTS " in *" tests "*)
+  echo "== gpu tests ($(left) s left)"
+  timeout "$(cap 240)" python3 -m pytest -q -m gpu -p no:cacheprovider -x ${TESTS:-tests/kernels/test_kernel_attention.py \
+    tests/kernels/test_kernel_decode_sm90_gpu.py tests/kernels/test_kernel_prefill_sm90_gpu.py \
+    tests/engine/test_engine_gpu.py} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
+esac
+case " $PARTS " in *" bench "*)
+  for shape in ${SHAPES:-llama-3.1-8b gemma-3-27b phi-4}; do bench "workload_a_$shape" --shape "$shape"; done
+  for shape in ${B1:-gemma-3-12b phi-4}; do bench "batch1_$shape" --shape "$shape" --batch1; done ;;
+esac
+case " $PARTS " in *" hybrid "*)
+  echo "== hybrid KV cache ($(left) s left)"
+  timeout "$(cap 300)" python3 benchmarks/hybrid_kv.py --shape "${HYBRID_SHAPE:-gemma-3-27b}" --context 32768 \
+    --num-prompts "${HYBRID_PROMPTS:-8}" --output-len 256 --out "$OUT/hybrid_kv.json" > "$OUT/hybrid_kv.log" 2>&1 \
+    || echo "   exit $?"
+  tail -30 "$OUT/hybrid_kv.log" ;;
+esac
+
+python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+lines = ["| run | output tok/s | wall s | share of bound | preemptions |", "|---|---|---|---|---|"]
+for f in sorted(out.glob("*.json")):
+    r = json.loads(f.read_text())
+    if "batch1" in r:
+        b = r["batch1"]
+        lines.append(f"| {f.stem} | {b['decode_tok_s']:,.1f} | | {100 * b['share_of_bound']:.1f}% of {b['bound_tok_s']:,.0f} | |")
+    elif "output_tok_s" in r:
+        lines.append(f"| {f.stem} | {r['output_tok_s']:,.0f} | {r['seconds']:.1f} | {100 * r.get('share_of_bound', 0):.1f}% "
+                     f"| {r['num_preemptions']} |")
+(out / "families.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+echo "done in $(( SECONDS - START )) s"
