@@ -1,13 +1,15 @@
 """The Hopper (Gluon) paged prefill kernel against the float64 reference and the Triton kernel it
 stands in for, on an sm_90 GPU (`pytest -m gpu`): page sizes, GQA ratios, head dims, 16-bit dtypes,
 every 8-bit cache format, chunks that start mid-sequence and lengths that are not multiples of the
-128-row tiles."""
+128-row tiles; sliding windows (chunked prefill mid-sequence, 8-bit caches, the table entries of blocks
+wholly before each chunk's first window stale) and logit soft-capping."""
 
 import pytest
 import torch
 
 from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
-    check_prefill, check_prefill_quant, make_paged_kv, quantize_paged_kv, rel_err, seed_per_case,
+    check_prefill, check_prefill_quant, check_prefill_window, make_paged_kv, quantize_paged_kv, rel_err,
+    seed_per_case,
 )
 from minfer.kernels.attention import prefill_attention_sm90 as sm90
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
@@ -105,3 +107,93 @@ def test_prefill_sm90_strided_q_and_graph() -> None:
     torch.cuda.synchronize()
     ref = paged_prefill_attention(q.contiguous(), *args[1:])
     assert rel_err(out, ref) < 4e-3
+
+
+# ------------------------------------------------------------------ sliding windows and logit soft-capping
+def check_window(*args, stale: int | str | None = None, **kwargs) -> torch.Tensor:
+    """``check_prefill_window`` on the Hopper kernel, with a failure that names a stale read: ``stale="nan"``
+    points every table entry of a block wholly before a chunk's first window at a block of NaN, so a kernel that
+    looks one up (the hybrid cache will have freed those blocks) turns the output into NaN through P·V, even
+    where the key is masked (0 · NaN); ``stale=-1`` checks the kernel neither faults on nor needs them."""
+    try:
+        return check_prefill_window(*args, stale=stale, kernel=paged_prefill_attention_sm90, **kwargs)
+    except AssertionError as exc:
+        if stale == "nan" and "non-finite" in str(exc):
+            raise AssertionError(
+                f"NaN output with the entries before each window pointing at a NaN block ({kwargs}): a query tile "
+                "read a block-table entry wholly outside its rows' windows (if the stale=-1 case of the same "
+                "window passes, that is the only explanation; if it fails too, a row's softmax saw no key: the "
+                "running max must start finite when a tile can hide all of a row's keys)") from exc
+        raise
+
+
+@pytest.mark.parametrize("stale", [-1, "nan"], ids=["minus1", "nan-block"])
+@pytest.mark.parametrize("window", [5, 21, 37, 127, 128, 129, 1000])
+def test_prefill_sm90_window(window: int, stale: int | str) -> None:
+    """Windows inside a 16-token page, across pages, about one 128-key tile, and longer than some prompts, on
+    Q_LENS's whole prompts, chunks starting mid-sequence and an overhanging tile: each 128-row query tile starts
+    its key loop at the page of its first row's window, and masks the window's lower edge per element as it
+    masks the causal diagonal (a row may see no key of the first tiles)."""
+    check_window(Q_LENS, CTX_LENS, 32, 8, 128, 16, torch.bfloat16, "cuda", window=window, stale=stale)
+
+
+@pytest.mark.parametrize("page", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window", [37, 200])
+def test_prefill_sm90_window_pages(page: int, head_dim: int, window: int) -> None:
+    """Pages up to twice the 128-key tile: the key loop starts at the 128-key copy inside the page."""
+    check_window(Q_LENS, CTX_LENS, 16, 4, head_dim, page, torch.bfloat16, "cuda", window=window, stale="nan")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(16, 8, 128), (32, 8, 64), (8, 8, 128), (32, 4, 128)],
+                         ids=["qwen3-0.6b", "llama-3.2-1b", "mha", "gqa8"])
+def test_prefill_sm90_window_shapes(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    check_window(Q_LENS, CTX_LENS, *shape, 16, dtype, "cuda", window=37, stale=-1)
+
+
+@pytest.mark.parametrize("window", [100, 511, 512, 513, 4096])
+def test_prefill_sm90_window_chunked(window: int) -> None:
+    """Chunked prefill mid-sequence: 512-row chunks at positions 1024, 2560 and 3584 of their prompts (each query
+    tile's window starts at a different page), a 100-row chunk and a single row, next to a whole prompt; windows
+    around the chunk length, and one longer than every context."""
+    q_lens, ctx_lens = [512, 512, 512, 100, 1, 300], [1536, 3072, 4096, 700, 2049, 300]
+    check_window(q_lens, ctx_lens, 32, 8, 128, 16, torch.bfloat16, "cuda", window=window,
+                 stale="nan" if window < 4096 else None)
+
+
+@pytest.mark.parametrize("window", [0, 37, 1000], ids=["no-window", "window37", "window1000"])
+@pytest.mark.parametrize("softcap", [50.0, 5.0])
+def test_prefill_sm90_softcap(softcap: float, window: int) -> None:
+    """Soft-capping alone and with a window. q scaled 10x puts the scaled scores at a spread of ~10: a cap of
+    50 bends them, one of 5 saturates most (the cap must be applied to the natural score before log2 e)."""
+    check_window(Q_LENS, CTX_LENS, 32, 8, 128, 16, torch.bfloat16, "cuda", window=window, softcap=softcap,
+                 q_gain=10.0, stale="nan" if window else None)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("page,window,softcap", [(16, 21, 0.0), (16, 37, 50.0), (64, 129, 0.0), (256, 200, 30.0)],
+                         ids=["p16-w21", "p16-w37-cap50", "p64-w129", "p256-w200-cap30"])
+def test_prefill_sm90_quant_window(kv_dtype: str, page: int, window: int, softcap: float) -> None:
+    """8-bit caches: the converter's per-key scale lookups start at the window too (a scale read before it would
+    be NaN here)."""
+    check_window(Q_LENS, CTX_LENS, 32, 8, 128, page, torch.bfloat16, "cuda", window=window, softcap=softcap,
+                 kv_dtype=kv_dtype, q_gain=4.0 if softcap else 1.0, stale="nan")
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_prefill_sm90_window_matches_triton(kv_dtype: str) -> None:
+    """Against the Triton kernel with a window and a cap, on long prompts: both round P alike and accumulate in
+    float32, so they agree far inside the tolerance against float64."""
+    q_lens, ctx_lens = [4096, 1000], [4096, 3000]
+    kf, vf, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.float32, "cuda")
+    kc, vc, sc = kf.bfloat16(), vf.bfloat16(), {}
+    if kv_dtype != "auto":
+        kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+        sc = dict(k_scale=ks, v_scale=vs)
+    qsl, lens = batch(q_lens, ctx_lens)
+    q = 4 * torch.randn(sum(q_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, kc, vc, table, qsl, lens, max(q_lens), 128 ** -0.5)
+    fast = paged_prefill_attention_sm90(*args, window=1000, softcap=30.0, **sc)
+    ref = paged_prefill_attention(*args, window=1000, softcap=30.0, **sc)
+    assert rel_err(fast, ref) < 4e-3, rel_err(fast, ref)

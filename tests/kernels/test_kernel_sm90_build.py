@@ -2,12 +2,14 @@
 interpreter, so this is what the CPU can check): Gluon's API moves between Triton releases, and a build
 failure would otherwise surface only on a Hopper GPU. The compiled code must use the machinery the kernels are
 built around: TMA bulk copies, warpgroup MMA, register reallocation between partitions, and shared memory
-within the 227 KB a block may take (the decode kernel: half of it, so that two programs share an SM).
+within the 227 KB a block may take (the decode kernel: half of it, so that two programs share an SM). Sliding
+windows and soft-capping are compile-time variants of each kernel: they are built here too.
 
 Each build runs in a child process without TRITON_INTERPRET: under the interpreter Triton's own helpers that
 Gluon calls become interpreted functions, which the Gluon compiler refuses.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -35,7 +37,7 @@ def _compile(fn, sig: dict, consts: dict, maxnreg: int | None = None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def build_prefill(head_dim: int, page: int, kv: str):
+def build_prefill(head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0):
     from minfer.kernels.attention import prefill_attention_sm90 as sm90
 
     gl = sm90.gl
@@ -51,11 +53,12 @@ def build_prefill(head_dim: int, page: int, kv: str):
                   BLOCK_N=sm90.BLOCK_N, STAGES=sm90.QUANT_STAGES if quant else sm90.STAGES,
                   CODE_STAGES=sm90.CODE_STAGES, QUANT=quant, CONVERT_Q=quant, CONVERT_ROWS=sm90.CONVERT_ROWS,
                   CONSUMER_REGS_Q=sm90.QUANT_REGS[0], PRODUCER_REGS_Q=sm90.QUANT_REGS[1],
-                  CONVERTER_REGS_Q=sm90.QUANT_REGS[2], num_warps=4)
+                  CONVERTER_REGS_Q=sm90.QUANT_REGS[2], WINDOW=window, SOFTCAP=softcap, num_warps=4)
     return _compile(sm90._prefill_sm90_kernel, sig, consts)
 
 
-def build_decode(head_dim: int, page: int, kv: str, group: int = 4, direct: bool = False):
+def build_decode(head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0, group: int = 4,
+                 direct: bool = False):
     from minfer.kernels.attention import decode_attention_sm90 as sm90
     from minfer.kernels.attention import decode_attention_sm90_8bit as sm90_8bit
 
@@ -63,7 +66,7 @@ def build_decode(head_dim: int, page: int, kv: str, group: int = 4, direct: bool
     rows = min(page, sm90.BLOCK_N)
     sig = dict(Q="*bf16")
     consts = dict(GROUP=group, NPAD=8 if group <= 8 else 16, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=sm90.BLOCK_N,
-                  DIRECT=direct, num_warps=4)
+                  DIRECT=direct, WINDOW=window, SOFTCAP=softcap, num_warps=4)
     if kv == "bf16":
         lay = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         sig.update(k_desc=_descriptor("bf16", rows, lay), v_desc=_descriptor("bf16", rows, lay))
@@ -82,18 +85,20 @@ def build_decode(head_dim: int, page: int, kv: str, group: int = 4, direct: bool
     return _compile(kernel, sig, consts, maxnreg)
 
 
-def build(kernel: str, head_dim: int, page: int, kv: str) -> dict:
-    """Compile a kernel for (head_dim, page, cache format) and report what its code holds."""
+def build(kernel: str, head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0) -> dict:
+    """Compile a kernel for (head_dim, page, cache format, window, cap) and report what its code holds."""
     import triton  # noqa: F401 - before minfer.kernels, which turns the interpreter on where no GPU is present
 
-    compiled = (build_prefill if kernel == "prefill" else build_decode)(head_dim, page, kv)
+    compiled = (build_prefill if kernel == "prefill" else build_decode)(head_dim, page, kv, window, softcap)
     ptx = compiled.asm["ptx"]
     return dict(shared=compiled.metadata.shared, sm90a=".target sm_90a" in ptx, wgmma="wgmma.mma_async" in ptx,
                 tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, local=".local" in ptx,
+                exp2=ptx.count("ex2.approx"),
                 loads={width: ptx.count(f"ld.shared.{width} ") + ptx.count(f"ld.shared.{width}\t")
                        for width in ("v4.b32", "v2.b16", "b32", "b16", "b8")})
 
 
+@functools.lru_cache(maxsize=None)  # a build the module's tests share (the cap test's) compiles once
 def _child(*args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env, timeout=600)
@@ -101,19 +106,25 @@ def _child(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("head_dim,page,kv", [(128, 16, "bf16"), (64, 256, "bf16"), (128, 16, "int8"),
-                                              (128, 32, "fp8_e4m3")])
-def test_the_hopper_prefill_kernel_builds(head_dim: int, page: int, kv: str) -> None:
-    got = _child("prefill", str(head_dim), str(page), kv)
+# Plain, then (window, cap) variants: a window inside a page, a cap alone, a window past a 128-key tile on pages
+# twice the tile, both over an 8-bit cache.
+@pytest.mark.parametrize("head_dim,page,kv,window,softcap", [
+    (128, 16, "bf16", 0, 0.0), (64, 256, "bf16", 0, 0.0), (128, 16, "int8", 0, 0.0), (128, 32, "fp8_e4m3", 0, 0.0),
+    (128, 16, "bf16", 37, 0.0), (128, 16, "bf16", 0, 50.0), (64, 256, "bf16", 200, 30.0), (128, 16, "int8", 21, 50.0),
+    (128, 32, "fp8_e4m3", 37, 0.0)])
+def test_the_hopper_prefill_kernel_builds(head_dim: int, page: int, kv: str, window: int, softcap: float) -> None:
+    got = _child("prefill", str(head_dim), str(page), kv, str(window), str(softcap))
     assert got["sm90a"] and got["wgmma"] and got["tma"] and got["setmaxnreg"], got
     tiles = 2 * 128 * head_dim * 2  # at least one K and one V tile of 16-bit values
     assert tiles <= got["shared"] <= SMEM_LIMIT, got
 
 
-@pytest.mark.parametrize("head_dim,page,kv", [(128, 16, "bf16"), (64, 128, "bf16"), (128, 16, "int8"),
-                                              (128, 64, "fp8_e5m2"), (64, 32, "fp8_e4m3")])
-def test_the_hopper_decode_kernel_builds(head_dim: int, page: int, kv: str) -> None:
-    got = _child("decode", str(head_dim), str(page), kv)
+@pytest.mark.parametrize("head_dim,page,kv,window,softcap", [
+    (128, 16, "bf16", 0, 0.0), (64, 128, "bf16", 0, 0.0), (128, 16, "int8", 0, 0.0), (128, 64, "fp8_e5m2", 0, 0.0),
+    (64, 32, "fp8_e4m3", 0, 0.0), (128, 16, "bf16", 37, 0.0), (128, 16, "bf16", 0, 50.0), (64, 128, "bf16", 5, 30.0),
+    (128, 16, "int8", 21, 50.0), (64, 32, "fp8_e4m3", 37, 0.0)])
+def test_the_hopper_decode_kernel_builds(head_dim: int, page: int, kv: str, window: int, softcap: float) -> None:
+    got = _child("decode", str(head_dim), str(page), kv, str(window), str(softcap))
     assert got["sm90a"] and got["wgmma"] and got["tma"] and got["setmaxnreg"], got
     tiles = 2 * 64 * head_dim * (2 if kv == "bf16" else 1)  # at least one 64-key K and V tile
     assert tiles <= got["shared"] <= SMEM_LIMIT // 2, got
@@ -129,5 +140,16 @@ def test_the_8bit_decode_kernel_reads_codes_in_wide_loads() -> None:
     assert got["loads"]["b8"] <= 1, got
 
 
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+def test_the_cap_is_compiled_in_only_when_set(kernel: str) -> None:
+    """The cap costs one exp2 per score: a capped build has more of them than the plain one, and a windowed
+    build (its flag alone set) exactly as many (a flag whose ``if`` never compiled in would pass every other
+    check here)."""
+    plain, capped, windowed = (_child(kernel, "128", "16", "bf16", w, c) for w, c in
+                               (("0", "0.0"), ("0", "50.0"), ("37", "0.0")))
+    assert capped["exp2"] > plain["exp2"] == windowed["exp2"], (plain, capped, windowed)
+
+
 if __name__ == "__main__":
-    print(json.dumps(build(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+    print(json.dumps(build(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+                           *(int(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 5 else ())))

@@ -17,6 +17,9 @@ head of the GQA group; partial outputs of split programs are merged by that modu
   while the tensor cores still run the P·V product.
 - **8-bit caches** go to ``decode_attention_sm90_8bit.py``, the same frame with the codes converted in the
   consumer's registers (the entry point below chooses).
+- **Windows and soft-capping** (``gluon_sm90``): with a window the splits cut [max(0, ctx - window), ctx) instead
+  of the context (``split_range``), so the copy warp never looks up a page the window has left; the cap runs on
+  each score tile before the mask.
 
 Keys past a split's range are read (page 0 for table entries past the context) and masked by position, so
 the cache must hold finite values there, which the engine's zeroed cache does.
@@ -27,16 +30,17 @@ from __future__ import annotations
 import torch
 
 from .decode_attention import (
-    SPLIT_TARGET_PER_SM, choose_num_splits, merge_partials, paged_decode_attention, split_partials,
+    SPLIT_TARGET_PER_SM, check_window_softcap, choose_num_splits, merge_partials, paged_decode_attention,
+    split_partials,
 )
 from . import decode_attention_sm90_8bit as sm90_8bit
 from .._utils import num_sms
-from .gluon_sm90 import HALF, LOG2E, BuildGuard, gluon, sm90_available
+from .gluon_sm90 import HALF, BuildGuard, build_kind, gluon, score_scale, sm90_available
 from ..quant.quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, barrier_ring, fence_async_shared, gl, invalidate_ring, issue_tile, mbarrier,
+        TensorDescriptor, barrier_ring, fence_async_shared, gl, invalidate_ring, issue_tile, log2_scores, mbarrier,
         online_softmax, partition_barrier, split_range, warpgroup_mma, warpgroup_mma_wait, write_decode_output,
         write_empty_split,
     )
@@ -73,11 +77,13 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(Q, q_smem, k_smem, v_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e,
-                  b, kvh, split, num_splits, start, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
+                  b, kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
                   GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, HALVES: gl.constexpr,
-                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr):
+                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
         """The warpgroup that computes: q into shared memory, the online softmax over the tiles delivered to
-        ``ready``, then the output (``DIRECT``) or the split's normalised partial and log2-sum-exp2."""
+        ``ready`` (keys before ``lo`` masked with a ``WINDOW``, scores capped with a ``SOFTCAP``), then the output
+        (``DIRECT``) or the split's normalised partial and log2-sum-exp2."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, NPAD, 16])
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -106,7 +112,8 @@ if gluon is not None:
         mbarrier.wait(ready.index(0), 0)
         s = _scores(k_smem, 0, q_smem, s_layout, HALVES, BLOCK_N, NPAD)
         s = warpgroup_mma_wait(0, deps=[s])
-        p, m_i, l_keys, alpha = online_softmax(s * scale_log2e, m_i, l_keys, start, end, key_layout, BLOCK_N)
+        p, m_i, l_keys, alpha = online_softmax(log2_scores(s, scale_log2e, SOFTCAP), m_i, l_keys, start, lo, end,
+                                               key_layout, BLOCK_N, WINDOW)
         p_smem.index(0).store(gl.permute(p.to(dtype), (1, 0)))
         fence_async_shared()
         partition_barrier()
@@ -120,8 +127,8 @@ if gluon is not None:
             if HALVES == 2:
                 o1 = warpgroup_mma(v_smem.index(prev * HALVES + 1).permute((1, 0)), pt, o1, is_async=True)
             s = warpgroup_mma_wait(HALVES, deps=[s])
-            p, m_i, l_keys, alpha = online_softmax(s * scale_log2e, m_i, l_keys, start + j * BLOCK_N, end, key_layout,
-                                                   BLOCK_N)
+            p, m_i, l_keys, alpha = online_softmax(log2_scores(s, scale_log2e, SOFTCAP), m_i, l_keys,
+                                                   start + j * BLOCK_N, lo, end, key_layout, BLOCK_N, WINDOW)
             p_smem.index(j % 2).store(gl.permute(p.to(dtype), (1, 0)))  # the other buffer than P·V's
             if HALVES == 2:
                 o0, o1 = warpgroup_mma_wait(0, deps=[o0, o1])
@@ -162,13 +169,15 @@ if gluon is not None:
         Q, k_desc, v_desc, BT, CL, O, MID_O, MID_LSE, scale_log2e,
         stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits,
         GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, num_warps: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, WINDOW: gl.constexpr,
+        SOFTCAP: gl.constexpr, num_warps: gl.constexpr,
     ):
         HALVES: gl.constexpr = HEAD_DIM // _HALF
+        ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per TMA copy
         kvh = gl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
         b = gl.program_id(1)
         split = gl.program_id(2)
-        start, end = split_range(CL, b, split, num_splits, BLOCK_N)
+        start, end, lo = split_range(CL, b, split, num_splits, BLOCK_N, ROWS, WINDOW)
         if start < end:
             n_tiles = gl.cdiv(end - start, BLOCK_N)
             dtype: gl.constexpr = k_desc.dtype
@@ -180,8 +189,8 @@ if gluon is not None:
             ready, empty = barrier_ring(STAGES, 1)
             gl.warp_specialize([
                 (_consumer, (Q, q_smem, k_smem, v_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e, b,
-                             kvh, split, num_splits, start, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
-                             GROUP, NPAD, HEAD_DIM, HALVES, STAGES, BLOCK_N, DIRECT)),
+                             kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh, stride_ob,
+                             stride_oh, GROUP, NPAD, HEAD_DIM, HALVES, STAGES, BLOCK_N, DIRECT, WINDOW, SOFTCAP)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, BT + b.to(gl.int64) * stride_btb, start,
                              end, n_tiles, kvh * HEAD_DIM, PAGE, HALVES, STAGES, BLOCK_N)),
             ], [1], [PRODUCER_REGS])
@@ -210,14 +219,19 @@ def paged_decode_attention_sm90(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``paged_decode_attention`` (same arguments and result) on sm_90 with a 16-bit q over 16-bit or 8-bit
-    caches; other inputs go to the Triton kernel."""
+    caches; other inputs go to the Triton kernel. ``window`` (0: none): the query at ``context_lens[b] - 1``
+    sees its last ``window`` keys, and only their pages' table entries are read; ``softcap`` (0: none): scores
+    s become ``softcap * tanh(s / softcap)``."""
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens)
+    check_window_softcap(window, softcap)
     fallback = lambda: paged_decode_attention(  # noqa: E731
         q, k_cache, v_cache, block_tables, context_lens, scale, out, k_scale=k_scale, v_scale=v_scale,
-        num_splits=num_splits)
+        num_splits=num_splits, window=window, softcap=softcap)
     if not sm90_decode_applies(q, k_cache):
         return fallback()
     batch, num_heads, head_dim = q.shape
@@ -229,14 +243,17 @@ def paged_decode_attention_sm90(
         return out
     quant = fmt is not None
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page, q.device,
+        longest = block_tables.shape[1] * page
+        if window:  # the keys a split range may cover: the window and the part of its first page before it
+            longest = min(longest, window + page)
+        num_splits = choose_num_splits(batch, num_kv_heads, longest, q.device,
                                        SPLIT_TARGET_PER_SM if quant else SPLITS_PER_SM)
     mid_o, mid_lse = split_partials(q, out, num_splits)
     direct = num_splits == 1
-    common = (block_tables, context_lens, out, mid_o, mid_lse, scale * LOG2E, q.stride(0), q.stride(1),
+    common = (block_tables, context_lens, out, mid_o, mid_lse, score_scale(scale, softcap), q.stride(0), q.stride(1),
               block_tables.stride(0), out.stride(0), out.stride(1), num_splits)
     params = dict(GROUP=group, NPAD=8 if group <= 8 else 16, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=BLOCK_N,
-                  DIRECT=direct, num_warps=4)
+                  DIRECT=direct, WINDOW=int(window), SOFTCAP=float(softcap), num_warps=4)
     if quant:
         kernel = sm90_8bit._decode_sm90_8bit_kernel
         args = (q, *sm90_8bit.descriptors(k_cache, v_cache, k_scale, v_scale), *common)
@@ -252,7 +269,7 @@ def paged_decode_attention_sm90(
         sole = batch * num_kv_heads * num_splits <= num_sms(q.device)
         params.update(STAGES=SOLE_STAGES if sole else STAGES, maxnreg=MAX_REGS)
     grid = (num_kv_heads, batch, num_splits)
-    if not _guard.launch(quant, lambda: kernel[grid](*args, **params)):
+    if not _guard.launch(build_kind(quant, window, softcap), lambda: kernel[grid](*args, **params)):
         return fallback()
     if not direct:
         merge_partials(mid_o, mid_lse, out)

@@ -25,7 +25,9 @@ layout, and ``convert_layout(..., assert_trivial=True)`` proves at compile time 
 released as soon as its codes are in registers, before the products that use them.
 
 Codes convert exactly (``gluon_sm90.codes_to_f16``), so the products are float16 on exact values as in the
-Triton kernel; K's per-key scales (with ``scale * log2 e``) multiply the score rows, V's the P rows.
+Triton kernel; K's per-key scales (with ``scale * log2 e``) multiply the score rows, V's the P rows. Windows and
+soft-capping as in the 16-bit kernel: the split ranges (``gluon_sm90.split_range``) start at the window, and so
+do the copy warp's page and scale lookups.
 
 H200, B=64 x 4k, llama-3.1-8b heads: int8 / fp8_e4m3 145-148 us, 88-89% of 4.22 TB/s, 1.75x the bf16 kernel.
 """
@@ -38,8 +40,8 @@ from .gluon_sm90 import gluon
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, _tma_load, barrier_ring, codes_to_f16, fence_async_shared, gl, invalidate_ring, mbarrier,
-        online_softmax, partition_barrier, reinterpret, split_range, warpgroup_mma, warpgroup_mma_wait,
+        TensorDescriptor, _tma_load, barrier_ring, codes_to_f16, fence_async_shared, gl, invalidate_ring, log2_scores,
+        mbarrier, online_softmax, partition_barrier, reinterpret, split_range, warpgroup_mma, warpgroup_mma_wait,
         write_decode_output, write_empty_split,
     )
 
@@ -147,20 +149,23 @@ if gluon is not None:
         return k16, v0, v1, k_sc, v_sc
 
     @gluon.jit
-    def _softmax(s, m_i, l_keys, n0, end, k_sc, v_sc, scale_log2e, key_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-        """``online_softmax`` with the per-key scales: K's (with ``scale * log2 e``) on the score rows, V's on the
-        P rows."""
-        p, m_i, l_keys, alpha = online_softmax(s * gl.expand_dims(k_sc * scale_log2e, 1), m_i, l_keys, n0, end,
-                                               key_layout, BLOCK_N)
+    def _softmax(s, m_i, l_keys, n0, lo, end, k_sc, v_sc, scale_log2e, key_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                 WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+        """``online_softmax`` with the per-key scales: K's (with ``scale_log2e``) on the score rows, before the cap,
+        V's on the P rows."""
+        x = log2_scores(s, gl.expand_dims(k_sc * scale_log2e, 1), SOFTCAP)
+        p, m_i, l_keys, alpha = online_softmax(x, m_i, l_keys, n0, lo, end, key_layout, BLOCK_N, WINDOW)
         return p * gl.expand_dims(v_sc, 1), m_i, l_keys, alpha
 
     @gluon.jit
     def _consumer(Q, q_smem, kc_smem, vc_smem, sc_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e,
-                  b, kvh, split, num_splits, start, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
+                  b, kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
                   GROUP: gl.constexpr, NPAD: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
-                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CONVERT_Q: gl.constexpr, DIRECT: gl.constexpr):
+                  STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CONVERT_Q: gl.constexpr, DIRECT: gl.constexpr,
+                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
         """The warpgroup that computes: q into shared memory (dims in ``k_dim_order``), the online softmax over
-        the tiles delivered to ``ready``, then the output (``DIRECT``) or the split's partial."""
+        the tiles delivered to ``ready`` (keys before ``lo`` masked with a ``WINDOW``, scores capped with a
+        ``SOFTCAP``), then the output (``DIRECT``) or the split's partial."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, NPAD, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -189,7 +194,8 @@ if gluon is not None:
         k16, v0, v1, k_sc, v_sc = _load_tile(kc_smem, vc_smem, sc_smem, 0, empty, a_layout, key_layout, D, ROWS)
         s = warpgroup_mma(k16, qt, gl.zeros([BLOCK_N, NPAD], gl.float32, s_layout), use_acc=False, is_async=True)
         s, k16 = warpgroup_mma_wait(0, deps=[s, k16])
-        p, m_i, l_keys, alpha = _softmax(s, m_i, l_keys, start, end, k_sc, v_sc, scale_log2e, key_layout, BLOCK_N)
+        p, m_i, l_keys, alpha = _softmax(s, m_i, l_keys, start, lo, end, k_sc, v_sc, scale_log2e, key_layout, BLOCK_N,
+                                         WINDOW, SOFTCAP)
         p_smem.index(0).store(gl.permute(p.to(gl.float16), (1, 0)))
         fence_async_shared()
         partition_barrier()
@@ -207,8 +213,8 @@ if gluon is not None:
                 s, k16 = warpgroup_mma_wait(2, deps=[s, k16])
             else:
                 s, k16 = warpgroup_mma_wait(1, deps=[s, k16])
-            p, m_i, l_keys, alpha = _softmax(s, m_i, l_keys, start + j * BLOCK_N, end, k_sc, v_sc, scale_log2e,
-                                             key_layout, BLOCK_N)
+            p, m_i, l_keys, alpha = _softmax(s, m_i, l_keys, start + j * BLOCK_N, lo, end, k_sc, v_sc, scale_log2e,
+                                             key_layout, BLOCK_N, WINDOW, SOFTCAP)
             p_smem.index(j % 2).store(gl.permute(p.to(gl.float16), (1, 0)))  # the other buffer than P·V's
             if D == 128:
                 o0, o1, v0, v1 = warpgroup_mma_wait(0, deps=[o0, o1, v0, v1])
@@ -239,7 +245,8 @@ if gluon is not None:
                   STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
         """The copy warp: every key tile of the split (each page's K and V codes, whole rows, and its K and V
         scales, each into a 128-byte chunk of its own: a bulk copy's destination must be 128-byte aligned) as soon
-        as the consumer frees its slot. Table entries at or past ``end`` read page 0 (masked by position)."""
+        as the consumer frees its slot. A tile starts at a copy (``split_range``), so each copy lies in one page;
+        table entries at or past ``end`` are not read: page 0 stands in (masked by position)."""
         ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per copy
         COPIES: gl.constexpr = BLOCK_N // ROWS
         nbytes: gl.constexpr = 2 * BLOCK_N * (D + ks_desc.dtype.primitive_bitwidth // 8)
@@ -268,12 +275,13 @@ if gluon is not None:
         stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits,
         GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
         NUM_KV_HEADS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONVERT_Q: gl.constexpr,
-        DIRECT: gl.constexpr, num_warps: gl.constexpr,
+        DIRECT: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, num_warps: gl.constexpr,
     ):
+        ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per copy
         kvh = gl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
         b = gl.program_id(1)
         split = gl.program_id(2)
-        start, end = split_range(CL, b, split, num_splits, BLOCK_N)
+        start, end, lo = split_range(CL, b, split, num_splits, BLOCK_N, ROWS, WINDOW)
         if start < end:
             n_tiles = gl.cdiv(end - start, BLOCK_N)
             lay16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -281,7 +289,6 @@ if gluon is not None:
             p_smem = gl.allocate_shared_memory(gl.float16, [2, NPAD, BLOCK_N], lay16)
             kc_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
             vc_smem = gl.allocate_shared_memory(kv_desc.dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_desc.layout)
-            ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per copy
             COPIES: gl.constexpr = BLOCK_N // ROWS
             CHUNK: gl.constexpr = max(ROWS, 1024 // ks_desc.dtype.primitive_bitwidth)  # scales per 128-byte chunk
             sc_smem = gl.allocate_shared_memory(ks_desc.dtype, [2 * STAGES * COPIES, 1, CHUNK], ks_desc.layout)
@@ -291,9 +298,9 @@ if gluon is not None:
                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
             gl.warp_specialize([
                 (_consumer, (Q, q_smem, kc_smem, vc_smem, sc_pages, p_smem, ready, empty, O, MID_O, MID_LSE,
-                             scale_log2e, b, kvh, split, num_splits, start, end, n_tiles, stride_qb, stride_qh,
+                             scale_log2e, b, kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh,
                              stride_ob, stride_oh, GROUP, NPAD, HEAD_DIM, ROWS, STAGES, BLOCK_N, CONVERT_Q,
-                             DIRECT)),
+                             DIRECT, WINDOW, SOFTCAP)),
                 (_producer, (kv_desc, vv_desc, ks_desc, vs_desc, kc_smem, vc_smem, sc_smem, ready, empty,
                              BT + b.to(gl.int64) * stride_btb, start, end, n_tiles, kvh, NUM_KV_HEADS, HEAD_DIM,
                              PAGE, STAGES, BLOCK_N)),

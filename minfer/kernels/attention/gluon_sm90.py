@@ -1,6 +1,18 @@
 """What the Hopper (sm_90) attention kernels in Gluon share: the Gluon imports and the names that moved
 between Tritons, when the kernels apply, the build-once guard, and the device functions both kernels run:
-the copy warp's per-page TMA copies and the converter partition that turns 8-bit codes into float16 tiles.
+the copy warp's per-page TMA copies and the converter partition that turns 8-bit codes into float16 tiles, the
+decode kernels' split ranges, and the two score options every kernel takes:
+
+- **Sliding windows** (``WINDOW``, a compile-time int, 0 = none): a query at position p sees keys k with
+  ``p - WINDOW < k <= p``. A kernel's key loop starts at the TMA copy (a page, or a 64/128-key part of a larger
+  one) that holds the first key any of its queries sees, never earlier: a hybrid KV cache frees the blocks
+  behind every window, and their block-table entries may be stale or -1. Keys of that copy before the window
+  are masked by position, as keys past the context are.
+- **Soft-capping** (``SOFTCAP``, a compile-time float, 0 = none; Gemma 2): the scaled score s becomes
+  ``SOFTCAP * tanh(s / SOFTCAP)`` before masking and softmax. The kernels work in the log2 domain, so the
+  host passes the score scale of ``soft_cap`` (``score_scale``) and the cap returns log2-domain scores.
+
+Both are compile-time so that a kernel without them compiles to the code it had before they existed.
 
 Gluon (``triton.experimental.gluon``, Triton >= 3.5) exposes what Triton's compiler does not do by itself:
 warp specialization, TMA bulk copies completing on mbarriers, warpgroup MMA. It has no interpreter, so the
@@ -55,18 +67,33 @@ def sm90_available(device: torch.device, head_dim: int, block_size: int) -> bool
     return _capable(index) and head_dim in (64, 128) and block_size >= 16 and block_size & (block_size - 1) == 0
 
 
+def score_scale(scale: float, softcap: float) -> float:
+    """The factor the kernels multiply q·k by (their ``scale_log2e`` argument): ``scale * log2 e``, the
+    log2-domain score, or with a cap ``scale * 2 log2 e / softcap``, the exponent ``soft_cap`` expects."""
+    return scale * 2 * LOG2E / softcap if softcap else scale * LOG2E
+
+
+Kind = bool | tuple[bool, bool, bool]
+
+
+def build_kind(quant: bool, window: int, softcap: float) -> Kind:
+    """What a ``BuildGuard`` keeps apart: whether the cache is 8-bit, and for a variant with a window or a cap,
+    ``(8-bit, windowed, capped)`` (each compiles its own code, so each may fail to build on its own)."""
+    return (quant, window > 0, softcap > 0) if window or softcap else quant
+
+
 class BuildGuard:
-    """Launches a Gluon kernel, and on the first launch of each kind (whether the cache is 8-bit: the kernels
-    compile different partitions for it) catches a build failure: Gluon is experimental and its API moves
-    between Tritons, so a kernel that does not build logs one warning and the caller's Triton kernel serves that
-    kind from then on."""
+    """Launches a Gluon kernel, and on the first launch of each kind (``build_kind``: the kernels compile
+    different code for 8-bit caches, windows and caps) catches a build failure: Gluon is experimental and its
+    API moves between Tritons, so a kernel that does not build logs one warning and the caller's Triton kernel
+    serves that kind from then on."""
 
     def __init__(self, what: str) -> None:
         self.what = what
-        self.launched: set[bool] = set()
-        self.failed: set[bool] = set()
+        self.launched: set[Kind] = set()
+        self.failed: set[Kind] = set()
 
-    def launch(self, kind: bool, run: Callable[[], None]) -> bool:
+    def launch(self, kind: Kind, run: Callable[[], None]) -> bool:
         """Run ``run`` (the launch); False if this kind does not build here (the caller falls back)."""
         if kind in self.launched:
             run()
@@ -77,9 +104,12 @@ class BuildGuard:
             run()
         except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving on the Triton kernel
             self.failed.add(kind)
-            logger.warning("the Hopper %s kernel (%s caches) failed to build on Triton %s; using the Triton "
-                           "kernel instead: %s: %s", self.what, "8-bit" if kind else "16-bit", triton.__version__,
-                           type(exc).__name__, str(exc)[:300])
+            quant, windowed, capped = kind if isinstance(kind, tuple) else (kind, False, False)
+            variant = "8-bit" if quant else "16-bit"
+            variant += " caches" + ", a window" * windowed + ", soft-capping" * capped
+            logger.warning("the Hopper %s kernel (%s) failed to build on Triton %s; using the Triton kernel "
+                           "instead: %s: %s", self.what, variant, triton.__version__, type(exc).__name__,
+                           str(exc)[:300])
             return False
         self.launched.add(kind)
         return True
@@ -92,12 +122,34 @@ if gluon is not None:
     _NEW_REINTERPRET = gl.constexpr(hasattr(shared_memory_descriptor, "reinterpret"))
     partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # a partition's warps meet (3.9: barrier)
     _HALF = gl.constexpr(HALF)
+    _LOG2E = gl.constexpr(LOG2E)
+
+    @gluon.jit
+    def soft_cap(x, SOFTCAP: gl.constexpr):
+        """The capped score in the log2 domain, from ``x`` = 2 log2 e · s / SOFTCAP (s the scaled score, the
+        product by ``score_scale``): SOFTCAP · tanh(s / SOFTCAP) · log2 e = c - 2c / (2^x + 1), c = SOFTCAP · log2 e.
+        Within a few float32 ulps of c for any x (2^x = inf gives c, 0 gives -c), where ``tanh.approx``'s 2^-11
+        relative error would move a score by up to 0.02 at a cap of 50 (2% of its probability); one exp2 and one
+        division per score."""
+        c: gl.constexpr = SOFTCAP * _LOG2E
+        return c - (2.0 * c) / (gl.exp2(x) + 1.0)
+
+    @gluon.jit
+    def log2_scores(s, scale, SOFTCAP: gl.constexpr):
+        """Raw products ``s`` times ``scale`` (``score_scale``, per key too for 8-bit caches) as log2-domain
+        scores, capped if ``SOFTCAP``."""
+        x = s * scale
+        if SOFTCAP > 0:
+            x = soft_cap(x, SOFTCAP)
+        return x
 
     @gluon.jit
     def issue_tile(k_desc, v_desc, k_smem, v_smem, bar, bt_row, slot, n0, end, kv_col,
                    PAGE: gl.constexpr, HALVES: gl.constexpr, BLOCK_N: gl.constexpr):
         """Start the TMA copies of the key tile at position ``n0`` (K and V, every page and half) into ring
-        ``slot``, completing on ``bar``. Table entries at or past ``end`` read page 0 (masked by position)."""
+        ``slot``, completing on ``bar``. ``n0`` is a multiple of a copy's rows, so each copy lies in one page (a
+        window's tiles start at such a copy, not at a tile boundary). Table entries at or past ``end`` are not
+        read: page 0 stands in (masked by position)."""
         ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # rows per copy
         COPIES: gl.constexpr = BLOCK_N // ROWS
         mbarrier.expect(bar, 2 * BLOCK_N * HALVES * _HALF * k_desc.dtype.primitive_bitwidth // 8)
@@ -202,21 +254,36 @@ if gluon is not None:
 
     # ------------------------------------------------------------------ what the two decode kernels share
     @gluon.jit
-    def split_range(CL, b, split, num_splits, BLOCK_N: gl.constexpr):
-        """Keys [start, end) of split ``split`` of sequence ``b``: equal ranges of its own context, rounded up to
-        whole tiles (as the Triton kernel cuts them)."""
+    def split_range(CL, b, split, num_splits, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr):
+        """Keys [start, end) of split ``split`` of sequence ``b``, and ``lo``, the first key its query sees:
+        equal ranges of the keys read, rounded up to whole tiles (as the Triton kernel cuts them). Without a
+        window they cover the context; with one, [lo, ctx) with lo = max(0, ctx - WINDOW), its start rounded down
+        to a copy's ``ROWS`` keys (within lo's page: the TMA copies start there), so no split reads a table entry
+        of a page the window has left, and windowed decode costs O(WINDOW) at any context length."""
         ctx = gl.load(CL + b)
-        per_split = gl.cdiv(gl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        return start, gl.minimum(start + per_split, ctx)
+        if WINDOW > 0:
+            lo = gl.maximum(ctx - WINDOW, 0)
+            first = lo // ROWS * ROWS
+            per_split = gl.cdiv(gl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
+            start = first + split * per_split
+        else:
+            lo = 0
+            per_split = gl.cdiv(gl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+            start = split * per_split
+        return start, gl.minimum(start + per_split, ctx), lo
 
     @gluon.jit
-    def online_softmax(s, m_i, l_keys, n0, end, key_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    def online_softmax(s, m_i, l_keys, n0, lo, end, key_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                       WINDOW: gl.constexpr):
         """One Sᵀ tile [keys, heads] (scaled to the log2 domain) of the online softmax, per column: (Pᵀ, the new
         running max per head, the per-(key, head) denominators, the factor rescaling the output). Keys at or
-        past ``end`` are masked."""
+        past ``end`` are masked, and with a ``WINDOW`` those before ``lo`` (the heads of a decode share one
+        query position, so a split's first tile still holds a key every column sees)."""
         offs = n0 + gl.arange(0, BLOCK_N, layout=key_layout)
-        s = gl.where(gl.expand_dims(offs < end, 1), s, float("-inf"))
+        keep = offs < end
+        if WINDOW > 0:
+            keep = keep & (offs >= lo)
+        s = gl.where(gl.expand_dims(keep, 1), s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         p = gl.exp2(s - gl.expand_dims(m_new, 0))
         alpha = gl.exp2(m_i - m_new)

@@ -25,6 +25,12 @@ not do for that loop, this kernel does by hand:
   Triton kernel. A bf16 q becomes float16 in place once. The converter's throughput sets the pace
   (benchmarks/RESULTS.md has the figures).
 
+- **Windows and soft-capping** (``gluon_sm90``). A query block's key loop starts at the TMA copy holding its first
+  row's window start, not at key 0 (the copy warp never looks up a page every row's window has left, and windowed
+  attention costs O(window)); tiles that reach below some row's window are masked per element like the diagonal
+  ones, and a row may then see no key of a tile, so the running max starts finite. The cap runs on the scaled
+  scores before the mask.
+
 Three K/V stages (3 × 64 KB, and 32 KB of Q, at head_dim 128) fill the 227 KB a block may use. Rows past the
 chunk (the tile overhangs into the next sequence's rows) compute harmlessly and are masked at the
 store. Keys past the context are read (page 0 for table entries past it) and masked by position:
@@ -36,14 +42,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from .gluon_sm90 import HALF, LOG2E, BuildGuard, gluon, sm90_available
+from .gluon_sm90 import HALF, BuildGuard, build_kind, gluon, score_scale, sm90_available
+from .decode_attention import check_window_softcap
 from .prefill_attention import paged_prefill_attention
 from ..quant.quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
         TensorDescriptor, _tma_load, barrier_ring, code_ring, converter, fence_async_shared, gl, invalidate_ring,
-        issue_tile, mbarrier, partition_barrier, reinterpret, warpgroup_mma, warpgroup_mma_wait,
+        issue_tile, mbarrier, partition_barrier, reinterpret, soft_cap, warpgroup_mma, warpgroup_mma_wait,
     )
 
 BLOCK_M = 128
@@ -74,17 +81,28 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax(s, m_i, l_i, n0, q_pos, ctx, needs_mask, scale_log2e, k_sc, v_sc, col_layout: gl.constexpr,
-                 p_layout: gl.constexpr, dtype: gl.constexpr, QUANT: gl.constexpr, BLOCK_N: gl.constexpr):
+                 p_layout: gl.constexpr, dtype: gl.constexpr, QUANT: gl.constexpr, BLOCK_N: gl.constexpr,
+                 WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
         """Online softmax of one score tile: (P in ``dtype`` as the P·V product's register operand, the new
         running max, the new row sums, the rescale factor). 8-bit caches (``QUANT``): K's per-key scales
-        ``k_sc`` (with ``scale * log2 e`` folded in) multiply the score columns, V's ``v_sc`` the P columns."""
+        ``k_sc`` (with ``scale_log2e`` folded in) multiply the score columns, V's ``v_sc`` the P columns. A tile
+        that ``needs_mask`` hides keys past a row's position or the context, and with a ``WINDOW`` those before
+        the row's window; a ``SOFTCAP`` caps the scaled scores first."""
         if QUANT:
             s = s * gl.expand_dims(k_sc, 0)
+        elif SOFTCAP > 0:
+            s = s * scale_log2e
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
         if needs_mask:
             offs = n0 + gl.arange(0, BLOCK_N, layout=col_layout)
-            keep = (gl.expand_dims(offs, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(offs < ctx, 0)
+            if WINDOW > 0:  # 0 <= q_pos - key < WINDOW in one unsigned comparison
+                seen = (gl.expand_dims(q_pos, 1) - gl.expand_dims(offs, 0)).to(gl.uint32, bitcast=True) < WINDOW
+                keep = seen & gl.expand_dims(offs < ctx, 0)
+            else:
+                keep = (gl.expand_dims(offs, 0) <= gl.expand_dims(q_pos, 1)) & gl.expand_dims(offs < ctx, 0)
             s = gl.where(keep, s, float("-inf"))
-        if QUANT:
+        if QUANT or SOFTCAP > 0:  # s is in the log2 domain already
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             p = gl.exp2(s - gl.expand_dims(m_new, 1))
         else:  # the scale rides in the exponent's FMA rather than a separate pass over s
@@ -98,9 +116,10 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, bt_row, q_row, q_col, ctx,
-                  n_tiles, kv_col, PAGE: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr,
+                  kv_start, n_tiles, kv_col, PAGE: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr,
                   SUB_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """The copy warp: Q once, then every key tile as soon as the consumers free its slot."""
+        """The copy warp: Q once, then every key tile from ``kv_start`` on as soon as the consumers free its
+        slot."""
         mbarrier.expect(q_bar, 2 * SUB_M * HALVES * _HALF * q_desc.dtype.primitive_bitwidth // 8)
         for wg in gl.static_range(2):
             for hf in gl.static_range(HALVES):
@@ -109,8 +128,8 @@ if gluon is not None:
         for t in range(n_tiles):
             # Slot t % STAGES last held tile t - STAGES: wait until both consumers released it.
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
-            issue_tile(k_desc, v_desc, k_smem, v_smem, ready.index(t % STAGES), bt_row, t % STAGES, t * BLOCK_N, ctx,
-                       kv_col, PAGE, HALVES, BLOCK_N)
+            issue_tile(k_desc, v_desc, k_smem, v_smem, ready.index(t % STAGES), bt_row, t % STAGES,
+                       kv_start + t * BLOCK_N, ctx, kv_col, PAGE, HALVES, BLOCK_N)
 
     @gluon.jit
     def _q_to_f16(q_smem, WG: gl.constexpr, HALVES: gl.constexpr, SUB_M: gl.constexpr):
@@ -140,12 +159,24 @@ if gluon is not None:
         return k_sc, v_sc
 
     @gluon.jit
+    def _masked(j, low_tiles, full_tiles, WINDOW: gl.constexpr):
+        """Whether tile ``j`` needs the per-element mask: past the tiles every row sees whole (the diagonal and the
+        context's end), or with a ``WINDOW`` among the first ``low_tiles``, which reach below some row's window."""
+        if WINDOW > 0:
+            masked = (j < low_tiles) | (j >= full_tiles)
+        else:
+            masked = j >= full_tiles
+        return masked
+
+    @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e, row0, q_len, q_pos0, ctx,
-                  n_tiles, full_tiles, out_row0, out_col, stride_ot,
+                  kv_start, n_tiles, low_tiles, full_tiles, out_row0, out_col, stride_ot,
                   WG: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, SUB_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, QUANT: gl.constexpr, CONVERT_Q: gl.constexpr):
+                  BLOCK_N: gl.constexpr, QUANT: gl.constexpr, CONVERT_Q: gl.constexpr, WINDOW: gl.constexpr,
+                  SOFTCAP: gl.constexpr):
         """One warpgroup's 64 query rows: the online-softmax loop over the key tiles delivered to ``ready``
-        (by the copy warp; for 8-bit caches by the converter, with the scales in ``sc_smem``)."""
+        (by the copy warp; for 8-bit caches by the converter, with the scales in ``sc_smem``), tile j holding
+        keys ``kv_start + j * BLOCK_N`` on."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -157,7 +188,10 @@ if gluon is not None:
         dtype: gl.constexpr = k_smem.dtype
 
         q_pos = q_pos0 + gl.arange(0, SUB_M, layout=row_layout)
-        m_i = gl.full([SUB_M], float("-inf"), gl.float32, row_layout)
+        if WINDOW > 0:  # a row may see no key of the first tiles: exp2(-inf - m) must stay 0, not NaN
+            m_i = gl.full([SUB_M], -1.0e30, gl.float32, row_layout)
+        else:
+            m_i = gl.full([SUB_M], float("-inf"), gl.float32, row_layout)
         l_i = gl.zeros([SUB_M], gl.float32, row_layout)
         o0 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
         o1 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
@@ -166,13 +200,14 @@ if gluon is not None:
         if CONVERT_Q:  # bf16 q against float16 codes: this warpgroup's rows become float16 in place
             q_smem = _q_to_f16(q_smem, WG, HALVES, SUB_M)
 
-        # Tile 0: its scores alone (tile 0 holds key 0, which every row sees: no row stays -inf).
+        # Tile 0: its scores alone (without a window it holds key 0, which every row sees: no row stays -inf).
         mbarrier.wait(ready.index(0), 0)
         s = _scores(q_smem, WG * HALVES, k_smem, 0, s_layout, HALVES, SUB_M, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=[s])
         k_sc, v_sc = _tile_scales(sc_smem, 0, scale_log2e, col_layout, QUANT)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, q_pos, ctx, full_tiles == 0, scale_log2e, k_sc, v_sc,
-                                      col_layout, p_layout, dtype, QUANT, BLOCK_N)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, kv_start, q_pos, ctx, _masked(0, low_tiles, full_tiles, WINDOW),
+                                      scale_log2e, k_sc, v_sc, col_layout, p_layout, dtype, QUANT, BLOCK_N, WINDOW,
+                                      SOFTCAP)
         for j in range(1, n_tiles):
             slot = j % STAGES
             prev = (j - 1) % STAGES
@@ -186,8 +221,9 @@ if gluon is not None:
             else:
                 s = warpgroup_mma_wait(1, deps=[s])
             k_sc, v_sc = _tile_scales(sc_smem, slot, scale_log2e, col_layout, QUANT)  # read after the wait: registers
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, q_pos, ctx, j >= full_tiles, scale_log2e,
-                                          k_sc, v_sc, col_layout, p_layout, dtype, QUANT, BLOCK_N)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, kv_start + j * BLOCK_N, q_pos, ctx,
+                                          _masked(j, low_tiles, full_tiles, WINDOW), scale_log2e, k_sc, v_sc,
+                                          col_layout, p_layout, dtype, QUANT, BLOCK_N, WINDOW, SOFTCAP)
             if HALVES == 2:
                 o0, o1, pa = warpgroup_mma_wait(0, deps=[o0, o1, pa])
             else:
@@ -221,10 +257,12 @@ if gluon is not None:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
         QUANT: gl.constexpr, CONVERT_Q: gl.constexpr, CONVERT_ROWS: gl.constexpr, CONSUMER_REGS_Q: gl.constexpr,
-        PRODUCER_REGS_Q: gl.constexpr, CONVERTER_REGS_Q: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_REGS_Q: gl.constexpr, CONVERTER_REGS_Q: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         HALVES: gl.constexpr = HEAD_DIM // _HALF
         SUB_M: gl.constexpr = BLOCK_M // 2  # rows per consumer warpgroup
+        ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per TMA copy
         h = gl.program_id(0)
         m_block = gl.num_programs(1) - 1 - gl.program_id(1)  # the longest query blocks start first
         sq = gl.program_id(2)
@@ -234,8 +272,16 @@ if gluon is not None:
         if m0 < q_len:
             ctx = gl.load(CL + sq)
             first_pos = ctx - q_len + m0  # position of the block's first query row
-            n_tiles = gl.cdiv(gl.minimum(ctx, first_pos + BLOCK_M), BLOCK_N)
-            full_tiles = (first_pos + 1) // BLOCK_N  # tiles every row sees whole: no mask
+            if WINDOW > 0:
+                # From the copy holding the first row's window start (later rows' windows start later); the
+                # first low_tiles tiles hold keys before the last row's window start.
+                kv_start = gl.maximum(first_pos - WINDOW + 1, 0) // ROWS * ROWS
+                low_tiles = gl.maximum(gl.cdiv(first_pos + BLOCK_M - WINDOW - kv_start, BLOCK_N), 0)
+            else:
+                kv_start = 0
+                low_tiles = 0
+            n_tiles = gl.cdiv(gl.minimum(ctx, first_pos + BLOCK_M) - kv_start, BLOCK_N)
+            full_tiles = (first_pos + 1 - kv_start) // BLOCK_N  # tiles every row sees whole up to the diagonal
             bt_row = BT + sq.to(gl.int64) * stride_btb
             kvh = h // GROUP
 
@@ -251,29 +297,33 @@ if gluon is not None:
                 kc_smem, vc_smem, sc_smem, copied, released = code_ring(k_desc, CODE_STAGES, STAGES, HALVES, BLOCK_N)
                 gl.warp_specialize([
                     (_consumer, (q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e, m0,
-                                 q_len, first_pos, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
-                                 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                                 q_len, first_pos, ctx, kv_start, n_tiles, low_tiles, full_tiles, q_start,
+                                 h * stride_oh, stride_ot, 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q, WINDOW,
+                                 SOFTCAP)),
                     (_consumer, (q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e,
-                                 m0 + SUB_M, q_len, first_pos + SUB_M, ctx, n_tiles, full_tiles, q_start,
-                                 h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                                 m0 + SUB_M, q_len, first_pos + SUB_M, ctx, kv_start, n_tiles, low_tiles, full_tiles,
+                                 q_start, h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT,
+                                 CONVERT_Q, WINDOW, SOFTCAP)),
                     (_producer, (q_desc, k_desc, v_desc, q_smem, kc_smem, vc_smem, q_bar, copied, released,
-                                 bt_row, q_start + m0, h * HEAD_DIM, ctx, n_tiles, kvh * HEAD_DIM,
+                                 bt_row, q_start + m0, h * HEAD_DIM, ctx, kv_start, n_tiles, kvh * HEAD_DIM,
                                  PAGE, HALVES, CODE_STAGES, SUB_M, BLOCK_N)),
                     (converter, (kc_smem, vc_smem, k_smem, v_smem, sc_smem, copied, released, ready, empty,
-                                 KS, VS, bt_row, kvh * PAGE, NUM_KV_HEADS * PAGE, 0, ctx, n_tiles, scale_log2e,
-                                 PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N, CONVERT_ROWS)),
+                                 KS, VS, bt_row, kvh * PAGE, NUM_KV_HEADS * PAGE, kv_start, ctx, n_tiles,
+                                 scale_log2e, PAGE, HALVES, CODE_STAGES, STAGES, BLOCK_N, CONVERT_ROWS)),
                 ], [4, 1, 4], [CONSUMER_REGS_Q, PRODUCER_REGS_Q, CONVERTER_REGS_Q])
                 invalidate_ring(copied, released, CODE_STAGES)
             else:
                 gl.warp_specialize([
                     (_consumer, (q_smem, k_smem, v_smem, q_smem, q_bar, ready, empty, O, scale_log2e, m0,
-                                 q_len, first_pos, ctx, n_tiles, full_tiles, q_start, h * stride_oh, stride_ot,
-                                 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                                 q_len, first_pos, ctx, kv_start, n_tiles, low_tiles, full_tiles, q_start,
+                                 h * stride_oh, stride_ot, 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q, WINDOW,
+                                 SOFTCAP)),
                     (_consumer, (q_smem, k_smem, v_smem, q_smem, q_bar, ready, empty, O, scale_log2e,
-                                 m0 + SUB_M, q_len, first_pos + SUB_M, ctx, n_tiles, full_tiles, q_start,
-                                 h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q)),
+                                 m0 + SUB_M, q_len, first_pos + SUB_M, ctx, kv_start, n_tiles, low_tiles, full_tiles,
+                                 q_start, h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT,
+                                 CONVERT_Q, WINDOW, SOFTCAP)),
                     (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, bt_row,
-                                 q_start + m0, h * HEAD_DIM, ctx, n_tiles, kvh * HEAD_DIM,
+                                 q_start + m0, h * HEAD_DIM, ctx, kv_start, n_tiles, kvh * HEAD_DIM,
                                  PAGE, HALVES, STAGES, SUB_M, BLOCK_N)),
                 ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
             invalidate_ring(ready, empty, STAGES)
@@ -293,18 +343,25 @@ def paged_prefill_attention_sm90(
     *,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``paged_prefill_attention`` (same arguments and result) on sm_90 with a 16-bit q over bf16/fp16 or
-    8-bit caches; other inputs go to the Triton kernel."""
+    8-bit caches; other inputs go to the Triton kernel. ``window`` (0: none): row i of a chunk of q_len rows,
+    at position ``context_lens[s] - q_len + i``, sees its last ``window`` keys, and only their pages' table
+    entries are read; ``softcap`` (0: none): scores s become ``softcap * tanh(s / softcap)``."""
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens, query_start_loc=query_start_loc)
+    check_window_softcap(window, softcap)
+    fallback = lambda: paged_prefill_attention(  # noqa: E731
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, max_query_len, scale, out,
+        k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads = k_cache.shape[:3]
     tma_ready = q.stride(1) == head_dim and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0  # TMA alignment
     if (q.dtype not in (torch.bfloat16, torch.float16) or not tma_ready
             or not sm90_available(q.device, head_dim, page)):
-        return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                       max_query_len, scale, out, k_scale=k_scale, v_scale=v_scale)
+        return fallback()
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     num_seqs = query_start_loc.shape[0] - 1
@@ -324,14 +381,15 @@ def paged_prefill_attention_sm90(
     v_desc = TensorDescriptor(v_cache, kv_shape, kv_strides, box, kv_layout)
     grid = (num_heads, triton.cdiv(max_query_len, BLOCK_M), num_seqs)
     args = (q_desc, k_desc, v_desc, k_scale if quant else k_cache, v_scale if quant else v_cache, block_tables,
-            query_start_loc, context_lens, out, scale * LOG2E, block_tables.stride(0), out.stride(0), out.stride(1))
+            query_start_loc, context_lens, out, score_scale(scale, softcap), block_tables.stride(0), out.stride(0),
+            out.stride(1))
     params = dict(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, NUM_KV_HEADS=num_kv_heads,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=QUANT_STAGES if quant else STAGES, CODE_STAGES=CODE_STAGES,
         QUANT=quant, CONVERT_Q=quant and q.dtype == torch.bfloat16, CONVERT_ROWS=CONVERT_ROWS,
-        CONSUMER_REGS_Q=QUANT_REGS[0], PRODUCER_REGS_Q=QUANT_REGS[1], CONVERTER_REGS_Q=QUANT_REGS[2], num_warps=4,
+        CONSUMER_REGS_Q=QUANT_REGS[0], PRODUCER_REGS_Q=QUANT_REGS[1], CONVERTER_REGS_Q=QUANT_REGS[2],
+        WINDOW=int(window), SOFTCAP=float(softcap), num_warps=4,
     )
-    if _guard.launch(quant, lambda: _prefill_sm90_kernel[grid](*args, **params)):
+    if _guard.launch(build_kind(quant, window, softcap), lambda: _prefill_sm90_kernel[grid](*args, **params)):
         return out
-    return paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                                   max_query_len, scale, out, k_scale=k_scale, v_scale=v_scale)
+    return fallback()
