@@ -54,6 +54,19 @@ ARCHS: dict[str, dict] = {
                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "attention_factor": 1.2,
                                            "short_factor": [1.0, 1.3, 1.7, 2.2, 3.0, 4.1, 5.5, 7.5],
                                            "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0, 32.0]}),
+    # Gemma 2: sliding then global (HF's default pattern), soft-caps where they bend the scores and logits, a
+    # scale (query_pre_attn_scalar) that is not head_dim's, head_dim * heads != hidden. Both Gemmas untied: with
+    # the tied head and sqrt(hidden)-scaled embeddings this tiny model repeats its last token whatever attention
+    # does (tests/model/test_gemma.py covers the tied head)
+    "gemma2": dict(arch="Gemma2ForCausalLM", model_type="gemma2", tie=False, head_dim=32,
+                   sliding_window=21, query_pre_attn_scalar=64, attn_logit_softcapping=10.0,
+                   final_logit_softcapping=15.0),
+    # Gemma 3: q/k norms, sliding, sliding, global (sliding_window_pattern 3), a local and a (linearly scaled)
+    # global rope base
+    "gemma3": dict(arch="Gemma3ForCausalLM", model_type="gemma3_text", tie=False, num_hidden_layers=3, head_dim=32,
+                   sliding_window=21, sliding_window_pattern=3, query_pre_attn_scalar=64,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 

@@ -24,6 +24,11 @@ from minfer.model.random_weights import SEED, random_tensors, tensor_shapes
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
+_GEMMA3 = dict(max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=1024, sliding_window_pattern=6,
+               rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None,
+               attn_logit_softcapping=None, bos_token_id=2, eos_token_id=[1, 106], pad_token_id=0)
+
 SHAPES: dict[str, dict] = {
     "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -70,6 +75,16 @@ SHAPES: dict[str, dict] = {
                             intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False,
                             max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5,
                             sliding_window=4096, hidden_act="silu", bos_token_id=1, eos_token_id=2),
+    # Gemma 3's language models (the text_config of the released multimodal checkpoints, in its own keys):
+    # five 1024-token sliding layers to one global, a local rope base of 10 000 and a global one of 1e6 x8
+    "gemma-3-12b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=3840,
+                        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                        intermediate_size=15360, vocab_size=262208, tie_word_embeddings=True,
+                        **_GEMMA3, query_pre_attn_scalar=256),
+    "gemma-3-27b": dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=5376,
+                        num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                        intermediate_size=21504, vocab_size=262208, tie_word_embeddings=True,
+                        **_GEMMA3, query_pre_attn_scalar=168),
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from minfer.config import ModelConfig
+from minfer.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from minfer.model.models.mixtral import MixtralForCausalLM
 from minfer.model.models.phi3 import Phi3ForCausalLM
@@ -26,6 +27,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -23,6 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
         self.offset = offset
+        self.dtype = dtype
         self.weight = nn.Parameter(torch.empty(size, dtype=torch.float32 if offset else dtype), requires_grad=False)
 
     def load_shard(self, name: str, source: Any, shard: Any) -> None:
@@ -30,7 +31,8 @@ class RMSNorm(nn.Module):
         w = source[:]
         if w.shape != self.weight.shape:
             raise ValueError(f"checkpoint shape {tuple(w.shape)} != model {tuple(self.weight.shape)}")
-        self.weight.data.copy_(w.float() + 1.0 if self.offset else w)
+        # HF loads w into the model dtype before it adds the one: a float32 checkpoint run in bfloat16 rounds w first
+        self.weight.data.copy_(w.to(self.dtype).float() + 1.0 if self.offset else w)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 out: ActivationQuant | None = None) -> Any:
