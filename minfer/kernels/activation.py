@@ -16,8 +16,7 @@ from ._utils import check_dtype, check_last_dim_contiguous
 from .pdl import launch_options, use_pdl, wait_for_previous
 
 
-SILU, GELU_TANH = 0, 1  # the ACT codes of the kernel
-_SQRT_2_OVER_PI = 0.7978845608028654
+SILU, GELU_TANH = 0, 1  # the ACT codes of the kernel (literals inside it: Triton reads no plain globals)
 
 
 @triton.jit
@@ -30,10 +29,10 @@ def _act_and_mul_kernel(X, OUT, stride_x, stride_o, inter, ACT: tl.constexpr, BL
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    if ACT == SILU:
+    if ACT == 0:  # SILU
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     else:  # tanh-approximated GELU; tanh(u) = 1 - 2 / (exp(2u) + 1) saturates cleanly at both ends
-        u = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        u = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi)
         act = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))).to(gate.dtype)
     out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     tl.store(OUT + row * stride_o + cols, out, mask=mask)
