@@ -1,0 +1,56 @@
+"""The elementwise kernels compile for sm_90 with the installed Triton, here without a GPU. The CPU suite runs
+kernels in Triton's interpreter, which accepts what the compiler refuses (a kernel reading a plain module
+global, say): such a kernel passed every CPU test and failed at its first launch on the H200. Each build runs
+in a child process without TRITON_INTERPRET (the interpreter, once on, replaces the compiler's helpers)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# (module, kernel, signature, constexprs) of each build: the activation codes and the norm's weight rounding
+BUILDS = {
+    "silu": ("minfer.kernels.activation", "_act_and_mul_kernel",
+             dict(X="*bf16", OUT="*bf16", stride_x="i32", stride_o="i32", inter="i32"),
+             dict(ACT=0, BLOCK=1024, PDL=False)),
+    "gelu_tanh": ("minfer.kernels.activation", "_act_and_mul_kernel",
+                  dict(X="*bf16", OUT="*bf16", stride_x="i32", stride_o="i32", inter="i32"),
+                  dict(ACT=1, BLOCK=1024, PDL=False)),
+    "rms_norm_f32_weight": ("minfer.kernels.rmsnorm", "_rms_norm_kernel",
+                            dict(X="*bf16", R="*bf16", W="*fp32", OUT="*bf16", stride_x="i32", stride_xh="i32",
+                                 stride_r="i32", heads="i32", hidden="i32", eps="fp32"),
+                            dict(HAS_RESIDUAL=True, F32_WEIGHT=True, BLOCK=4096, PDL=False)),
+}
+
+
+def build(name: str) -> dict:
+    """Compile one of BUILDS for sm_90 and return the size of its cubin (the child process's work)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, kernel, sig, consts = BUILDS[name]
+    fn = getattr(importlib.import_module(module), kernel)
+    signature = {n: sig.get(n, "constexpr") for n in fn.arg_names}
+    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4})
+    return {"cubin_bytes": len(compiled.asm["cubin"])}
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_kernel_compiles_for_sm90(name: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["cubin_bytes"] > 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(build(sys.argv[1])))
