@@ -67,6 +67,15 @@ ARCHS: dict[str, dict] = {
                    sliding_window=21, sliding_window_pattern=3, query_pre_attn_scalar=64,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Gemma 4: S G S | S G, the last two reading the K/V of layers 2 and 1 (num_kv_shared_layers: the last
+    # earlier layer of their type, not the first) with double-wide MLPs; global layers with their own head size
+    # (32 vs 16), one KV head, keys as values and a partial (proportional, 1/4) rope; per-layer inputs (PLE);
+    # soft-capped logits. Untied: a tied head makes this tiny model repeat its last token.
+    "gemma4": dict(arch="Gemma4ForCausalLM", model_type="gemma4_text", tie=False, num_hidden_layers=5, head_dim=16,
+                   global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=21,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
+                                "full_attention"], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+                   vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True, final_logit_softcapping=30.0),
 }
 
 
@@ -110,6 +119,9 @@ def make_checkpoint(out: Path, name: str, *, scale: float = 2.0, layers: int = 2
                 p.copy_(0.2 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * scale / p.shape[-1] ** 0.5 * (2.0 if "embed" in pname else 1.0))
+        for bname, b in model.named_buffers():
+            if bname.endswith("layer_scalar"):  # Gemma 4's per-layer output scale: a checkpoint buffer
+                b.copy_(0.5 + torch.rand_like(b))
     model.save_pretrained(str(out))
     make_tokenizer(out)
     return out
@@ -212,10 +224,15 @@ def make_moe_checkpoint(out: Path, name: str, scale: float = 2.0, tokenizer: boo
 
 def kv_settings(path, settings: dict) -> dict:
     """``settings`` with ``num_kv_blocks`` scaled by the model's KV groups: a hybrid cache's block is a page of
-    one group's layers only, so the same memory holds that many times more blocks."""
+    one group's layers only, so the same memory holds that many times more blocks. The groups are the ones the
+    engine makes of the model's own cache-owning layers (built on the meta device, without weights): layers
+    of different shapes stay in one group, and a layer that reads another's cache (Gemma 4) owns none."""
     from minfer.engine.kv_cache import KVCacheSpec
-    from minfer.model.registry import load_model_config
+    from minfer.model.registry import load_model_config, model_class
+    from minfer.ops import TorchOps
 
     cfg = load_model_config(path)
-    groups = len(KVCacheSpec.for_model(cfg, 16, torch.float32, max_model_len=cfg.max_position_embeddings).kv_groups)
-    return dict(settings, num_kv_blocks=settings["num_kv_blocks"] * groups)
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, torch.float32, cfg.max_position_embeddings, TorchOps())
+    spec = KVCacheSpec.for_layers(model.attention_layers(), 16, torch.float32, max_model_len=cfg.max_position_embeddings)
+    return dict(settings, num_kv_blocks=settings["num_kv_blocks"] * len(spec.kv_groups))

@@ -14,6 +14,7 @@ from torch import nn
 
 from minfer.config import ModelConfig
 from minfer.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from minfer.model.models.gemma4 import Gemma4ForCausalLM
 from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from minfer.model.models.mixtral import MixtralForCausalLM
 from minfer.model.models.phi3 import Phi3ForCausalLM
@@ -29,6 +30,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
 }
 
 
