@@ -77,6 +77,12 @@ class ModelConfig:
     # ``read_config`` and used by its layers.
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def max_head_dim(self) -> int:
+        """The largest attention head size of any layer (what the kernels must support): ``head_dim``, or the
+        largest of ``extra["layer_head_dims"]`` for a family whose layers differ (Gemma 4's global layers)."""
+        return max((self.head_dim, *self.extra.get("layer_head_dims", ())))
+
     def layer_window(self, layer: int) -> int:
         """The attention window of ``layer`` (0: the whole context)."""
         if not self.sliding_window:

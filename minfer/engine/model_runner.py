@@ -65,7 +65,7 @@ class ModelRunner:
         self.dtype = config.resolved_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.head_dim)
+        self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.max_head_dim)
         started = time.perf_counter()
         self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops, tp,
                                  config.quantization, config.load_format)

@@ -33,7 +33,8 @@ from .rmsnorm import rms_norm_ref
 def _norm_rope(X, stride_h, W, cos, sin, eps, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
                HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
     """Rows of heads at ``X`` (``[BLOCK_H, HEAD_DIM]``, masked to ``NUM_HEADS``), optionally RMS-normed
-    with weight ``W``, then rotated: returns them in X's dtype, and the mask."""
+    with weight ``W`` (``NORM``: 0 none, 1 Llama's rounding, 2 a float32 weight's), then rotated: returns them
+    in X's dtype, and the mask."""
     HALF: tl.constexpr = HEAD_DIM // 2
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)
@@ -48,8 +49,12 @@ def _norm_rope(X, stride_h, W, cos, sin, eps, NUM_HEADS: tl.constexpr, BLOCK_H: 
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
         w = tl.load(W + dims).to(tl.float32)[None, :]
         wp = tl.load(W + partner).to(tl.float32)[None, :]
-        x = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
-        xp = (wp * (xp.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
+        if NORM == 2:  # a float32 weight (Gemma's): one rounding, after the weight, as rmsnorm.py's norm_row
+            x = (w * (xf * rstd)).to(dtype)
+            xp = (wp * (xp.to(tl.float32) * rstd)).to(dtype)
+        else:  # Llama's: the normed row rounded before the weight multiplies it
+            x = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype)
+            xp = (wp * (xp.to(tl.float32) * rstd).to(dtype).to(tl.float32)).to(dtype)
     # first half: x1 cos - x2 sin; second half: x2 cos + x1 sin
     signed_sin = tl.where(dims < HALF, -sin, sin)[None, :]
     out = x.to(tl.float32) * cos[None, :] + xp.to(tl.float32) * signed_sin
@@ -122,7 +127,7 @@ def rope_store_kv(
         raise ValueError("q_norm_weight and k_norm_weight come together (Qwen3) or not at all")
     if num_tokens == 0:
         return
-    norm = q_norm_weight is not None
+    norm = _norm_code(q_norm_weight)
     quant = store_constexprs(fmt, None if k_scale is None else k_scale.dtype, interpreting())
     block_hq = next_pow2(num_q_heads)
     pdl = use_pdl(q.device)
@@ -150,7 +155,7 @@ def rope_q(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         raise ValueError(f"cos_sin_cache must be float32 [max_pos, {head_dim}]")
     if num_tokens == 0:
         return
-    norm = q_norm_weight is not None
+    norm = _norm_code(q_norm_weight)
     block_hq = next_pow2(num_q_heads)
     pdl = use_pdl(q.device)
     # the k/v arguments are never read (STORE=False): q and positions stand in for them
@@ -161,6 +166,11 @@ def rope_q(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         NORM=norm, **store_constexprs(None, None, False), STORE=False, PDL=pdl,
         num_warps=min(8, max(1, block_hq * head_dim // 1024)), **launch_options(pdl),
     )
+
+
+def _norm_code(weight: torch.Tensor | None) -> int:
+    """The kernels' NORM code: no q/k norm, Llama's rounding, or a float32 weight's (Gemma's ``1 + w``)."""
+    return 0 if weight is None else 2 if weight.dtype == torch.float32 else 1
 
 
 def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

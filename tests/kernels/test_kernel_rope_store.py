@@ -166,3 +166,19 @@ def test_rope_store_rejects_half_norm() -> None:
 @pytest.mark.parametrize("norm", [False, True], ids=["llama", "qwen3-norm"])
 def test_rope_store_gpu(norm: bool, kv_dtype: str | None) -> None:
     check_rope_store(300, 16, 8, 128, torch.bfloat16, kv_dtype, norm, "cuda")
+
+
+def test_float32_norm_weights_round_once_as_gemma():
+    """Gemma's q/k norms keep ``1 + w`` in float32 and round once, after the weight: the fused kernel must equal
+    the separate norm kernel (which rounds so) and differ from Llama's two roundings somewhere in bf16."""
+    case = _case(24, 4, 2, 64, torch.bfloat16, None, True, "cpu")
+    case["q_norm_weight"], case["k_norm_weight"] = (w.float() + 0.01 for w in (case["q_norm_weight"],
+                                                                               case["k_norm_weight"]))
+    fused, separate, llama = _clone(case), _clone(case), _clone(case)
+    _run_fused(fused)
+    _run_separate(separate)
+    assert torch.equal(fused["qkv"], separate["qkv"]) and torch.equal(_bits(fused["k_cache"]), _bits(separate["k_cache"]))
+    llama["q_norm_weight"], llama["k_norm_weight"] = (w.to(torch.bfloat16) for w in (case["q_norm_weight"],
+                                                                                       case["k_norm_weight"]))
+    _run_fused(llama)
+    assert not torch.equal(fused["qkv"], llama["qkv"])

@@ -108,3 +108,15 @@ def test_checkpoint_shapes_are_an_hf_checkpoints_tensors(checkpoints):
 def test_unsupported_settings_are_refused_by_name(fields, match):
     with pytest.raises(ValueError, match=match):
         Gemma4ForCausalLM.read_config({**TINY, "num_hidden_layers": 2, **fields})
+
+
+def test_the_kernels_are_chosen_by_the_largest_head():
+    """HF's default layout has global heads of 512: past the Triton kernels' 256, so 'auto' takes the torch ops
+    and 'triton' is refused, where the local heads alone would have passed."""
+    from minfer.ops import select_ops
+
+    cfg = Gemma4ForCausalLM.read_config({**LAYOUTS[0], "architectures": ["Gemma4ForCausalLM"]})
+    assert (cfg.head_dim, cfg.max_head_dim) == (16, 512)
+    assert select_ops("auto", torch.device("cpu"), 16, cfg.max_head_dim).name == "torch"
+    with pytest.raises(ValueError, match="head_dim"):
+        select_ops("triton", torch.device("cpu"), 16, cfg.max_head_dim)
