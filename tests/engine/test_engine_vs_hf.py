@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import ARCHS, assert_greedy_match, hf_greedy
+from conftest import ARCHS, assert_greedy_match, hf_greedy, kv_settings
 from minfer import LLM, SamplingParams
 
 # 1 token, exactly one block, one block + 1, several blocks (block_size 16)
@@ -19,19 +19,6 @@ SCENARIOS = {
     # 4 blocks of 16 tokens: the longest request just fits alone, the others must take turns
     "preempt": dict(num_kv_blocks=4),
 }
-
-
-def kv_settings(path, settings: dict) -> dict:
-    """``settings`` with ``num_kv_blocks`` scaled by the model's KV groups: a hybrid cache's block is a page of
-    one group's layers only, so the same memory holds that many times more blocks."""
-    import torch
-
-    from minfer.engine.kv_cache import KVCacheSpec
-    from minfer.model.registry import load_model_config
-
-    cfg = load_model_config(path)
-    groups = len(KVCacheSpec.for_model(cfg, 16, torch.float32, max_model_len=cfg.max_position_embeddings).kv_groups)
-    return dict(settings, num_kv_blocks=settings["num_kv_blocks"] * groups)
 
 
 def _check_all_free(llm: LLM) -> None:
