@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minfer.kernels.gemm.gemv import gemv, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv import gemv, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_silu_mul
 from minfer.ops.metadata import AttentionMetadata
 
 
@@ -56,13 +56,45 @@ def _scale(linear: nn.Module) -> torch.Tensor | None:
     return getattr(linear, "weight_scale", None)  # only a quantized method keeps one
 
 
+class GemmaOneTokenForward:
+    """``OneTokenForward`` for Gemma's sandwich layer (``minfer.model.models.gemma``): the input norm (with the
+    residual add) in qkv's prologue, the pre-feedforward norm (with the add) in gate_up's, GeGLU in down's; the
+    two norms on a projection's output (post-attention, post-feedforward) stay kernels of their own, since a
+    row's norm needs the whole row. Gemma's ``1 + w`` norm weights are float32, which the prologue rounds as
+    the norm kernel does. Seven launches a layer besides attention's two, where the plain forward takes nine."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.embed = model.embed
+        self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm,
+                        layer.pre_feedforward_layernorm, layer.mlp, layer.post_feedforward_layernorm)
+                       for layer in model.layers]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed(input_ids)
+        residual = None
+        for ln, attn, post_attn, pre_ff, mlp, post_ff in self.layers:
+            qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                          weight_scale=_scale(attn.qkv_proj))
+            x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
+                     weight_scale=_scale(attn.o_proj))
+            x = post_attn(attn.o_proj.reduce(x))
+            gate_up, residual = gemv_rms_norm(x, residual, pre_ff.weight, pre_ff.eps, mlp.gate_up_proj.weight,
+                                              weight_scale=_scale(mlp.gate_up_proj))
+            x = post_ff(mlp.down_proj.reduce(gemv_gelu_tanh_mul(gate_up, mlp.down_proj.weight,
+                                                                 weight_scale=_scale(mlp.down_proj))))
+        return x + residual  # the final norm runs in compute_logits, as in the model's forward
+
+
+LAYOUTS = {"llama": OneTokenForward, "gemma": GemmaOneTokenForward}  # a model's ``fused_one_token`` -> forward
+
+
 class OneTokenFusedForward:
     """The step forward on the Triton ops: the one place that decides the fused path, by the step's
     token count alone (a lone decode, a one-token prompt chunk: the batch-1 decode graph included)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.one_token = OneTokenForward(model)
+        self.one_token = LAYOUTS[model.fused_one_token](model)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if input_ids.shape[0] == 1:

@@ -114,5 +114,5 @@ class TritonOps(Ops):
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model; a
-        family whose layers differ from Llama's (``fused_one_token = False``) runs its own forward throughout."""
-        return OneTokenFusedForward(model) if getattr(model, "fused_one_token", False) else model
+        family of another layer layout than those it knows (``fused_one_token = None``) runs its own forward."""
+        return OneTokenFusedForward(model) if getattr(model, "fused_one_token", None) else model

@@ -1,15 +1,18 @@
 """Batch-1 matrix-vector kernel (interpreter on CPU) against a float32 reference and torch's linear, and its fused
-SwiGLU and residual-add + RMSNorm prologues against the unfused kernels they replace."""
+SwiGLU / GeGLU and residual-add + RMSNorm (Llama's and Gemma's float32-weight rounding) prologues against the
+unfused kernels they replace."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kernel_testlib import EXACT_BF16, REL_TOL, rel_err
 
-from minfer.kernels.activation import silu_and_mul
+from minfer.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from minfer.kernels.gemm import gemv as gemv_module
 from minfer.kernels.gemm.gemv import (
     gemv,
+    gemv_gelu_tanh_mul,
+    gemv_gelu_tanh_mul_ref,
     gemv_ref,
     gemv_rms_norm,
     gemv_rms_norm_ref,
@@ -203,3 +206,32 @@ def test_gemv_silu_mul_on_gpu_matches_unfused():
     xgu = torch.randn(1, 2 * k, device="cuda", dtype=dt) * 2
     w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
     torch.testing.assert_close(gemv_silu_mul(xgu, w), gemv(silu_and_mul(xgu), w), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("n,k,config", FUSED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_gelu_tanh_mul_matches_unfused(n, k, config, dtype):
+    """Gemma's GeGLU before the down projection: bit-identical to the GeGLU kernel followed by the product."""
+    torch.manual_seed(n + 3 * k)
+    xgu = torch.randn(1, 2 * k, dtype=dtype) * 2
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    got = gemv_gelu_tanh_mul(xgu, w, config)
+    assert torch.equal(got, gemv(gelu_tanh_and_mul(xgu), w, config=config))
+    _assert_near_ref(got, gemv_gelu_tanh_mul_ref(xgu, w), "gemv_gelu_tanh_mul vs reference")
+    assert not torch.equal(got, gemv_silu_mul(xgu, w, config))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rms_norm_with_a_float32_weight_rounds_as_gemma(with_residual, dtype):
+    """A float32 norm weight (Gemma's 1 + w): the prologue equals the norm kernel's Gemma rounding, then the product."""
+    torch.manual_seed(7)
+    n, k, eps, config = 40, 256, 1e-6, GemvConfig(8, 64, 4)
+    x = torch.randn(1, k, dtype=dtype)
+    res = torch.randn(1, k, dtype=dtype) * 3 if with_residual else None
+    nw = 1 + 0.1 * torch.randn(k)  # float32
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    y, new_res = gemv_rms_norm(x, res, nw, eps, w, config=config)
+    y_unfused, res_unfused = _unfused_rms(x, res, nw, eps, w, None, config)
+    assert torch.equal(new_res, res_unfused) and torch.equal(y, y_unfused)
+    _assert_near_ref(y, gemv_rms_norm_ref(x, res, nw, eps, w)[0], "gemv_rms_norm (float32 weight) vs reference")

@@ -38,7 +38,8 @@ def _decode_hidden(path, backend: str, fused: bool | None) -> torch.Tensor:
     n = len(PROMPT)
     with torch.no_grad():
         model(torch.tensor(PROMPT), torch.arange(n), _meta(list(range(n)), n, 0))
-        forward = ops.model_forward(model) if fused is None else one_token.OneTokenForward(model) if fused else model
+        forward = ops.model_forward(model) if fused is None else \
+            one_token.LAYOUTS[model.fused_one_token](model) if fused else model
         hidden = forward(torch.tensor([11]), torch.tensor([n]), _meta([n], n + 1, 1))
         return model.compute_logits(hidden)
 
@@ -47,7 +48,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])  # plain, q/k/v bias, q/k norms
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3"])  # plain, bias, q/k norms, Gemma's
 def test_one_token_forward_matches_plain_forward_and_torch_ops(checkpoints, arch):
     fused = _decode_hidden(checkpoints[arch], "triton", True)
     plain = _decode_hidden(checkpoints[arch], "triton", False)
@@ -69,3 +70,17 @@ def test_step_forward_takes_the_fused_path_exactly_at_one_token(checkpoints, mon
     torch_ops = select_ops("torch", torch.device("cpu"), BLOCK, cfg.head_dim)
     model = build_model(path, cfg, torch.float32, torch.device("cpu"), 64, torch_ops)
     assert torch_ops.model_forward(model) is model  # the torch ops have no fused forward
+
+
+def test_gemma_takes_its_own_fused_layout_and_gemma4_none(checkpoints):
+    """Gemma 2/3 decode through the Gemma layout's fused launches (GeGLU in down's prologue); Gemma 4's layers
+    (per-layer inputs, shared KV) run the model's own forward."""
+    for arch, layout in (("gemma3", one_token.GemmaOneTokenForward), ("gemma4", None), ("llama3", one_token.OneTokenForward)):
+        cfg = load_model_config(checkpoints[arch])
+        ops = select_ops("triton", torch.device("cpu"), BLOCK, cfg.max_head_dim)
+        model = build_model(checkpoints[arch], cfg, torch.float32, torch.device("cpu"), 64, ops)
+        forward = ops.model_forward(model)
+        if layout is None:
+            assert forward is model
+        else:
+            assert type(forward.one_token) is layout

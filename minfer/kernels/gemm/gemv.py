@@ -9,10 +9,11 @@ partial sum per column lane, reducing it once at the end: no split-K pass, no sh
 many small programs in flight on every SM. On an H200 the 64 projections of a llama-3.2-1b decode step
 take 552 us in one CUDA graph under PDL, 83% of HBM bandwidth (``benchmarks/gemv_chain.py``).
 
-Two optional prologues fold the elementwise op before a projection into it, saving that op's launch
-(~2 us each at batch 1, three per layer): :func:`gemv_silu_mul` (SwiGLU before down_proj) and
-:func:`gemv_rms_norm` (residual add + RMSNorm before qkv and gate_up). They are constexpr branches of
-the one kernel, so the plain :func:`gemv` compiles to what it was.
+Optional prologues fold the elementwise op before a projection into it, saving that op's launch
+(~2 us each at batch 1, three per layer): :func:`gemv_silu_mul` (SwiGLU before down_proj), its GeGLU twin
+:func:`gemv_gelu_tanh_mul` (Gemma), and :func:`gemv_rms_norm` (residual add + RMSNorm before qkv and gate_up;
+a float32 norm weight rounds as Gemma's ``1 + w`` norms). They are constexpr branches of the one kernel, so
+the plain :func:`gemv` compiles to what it was. The torch references are in ``gemv_ref.py``.
 
 Each also takes an FP8 (e4m3) weight with its float32 ``weight_scale`` (the formats of ``fp8_gemm.py``): ``[N]``
 per output row ("channel") or row-expanded ``[N, ceil(K/128)]`` per 128x128 block ("block"). The weight is
@@ -32,11 +33,10 @@ import triton.language as tl
 
 from .._utils import check_dtype, next_pow2
 from ..pdl import launch_options, use_pdl, wait_for_previous
-from ..activation import silu_and_mul_ref
-from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, dequantize_fp8, num_groups
-from ..rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
-from .gemv_config import (BLOCK, CHANNEL, NO_SCALE, PLAIN, RMS_NORM, SILU_MUL, GemvConfig, default_config,
+from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, num_groups
+from .gemv_config import (BLOCK, CHANNEL, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SILU_MUL, GemvConfig, default_config,
                           default_fp8_config)
+from .gemv_ref import gemv_gelu_tanh_mul_ref, gemv_ref, gemv_rms_norm_ref, gemv_silu_mul_ref  # noqa: F401
 
 
 # Widest single block the RMS prologue sums in one tl.sum (like rmsnorm.py's one next_pow2(K) block); wider
@@ -82,19 +82,23 @@ def _sum_squares(X, R, K, HAS_RESIDUAL: tl.constexpr, RMS_BLOCK: tl.constexpr, E
 
 @triton.jit
 def _input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, MASKED: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, MASKED: tl.constexpr, F32_NORM: tl.constexpr):
     """The input vector's elements at ``offs`` (zero past K when MASKED), rounded to x's dtype as the unfused
     kernels round them; under the RMS prologue, ``write_residual`` also stores ``x + residual`` to R_OUT."""
     mask = offs < K
-    if PROLOGUE == 1:  # silu_and_mul (activation.py): silu in float32, rounded, then the product, rounded
-        if MASKED:
+    if PROLOGUE == 1 or PROLOGUE == 3:  # silu/gelu_and_mul (activation.py): the activation in float32, rounded,
+        if MASKED:                       # then the product, rounded
             gate = tl.load(X + offs, mask=mask, other=0.0)
             up = tl.load(X + K + offs, mask=mask, other=0.0)
         else:
             gate = tl.load(X + offs)
             up = tl.load(X + K + offs)
         g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        if PROLOGUE == 1:
+            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        else:  # tanh-approximated GELU, activation.py's arithmetic
+            u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            act = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))).to(gate.dtype)
         x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     elif PROLOGUE == 2:  # fused_add_rms_norm / rms_norm (rmsnorm.py), same roundings
         if MASKED:
@@ -115,8 +119,11 @@ def _input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, PROLOGUE: tl
                     tl.store(R_OUT + offs, x, mask=mask)
                 else:
                     tl.store(R_OUT + offs, x)
-        normed = (x.to(tl.float32) * inv_rms).to(dtype)
-        x = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        if F32_NORM:  # a float32 weight (Gemma's 1 + w): one rounding, as rmsnorm.py's norm_row
+            x = (w * (x.to(tl.float32) * inv_rms)).to(dtype)
+        else:
+            normed = (x.to(tl.float32) * inv_rms).to(dtype)
+            x = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
     else:
         if MASKED:
             x = tl.load(X + offs, mask=mask, other=0.0)
@@ -165,7 +172,7 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
                  HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True,
                  ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False, WS=None, stride_ws=0, n_groups=1,
                  SCALE: tl.constexpr = 0, NSUB: tl.constexpr = 1, SUB: tl.constexpr = 1,
-                 GROUP: tl.constexpr = 128):
+                 GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -181,13 +188,14 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     first = 0
     if PDL:  # the first chunk with the prefetched tile
-        x = _input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL, not EVEN_K)
+        x = _input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL, not EVEN_K,
+                         F32_NORM)
         acc += _products(w_first, x, WS, rows, 0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
         first = BLOCK_K
     for k0 in range(first, K, BLOCK_K):
         x = _input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL,
-                         not EVEN_K)
+                         not EVEN_K, F32_NORM)
         w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
         acc += _products(w, x, WS, rows, k0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
@@ -240,6 +248,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         RMS_BLOCK=rms_block, EVEN_R=k % rms_block == 0, ONE_BLOCK=rms_block >= k, PDL=pdl,
         WS=weight_scale if weight_scale is not None else y, stride_ws=weight_scale.stride(0) if scale == BLOCK else 0,
         n_groups=num_groups(k), SCALE=scale, NSUB=cfg.block_k // sub, SUB=sub, GROUP=FP8_GROUP,
+        F32_NORM=norm_weight is not None and norm_weight.dtype == torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl),
     )
@@ -278,6 +287,17 @@ def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvCon
     under the same ``config``, and up to float32 summation order under the defaults, whose warp counts differ
     (on an H200 bfloat16 outputs still came out identical on the llama/qwen shapes; float32 ones within an ulp).
     """
+    return _gated(x_gate_up, weight, config, weight_scale, SILU_MUL)
+
+
+def gemv_gelu_tanh_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
+                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemv(gelu_tanh_and_mul(x_gate_up), weight)`` in one launch: :func:`gemv_silu_mul` for Gemma's GeGLU."""
+    return _gated(x_gate_up, weight, config, weight_scale, GELU_MUL)
+
+
+def _gated(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None,
+           weight_scale: torch.Tensor | None, prologue: int) -> torch.Tensor:
     check_dtype("x_gate_up", x_gate_up)
     if x_gate_up.dim() != 2 or x_gate_up.shape[0] != 1 or weight.dim() != 2:
         raise ValueError(f"expected x_gate_up [1, 2*K] and weight [N, K], got {tuple(x_gate_up.shape)} and "
@@ -291,7 +311,7 @@ def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvCon
     if not x_gate_up.is_contiguous():
         raise ValueError("x_gate_up must be contiguous")
     scale = _check_weight(weight, None, weight_scale)
-    return _launch(x_gate_up, weight, None, config, prologue=SILU_MUL, weight_scale=weight_scale, scale=scale)
+    return _launch(x_gate_up, weight, None, config, prologue=prologue, weight_scale=weight_scale, scale=scale)
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -336,33 +356,3 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                 new_residual=new_residual if residual is not None else None, eps=eps, weight_scale=weight_scale,
                 scale=scale)
     return y, new_residual
-
-
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 products and sums, rounded once to x's dtype (the tests' oracle); an e4m3 weight is dequantized
-    with its ``weight_scale`` first."""
-    w = weight.float() if weight_scale is None else dequantize_fp8(weight, weight_scale)
-    y = x.float() @ w.T
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
-
-
-def gemv_silu_mul_ref(x_gate_up: torch.Tensor, weight: torch.Tensor, *,
-                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference of :func:`gemv_silu_mul`. For bfloat16/float16, torch's silu and product each compute in
-    float32 and round, which is exactly the kernel's rounding (silu rounded, then the product rounded)."""
-    return gemv_ref(silu_and_mul_ref(x_gate_up), weight, weight_scale=weight_scale)
-
-
-def gemv_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of :func:`gemv_rms_norm`: ``(y, new_residual)``; ``residual`` is left unmodified."""
-    if residual is None:
-        new_residual, xn = x, rms_norm_ref(x, norm_weight, eps)
-    else:
-        new_residual = residual.clone()
-        xn = fused_add_rms_norm_ref(x, new_residual, norm_weight, eps)
-    return gemv_ref(xn.to(x.dtype), weight, bias, weight_scale=weight_scale), new_residual

@@ -25,8 +25,9 @@ class GemvConfig:
     num_stages: int = 3  # software-pipelining depth of the K loop (Triton's default)
 
 
-# What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, or rms_norm(x + residual).
-PLAIN, SILU_MUL, RMS_NORM = 0, 1, 2
+# What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, rms_norm(x + residual), or
+# gelu_tanh(gate) * up (Gemma's GeGLU).
+PLAIN, SILU_MUL, RMS_NORM, GELU_MUL = 0, 1, 2, 3
 # How the weight is scaled (the kernel's SCALE): not at all (a float weight), per row, per row and 128 columns.
 NO_SCALE, CHANNEL, BLOCK = 0, 1, 2
 
@@ -38,7 +39,7 @@ def default_config(n: int, k: int, prologue: int = PLAIN) -> GemvConfig:
     in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
     projections in one CUDA graph under PDL, H200: 552 us). ``n`` is unused by this rule; a per-shape rule
     would take it."""
-    if prologue == SILU_MUL:
+    if prologue in (SILU_MUL, GELU_MUL):  # (GeGLU: SwiGLU's config, not tuned apart)
         return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
     return GemvConfig(block_k=min(1024 if prologue == RMS_NORM else 2048, next_pow2(k)))
 

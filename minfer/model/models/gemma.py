@@ -116,7 +116,7 @@ def _rope_args(params: dict[str, Any], where: str) -> tuple[float, dict[str, Any
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2: soft-capped attention scores and logits, alternating sliding / global layers."""
 
-    fused_one_token = False  # the Triton fused batch-1 forward knows only Llama's layer layout
+    fused_one_token = "gemma"  # the Triton fused batch-1 forward's Gemma layout (ops/one_token.py)
     qk_norm = False
     # HF's config defaults (Gemma2Config) for the keys this family reads: a config written with only the
     # fields that differ from them (older transformers' diff) means these

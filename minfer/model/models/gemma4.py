@@ -264,6 +264,7 @@ class Gemma4ForCausalLM(Gemma3ForCausalLM):
                       **{m: (m, 0) for m in ("per_layer_input_gate", "per_layer_projection",
                                              "per_layer_model_projection")}}
     hf_defaults = HF_DEFAULTS
+    fused_one_token = None  # per-layer inputs and shared-KV layers: its own forward at one token too
 
     @classmethod
     def read_config(cls, hf: dict[str, Any]) -> ModelConfig:

@@ -102,8 +102,8 @@ class LlamaForCausalLM(nn.Module):
         "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0),
     }
     moe_block = "mlp"  # the checkpoint's name of a layer's MoE block (MoE families)
-    # the Triton ops' fused one-token forward (ops/one_token.py) reads these layers' weights: Llama's layout only
-    fused_one_token = True
+    # the layer layout the Triton ops' fused one-token forward (ops/one_token.py) reads: 'llama', 'gemma' or None
+    fused_one_token: str | None = "llama"
     expert_matrices: dict[str, str] = {}  # an expert's checkpoint matrix names -> 'gate' / 'up' / 'down'
 
     @classmethod

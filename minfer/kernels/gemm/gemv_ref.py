@@ -1,0 +1,45 @@
+"""Torch references of the batch-1 matrix-vector kernels (``gemv.py``): float32 products and sums rounded once,
+after the prologue's op computed as the unfused kernels compute it (the tests' oracles)."""
+from __future__ import annotations
+
+import torch
+
+from ..activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from ..quant.fp8_ref import dequantize_fp8
+from ..rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 products and sums, rounded once to x's dtype (the tests' oracle); an e4m3 weight is dequantized
+    with its ``weight_scale`` first."""
+    w = weight.float() if weight_scale is None else dequantize_fp8(weight, weight_scale)
+    y = x.float() @ w.T
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)
+
+
+def gemv_silu_mul_ref(x_gate_up: torch.Tensor, weight: torch.Tensor, *,
+                      weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of :func:`gemv_silu_mul`. For bfloat16/float16, torch's silu and product each compute in
+    float32 and round, which is exactly the kernel's rounding (silu rounded, then the product rounded)."""
+    return gemv_ref(silu_and_mul_ref(x_gate_up), weight, weight_scale=weight_scale)
+
+
+def gemv_gelu_tanh_mul_ref(x_gate_up: torch.Tensor, weight: torch.Tensor, *,
+                           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of :func:`gemv_gelu_tanh_mul` (torch's tanh GELU rounds once in the dtype, as the kernel)."""
+    return gemv_ref(gelu_tanh_and_mul_ref(x_gate_up), weight, weight_scale=weight_scale)
+
+
+def gemv_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of :func:`gemv_rms_norm`: ``(y, new_residual)``; ``residual`` is left unmodified."""
+    if residual is None:
+        new_residual, xn = x, rms_norm_ref(x, norm_weight, eps)
+    else:
+        new_residual = residual.clone()
+        xn = fused_add_rms_norm_ref(x, new_residual, norm_weight, eps)
+    return gemv_ref(xn.to(x.dtype), weight, bias, weight_scale=weight_scale), new_residual
