@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The 2026 dense families on one H200 (issue 35), in one command that ends within DEADLINE seconds:
 #
-#   PARTS="tests bench hybrid" bash benchmarks/gpu_families.sh     # results under $OUT (default /tmp/minfer-out)
+#   PARTS="tests bench batch1 hybrid" bash benchmarks/gpu_families.sh     # results under $OUT (default /tmp/minfer-out)
 #
 # tests:  the gpu tests of the windowed / soft-capped attention kernels (Triton and Hopper) and the engine's
 #         HF agreement on the GPU for every architecture (transformers 5.25 from .whl: carry it).
-# bench:  workload A on llama-3.1-8b, gemma-3-27b and phi-4 (same call, against each one's bound), batch-1
-#         decode on gemma-3-12b and phi-4 (target >= 85% of the weight-bandwidth bound). Random weights drawn on
-#         the device (--load-format dummy); SHAPES narrows the workload-A shapes, B1 the batch-1 ones.
+# bench:  workload A on llama-3.1-8b, gemma-3-27b and phi-4 (same call, against each one's bound; SHAPES narrows).
+# batch1: batch-1 decode on gemma-3-12b and phi-4 (target >= 85% of the weight-bandwidth bound; B1 narrows).
+#         Random weights drawn on the device (--load-format dummy).
 # hybrid: benchmarks/hybrid_kv.py on gemma-3-27b at 32k: sequences that fit and a long-context workload's
 #         throughput, hybrid KV cache against a full-length cache for every layer.
 DEADLINE_DEFAULT=570
 source "$(dirname "$0")/device_call.sh"
-PARTS="${PARTS:-tests bench hybrid}"
+PARTS="${PARTS:-tests bench batch1 hybrid}"
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 python3 -c "import transformers; print('transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
@@ -31,7 +31,9 @@ case " $PARTS " in *" tests "*)
     tests/engine/test_engine_gpu.py} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
 esac
 case " $PARTS " in *" bench "*)
-  for shape in ${SHAPES:-llama-3.1-8b gemma-3-27b phi-4}; do bench "workload_a_$shape" --shape "$shape"; done
+  for shape in ${SHAPES:-llama-3.1-8b gemma-3-27b phi-4}; do bench "workload_a_$shape" --shape "$shape"; done ;;
+esac
+case " $PARTS " in *" batch1 "*)
   for shape in ${B1:-gemma-3-12b phi-4}; do bench "batch1_$shape" --shape "$shape" --batch1; done ;;
 esac
 case " $PARTS " in *" hybrid "*)
