@@ -22,8 +22,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="offline throughput (workload A of BENCHMARKS.md by default)")
     p.add_argument("--shape", default=None, help="qwen3-0.6b | llama-3.2-1b | llama-3.1-8b | llama-3.1-70b | "
                    "qwen3-30b-a3b | mixtral-8x7b | gemma-3-12b | gemma-3-27b | phi-4 | mistral-7b-v0.1 (random "
-                   "weights, normal x 0.02 with norm weights 1, written under --checkpoint-dir; on a GPU when there is one; with --load-format dummy only config.json is "
-                   "written, to <shape>-dummy, and the engine draws the same kind of weights on the device)")
+                   "weights, normal x 0.02 with norm weights 1, written under --checkpoint-dir; on a GPU when there "
+                   "is one; with --load-format dummy only config.json is written, to <shape>-dummy, and the engine "
+                   "draws the same kind of weights on the device)")
     p.add_argument("--shape-layers", type=int, default=None,
                    help="with --shape: only this many decoder layers (a scaled-down stand-in, e.g. the 70B's layers "
                         "on fewer GPUs; written to <shape>-<N>l)")
