@@ -37,6 +37,7 @@ from minfer.kernels.gemm import fp8_gemm as fg  # noqa: E402
 from minfer.kernels.quant import fp8_quant as fq  # noqa: E402
 from minfer.kernels.quant import fp8_ref as fr  # noqa: E402
 from minfer.kernels.gemm import gemv as gm  # noqa: E402
+from minfer.kernels.gemm import gemv_ref as gr  # noqa: E402
 from minfer.kernels.gemm.gemv_config import GemvConfig  # noqa: E402
 from minfer.kernels.activation import silu_and_mul  # noqa: E402
 from minfer.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
@@ -204,10 +205,10 @@ def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool) -> list[str]:
 
         def ref(wt, ws):
             if p == "rms":
-                return gm.gemv_rms_norm_ref(x, res, nw, eps, wt, weight_scale=ws)[0]
+                return gr.gemv_rms_norm_ref(x, res, nw, eps, wt, weight_scale=ws)[0]
             if p == "silu":
-                return gm.gemv_silu_mul_ref(xgu, wt, weight_scale=ws)
-            return gm.gemv_ref(x, wt, weight_scale=ws)
+                return gr.gemv_silu_mul_ref(xgu, wt, weight_scale=ws)
+            return gr.gemv_ref(x, wt, weight_scale=ws)
 
         for impl, (wt, ws) in weights.items():
             nbytes = wt.numel() * wt.element_size() + (0 if ws is None else ws.numel() * 4)

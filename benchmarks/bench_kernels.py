@@ -44,7 +44,8 @@ from minfer.kernels.attention.prefill_attention import paged_prefill_attention, 
 from minfer.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
 from minfer.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref  # noqa: E402
 from minfer.kernels.attention.decode_attention import DecodeConfig, choose_num_splits  # noqa: E402
-from minfer.kernels.gemm.gemv import gemv, gemv_ref, gemv_rms_norm, gemv_silu_mul  # noqa: E402
+from minfer.kernels.gemm.gemv import gemv, gemv_rms_norm, gemv_silu_mul  # noqa: E402
+from minfer.kernels.gemm.gemv_ref import gemv_ref  # noqa: E402
 from minfer.kernels.gemm.gemv_config import RMS_NORM, SILU_MUL, GemvConfig  # noqa: E402
 from minfer.kernels.gemm.gemv_config import default_config as default_gemv_config  # noqa: E402
 from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402

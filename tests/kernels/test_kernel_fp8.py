@@ -13,14 +13,8 @@ from minfer.kernels.gemm import fp8_gemm as fg
 from minfer.kernels.quant import fp8_quant as fq
 from minfer.kernels.quant import fp8_ref as fr
 from minfer.kernels.activation import silu_and_mul
-from minfer.kernels.gemm.gemv import (
-    gemv,
-    gemv_ref,
-    gemv_rms_norm,
-    gemv_rms_norm_ref,
-    gemv_silu_mul,
-    gemv_silu_mul_ref,
-)
+from minfer.kernels.gemm.gemv import gemv, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv_ref import gemv_ref, gemv_rms_norm_ref, gemv_silu_mul_ref
 from minfer.kernels.gemm.gemv_config import BLOCK, CHANNEL, RMS_NORM, SILU_MUL, GemvConfig, default_fp8_config
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 

@@ -9,16 +9,8 @@ from kernel_testlib import EXACT_BF16, REL_TOL, rel_err
 
 from minfer.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from minfer.kernels.gemm import gemv as gemv_module
-from minfer.kernels.gemm.gemv import (
-    gemv,
-    gemv_gelu_tanh_mul,
-    gemv_gelu_tanh_mul_ref,
-    gemv_ref,
-    gemv_rms_norm,
-    gemv_rms_norm_ref,
-    gemv_silu_mul,
-    gemv_silu_mul_ref,
-)
+from minfer.kernels.gemm.gemv import gemv, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv_ref import gemv_gelu_tanh_mul_ref, gemv_ref, gemv_rms_norm_ref, gemv_silu_mul_ref
 from minfer.kernels.gemm.gemv_config import GemvConfig
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 

@@ -36,7 +36,6 @@ from ..pdl import launch_options, use_pdl, wait_for_previous
 from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, num_groups
 from .gemv_config import (BLOCK, CHANNEL, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SILU_MUL, GemvConfig, default_config,
                           default_fp8_config)
-from .gemv_ref import gemv_gelu_tanh_mul_ref, gemv_ref, gemv_rms_norm_ref, gemv_silu_mul_ref  # noqa: F401
 
 
 # Widest single block the RMS prologue sums in one tl.sum (like rmsnorm.py's one next_pow2(K) block); wider

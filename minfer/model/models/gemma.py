@@ -224,13 +224,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         """Token embeddings times the normalizer, in the model dtype (after the ranks' sum, as on one rank)."""
         return self.embed_tokens(input_ids) * self.embed_scale
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta)
-        return x + residual  # the final norm runs in compute_logits, on the sampling rows only
-
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Llama's final norm and LM head, then the logit soft-cap in the model dtype; in place, so a CUDA
         graph's ``out`` buffer receives the capped logits."""

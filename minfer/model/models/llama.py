@@ -183,8 +183,12 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``index``'s MLP: SwiGLU here; the MoE families put their sparse block where the config says."""
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops, tp, quant, f"layers.{index}.mlp")
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the first layer takes (a family may scale them)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, meta)
