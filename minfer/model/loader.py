@@ -75,9 +75,10 @@ def load_weights(model: nn.Module, model_dir: Path, device: torch.device, load_f
     loaded: set[str] = set()
     tensors = _dummy_tensors(model, device) if load_format == "dummy" else _checkpoint_tensors(model_dir)
     stacked = model.stacked_modules(model.config)
-    for name, source, where in tensors:
-        if "rotary_emb" in name:
-            continue
+    for stored, source, where in tensors:
+        name = model.checkpoint_name(stored)
+        if name is None or "rotary_emb" in name:
+            continue  # another modality's tower or projector, or a buffer: never read
         targets = _targets(model, name, stacked)
         if not targets:
             if name == "lm_head.weight" and model.config.tie_word_embeddings:

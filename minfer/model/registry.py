@@ -17,6 +17,7 @@ from minfer.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minfer.model.models.gemma4 import Gemma4ForCausalLM
 from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from minfer.model.models.mixtral import MixtralForCausalLM
+from minfer.model.models.multimodal import Gemma3ForConditionalGeneration, Gemma4ForConditionalGeneration
 from minfer.model.models.phi3 import Phi3ForCausalLM
 from minfer.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -31,6 +32,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    # multimodal checkpoints: their language model (models/multimodal.py)
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from minfer.server.request_fields import (CHAT_ONLY, MAX_LOGPROBS, MAX_N, UNSUPPORTED, JsonObject, RequestModel,
                                           SamplingFields, Text)
@@ -99,9 +99,27 @@ class ToolCallIn(RequestModel):
     function: FunctionCallIn
 
 
+# content parts of other modalities (OpenAI's and vLLM's names): refused by name, never dropped silently
+MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "audio", "video_url", "video", "file")
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """An image, audio or video part is a 400 naming it: the server runs a text model (a multimodal
+        checkpoint's language model, ``minfer/model/models/multimodal.py``), and a dropped part would change
+        what the user asked without telling them."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in MEDIA_PARTS:
+                    raise ValueError(f"a {kind!r} content part: this server runs a text model (of a multimodal "
+                                     f"checkpoint, its language model); images, audio and video are not served")
+        return content
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's calls")
     tool_call_id: Text | None = Field(None, description="a tool message's answer is to this call")

@@ -44,6 +44,9 @@ SHAPE_CASES = [  # nested fields of the wrong shape name the field, not "the bod
     (CHAT, {"messages": ["hi"]}, "messages[0]"),
     (CHAT, {"messages": [["user", "hi"]]}, "messages[0]"),
     (CHAT, {"messages": [{"role": "user", "content": {"text": "hi"}}]}, "messages[0].content"),
+    (CHAT, {"messages": [*MSGS, {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                             {"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[1].content"),
     (CHAT, {"messages": MSGS, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
 ]
 
@@ -125,6 +128,14 @@ def test_unexpected_500_shows_no_internals(client: httpx.Client, server: LiveSer
 def test_nested_fields_of_the_wrong_shape_are_named(client: httpx.Client) -> None:
     for path, body, param in SHAPE_CASES:
         _check_error(client.post(path, json=body), 400, param)
+
+
+def test_an_image_part_is_refused_naming_it(client: httpx.Client) -> None:
+    """A multimodal checkpoint is served as its text model: an image part is a 400 saying so, not dropped."""
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]}
+    r = client.post(CHAT, json=body)
+    _check_error(r, 400, "messages[0].content")
+    assert "'image_url' content part" in r.json()["error"]["message"] and "text model" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path", [COMP, CHAT])

@@ -113,6 +113,12 @@ class LlamaForCausalLM(nn.Module):
         each shard of the fused layer reads its rows from it (``FusedLinear.stack_checkpoint_rows``)."""
         return {}
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """A checkpoint tensor's name as this family's text layout names it (None: a tensor the model does not
+        have, skipped unread; multimodal checkpoints map their prefixed names, models/multimodal.py)."""
+        return name
+
     @classmethod
     def read_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """The model's config from its HF ``config.json`` (``ModelConfig.from_hf`` reads what every family
