@@ -63,6 +63,43 @@ def test_text_model_of_a_multimodal_checkpoint_matches_hf(gemma3_mm, scenario):
     assert set(llm.get_stats()["kv_group_windows"]) == {0, 21}  # the text model's hybrid cache
 
 
+@pytest.fixture(scope="module")
+def gemma4_mm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 4 stores the text model under ``model.language_model.`` beside ``model.vision_tower.`` and
+    ``model.embed_vision.``."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=21,
+                layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=VOCAB, max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
+                pad_token_id=0, tie_word_embeddings=False)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    cfg = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, tie_word_embeddings=False)
+    cfg.architectures = ["Gemma4ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Gemma4ForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn_like(p) * 2.0 / p.shape[-1] ** 0.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    out = tmp_path_factory.mktemp("gemma4_mm")
+    model.save_pretrained(str(out))
+    make_tokenizer(out)
+    return out
+
+
+def test_gemma4_text_model_of_a_multimodal_checkpoint_matches_hf(gemma4_mm):
+    outs = LLM(str(gemma4_mm), num_kv_blocks=64).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True),
+        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref, ref_logits = hf_greedy(gemma4_mm, prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+
+
 def test_no_tower_or_projector_tensor_is_read(gemma3_mm, monkeypatch):
     real = loader._checkpoint_tensors
     read: list[str] = []
