@@ -13,7 +13,7 @@ from minfer.config import EngineConfig
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import PromptType
 from minfer.outputs import RequestOutput, RequestOutputKind
-from minfer.reasoning import parse_whole, reasoning_parser_class
+from minfer.reasoning import grammar_gate, parse_whole, reasoning_parser_class
 from minfer.sampling_params import SamplingParams
 
 
@@ -75,6 +75,12 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
+        return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts: PromptType | Sequence[PromptType],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
+                  reasoning: bool = False) -> list[RequestOutput]:
+        """``generate``; ``reasoning``: structured outputs wait for the end of the reasoning (``grammar_gate``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -90,7 +96,10 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 ids.append(str(self._counter))
                 self._counter += 1
-                engine.add_request(ids[-1], prompt, p)
+                request = engine.processor.process(ids[-1], prompt, p)
+                if reasoning and p.structured_outputs is not None:
+                    request.grammar_after = grammar_gate(engine.tokenizer, request.prompt_token_ids)
+                engine.add_processed_request(request)
         except Exception:
             for rid in ids:  # one bad prompt rejects the call and leaves nothing queued
                 engine.abort_request(rid)
@@ -105,7 +114,8 @@ class LLM:
         the template shows the model), then generate; for calls that must parse, constrain the output with
         ``SamplingParams(structured_outputs=...)``. ``reasoning_parser`` (``qwen3``, ``deepseek_r1``: the
         server's ``--reasoning-parser``) moves each completion's ``<think>`` text to ``reasoning_content`` and
-        leaves the answer alone in ``text`` (checked before anything is generated)."""
+        leaves the answer alone in ``text`` (checked before anything is generated); structured outputs then
+        constrain the answer only, from the end of the reasoning on, as the server does."""
         parser = reasoning_parser_class(reasoning_parser) if reasoning_parser is not None else None
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
@@ -116,7 +126,7 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, tools=tools)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self._generate(prompts, sampling_params, use_tqdm, reasoning=parser is not None)
         if parser is not None:
             for completion in (c for out in outputs for c in out.outputs):
                 reasoning, content = parse_whole(parser(), completion.text)

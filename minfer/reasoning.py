@@ -108,3 +108,18 @@ def parse_whole(parser: ReasoningParser, text: str) -> tuple[str | None, str | N
     reasoning, content = parser.feed(text)
     more_reasoning, more_content = parser.finish()
     return (reasoning + more_reasoning) or None, (content + more_content) or None
+
+
+def grammar_gate(tokenizer: object, prompt_ids: list[int]) -> int | None:
+    """The token after which a reasoning request's structured output applies (vLLM's rule): ``</think>``'s id
+    while the prompt leaves the reasoning open (no ``</think>`` after its last ``<think>``, or neither yet: the
+    model is to reason first), None when the prompt already closed it (thinking disabled by the template) or
+    the tags are not single tokens of this tokenizer (then the grammar applies from the first token)."""
+    ids = [tokenizer.convert_tokens_to_ids(tag) for tag in (START, END)]  # type: ignore[attr-defined]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if any(not isinstance(i, int) or i == unk for i in ids):
+        return None
+    start, end = ids
+    last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
+    closed = any(t == end for t in prompt_ids[last_start + 1:])
+    return None if closed else end

@@ -179,8 +179,8 @@ class BitmaskFiller:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         bitmask = self._host[:len(seqs)]
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and not s.is_finished
-                and not s.grammar.is_terminated()]
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar_after is None
+                and not s.is_finished and not s.grammar.is_terminated()]
         if len(rows) == len(seqs):  # every row constrained: xgrammar writes them all
             self._batch.batch_fill_next_token_bitmask([s.grammar for s in seqs], bitmask)
         else:

@@ -123,7 +123,8 @@ class LLMEngine:
             else:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
             seqs.append(Sequence(self._next_seq_id, request.request_id, i, request.prompt_token_ids, params, seed,
-                                 self.eos_token_ids, request.max_total_tokens))
+                                 self.eos_token_ids, request.max_total_tokens,
+                                 grammar_after=request.grammar_after if params.structured_outputs is not None else None))
             self._next_seq_id += 1
         self.requests[request.request_id] = seqs
         self.output_processor.add_request(request, seqs)
@@ -262,8 +263,12 @@ class LLMEngine:
                 continue
             token = out.token_ids[i]
             stop = accept(seq, seq.fill_pending(token), token, out.logprobs[i] if out.logprobs is not None else None)
-            if seq.grammar is not None and advance(seq, token) and stop is None:
-                stop = "stop", None  # the grammar ended (its stop token need not be one of the request's)
+            if seq.grammar is not None:
+                if seq.grammar_after is not None:  # still reasoning: unconstrained until its end token
+                    if token == seq.grammar_after:
+                        seq.grammar_after = None
+                elif advance(seq, token) and stop is None:
+                    stop = "stop", None  # the grammar ended (its stop token need not be one of the request's)
             if stop is None:
                 cache_full_blocks(seq)  # a block its token completed
             else:

@@ -61,6 +61,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     grammar: Any = None  # structured outputs: this sample's xgrammar matcher (see engine/grammar.py)
+    grammar_after: int | None = None  # the matcher waits for this token (the end of reasoning), unconstrained
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

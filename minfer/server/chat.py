@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minfer.engine.processor import EngineRequest, Processor
 from minfer.outputs import RequestOutput
+from minfer.reasoning import grammar_gate
 from minfer.server.chat_template import RenderBudget, RenderStopped
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
@@ -160,7 +161,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         check_chat_size(ctx, req)
         text = render_chat(p.tokenizer, req, plan.tools, budget if traced else None)
         # the template places BOS itself: no special tokens are added unless the request asks for them
-        return process(p, cid, text, None, params, "messages", req.add_special_tokens)
+        request = process(p, cid, text, None, params, "messages", req.add_special_tokens)
+        if ctx.reasoning_parser is not None and params.structured_outputs is not None:  # reasoning runs free
+            request.grammar_after = grammar_gate(p.tokenizer, request.prompt_token_ids)
+        return request
 
     request = await ctx.render(raw, prepare, own_template)
     streams = ctx.submit([request])

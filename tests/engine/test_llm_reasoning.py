@@ -43,3 +43,52 @@ def test_unterminated_reasoning_and_an_unknown_parser(llm: LLM) -> None:
     with pytest.raises(ValueError, match="reasoning_parser: 'granite' is not one of qwen3, deepseek_r1"):
         llm.chat(MESSAGES, chat_template=TEMPLATE, reasoning_parser="granite")
     assert llm.get_stats()["num_waiting"] == 0  # refused before anything was queued
+
+
+def _gated_run(llm: LLM, params: SamplingParams, gate: int | None) -> list[int]:
+    """One request through the engine with its structured output waiting for token ``gate``."""
+    engine = llm.llm_engine
+    request = engine.processor.process("gated", {"prompt_token_ids": [5, 17, 42, 9]}, params)
+    request.grammar_after = gate
+    engine.add_processed_request(request)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished), out)
+    return out.outputs[0].token_ids
+
+
+def test_structured_output_waits_for_the_end_of_reasoning(llm: LLM) -> None:
+    """The grammar holds from the gate token on (the reasoning's end), and not before: the first token here is
+    the model's own unconstrained choice, the gate; after it the output is one of the choices. A gate the model
+    never samples leaves the whole output unconstrained (reasoning cut by max_tokens)."""
+    free = llm.generate({"prompt_token_ids": [5, 17, 42, 9]}, SamplingParams(max_tokens=6, temperature=0,
+                                                                             ignore_eos=True), use_tqdm=False)
+    free_ids = free[0].outputs[0].token_ids
+    choice = SamplingParams(max_tokens=20, temperature=0,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    tok = llm.get_tokenizer()
+    gated = _gated_run(llm, choice, free_ids[0])
+    assert gated[0] == free_ids[0] and tok.decode(gated[1:], skip_special_tokens=True) in ("yes", "no")
+    assert tok.decode(_gated_run(llm, choice, None), skip_special_tokens=True) in ("yes", "no")
+    never = next(t for t in range(2, 300) if t not in free_ids)
+    capped = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert _gated_run(llm, capped, never) == free_ids
+
+
+def test_grammar_gate_reads_the_prompt() -> None:
+    from minfer.reasoning import grammar_gate
+
+    class Tok:
+        unk_token_id = 0
+        ids = {"<think>": 7, "</think>": 8}
+
+        def convert_tokens_to_ids(self, token: str) -> int:
+            return self.ids.get(token, 0)
+
+    assert grammar_gate(Tok(), [1, 2, 3]) == 8  # the model is to think first
+    assert grammar_gate(Tok(), [1, 7, 3]) == 8  # the prompt opened the thinking (deepseek_r1)
+    assert grammar_gate(Tok(), [1, 7, 8, 3]) is None  # the template closed it (thinking disabled)
+    assert grammar_gate(Tok(), [7, 8, 5, 7, 2]) == 8  # a later turn opened it again
+    Tok.ids = {}
+    assert grammar_gate(Tok(), [1, 2]) is None  # no such single tokens: the grammar holds from the start
