@@ -86,19 +86,29 @@ SHAPES: dict[str, dict] = {
                         intermediate_size=21504, vocab_size=262208, tie_word_embeddings=True,
                         **_GEMMA3, query_pre_attn_scalar=168),
 }
+# The released Gemma 3 checkpoints (4B and up) are multimodal: the same language model under ``text_config`` of a
+# ``Gemma3ForConditionalGeneration`` (random text weights only: minfer serves the text model).
+for _size in ("12b", "27b"):
+    SHAPES[f"gemma-3-{_size}-it"] = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+                                         tie_word_embeddings=True, text_config={
+                                             k: v for k, v in SHAPES[f"gemma-3-{_size}"].items() if k != "architectures"})
 
 
 def shape_config(shape: str, dtype: torch.dtype = torch.bfloat16, layers: int | None = None,
                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``shape``, optionally scaled down: ``layers`` decoder layers, and any other
-    config keys in ``overrides`` (e.g. ``hidden_size``) for a small stand-in with the shape's layout."""
+    config keys in ``overrides`` (e.g. ``hidden_size``) for a small stand-in with the shape's layout (a
+    multimodal shape's go into its ``text_config``)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
-    cfg = dict(SHAPES[shape], **(overrides or {}), torch_dtype=str(dtype).removeprefix("torch."))
-    if layers is not None:
-        if layers < 1:
-            raise ValueError(f"layers must be >= 1, got {layers}")
-        cfg["num_hidden_layers"] = layers
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    cfg = dict(SHAPES[shape], torch_dtype=str(dtype).removeprefix("torch."))
+    resized = dict(overrides or {}, **({} if layers is None else {"num_hidden_layers": layers}))
+    if "text_config" in cfg:  # a multimodal config: the sizes are its language model's
+        cfg["text_config"] = dict(cfg["text_config"], **resized)
+    else:
+        cfg.update(resized)
     return cfg
 
 

@@ -21,7 +21,7 @@ FIXED_LEN = 128  # a fixed workload's --input-len / --output-len when only the o
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="offline throughput (workload A of BENCHMARKS.md by default)")
     p.add_argument("--shape", default=None, help="qwen3-0.6b | llama-3.2-1b | llama-3.1-8b | llama-3.1-70b | "
-                   "qwen3-30b-a3b | mixtral-8x7b | gemma-3-12b | gemma-3-27b | phi-4 | mistral-7b-v0.1 (random "
+                   "qwen3-30b-a3b | mixtral-8x7b | gemma-3-12b(-it) | gemma-3-27b(-it) | phi-4 | mistral-7b-v0.1 (random "
                    "weights, normal x 0.02 with norm weights 1, written under --checkpoint-dir; on a GPU when there "
                    "is one; with --load-format dummy only config.json is written, to <shape>-dummy, and the engine "
                    "draws the same kind of weights on the device)")

@@ -22,7 +22,7 @@ from minfer.ops import TorchOps
 # each shape's layout (heads, tying, qk-norm, experts, sliding layers) at a few hundred KB
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
              intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
-SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b"]
+SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "gemma-3-12b-it"]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
