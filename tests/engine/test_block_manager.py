@@ -32,7 +32,7 @@ def _check(bm: BlockManager, live: list[Sequence]) -> None:
         assert len(set(held)) == len(held), "a sequence holds one block twice"
         for g, (table, w) in enumerate(zip(s.block_tables, bm.windows)):
             assert len(table) * BS >= s.num_computed_tokens
-            first = max(0, s.num_computed_tokens - w) // BS if w else 0  # what the last computed query read
+            first = max(0, s.num_computed_tokens - w + 1) // BS if w else 0  # what the next query reads
             assert NO_BLOCK not in table[first:], f"group {g} lost a block its window still reads"
     for block in bm.blocks:
         assert block.ref_count == refs.get(block.block_id, 0), f"block {block.block_id} ref count drifted"
