@@ -10,8 +10,9 @@ PY="${PY:-python3}"
 DEADLINE="${DEADLINE:-${DEADLINE_DEFAULT:-560}}"; START=$SECONDS
 left() { echo $(( DEADLINE - (SECONDS - START) )); }
 cap() { local l; l=$(left); echo $(( l < $1 ? (l > 5 ? l : 5) : $1 )); }
-if ls .whl/*.whl > /dev/null 2>&1; then
-  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -2
+WHEEL_DIR="${WHEEL_DIR:-.whl}"  # .whl_min: fetch_server_wheels.sh --min, when .whl and the tree pass the carry limit
+if ls "$WHEEL_DIR"/*.whl > /dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --target /tmp/site "$WHEEL_DIR"/*.whl 2>&1 | tail -2
   export PYTHONPATH="/tmp/site:$PWD"
   WHEELS=1
 else

@@ -7,6 +7,8 @@
 # and transformers 5.25 with its hub client: the device's 5.17 lacks Gemma 4 and Qwen 3.5; ~26 MB more),
 # so `pytest -m gpu` there skips only the tests that need 2 GPUs. Playwright's wheel (53 MB,
 # past what a call carries) is not among them: the web-page test imports it inside the test, not at collection.
+# `--min` (after `--test`) also copies into .whl_min/ only what `pytest -m gpu` and transformers 5.25 need
+# (~26 MB): .whl (47 MB) with the working tree passes the device's 64 MiB carry. Use it with WHEEL_DIR=.whl_min.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .whl && mkdir -p .whl
@@ -49,3 +51,11 @@ if missing:
 print(f"{len(wheels)} wheels, dependencies closed")
 PY
 du -sh .whl
+if [ "${2:-}" = "--min" ]; then
+    rm -rf .whl_min && mkdir -p .whl_min
+    for p in transformers huggingface_hub hf_xet tokenizers safetensors kernels tomlkit typer typer_slim shellingham \
+             fsspec filelock tqdm regex click pytest_timeout httpx2 httpcore2 anyio sniffio idna h11 truststore; do
+        cp .whl/"$p"-[0-9]*.whl .whl_min/
+    done
+    du -sh .whl_min
+fi
