@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The 2026 dense families on one H200 (issue 35), in one command that ends within DEADLINE seconds:
 #
-#   PARTS="tests bench batch1 hybrid" bash benchmarks/gpu_families.sh     # results under $OUT (default /tmp/minfer-out)
+#   PARTS="tests bench batch1 hybrid" WHEEL_DIR=.whl_min bash benchmarks/gpu_families.sh   # results under $OUT
+#   (carry .whl_min from `fetch_server_wheels.sh --test --min`: transformers 5.25 for the gpu tests)
 #
 # tests:  the gpu tests of the windowed / soft-capped attention kernels (Triton and Hopper) and the engine's
 #         HF agreement on the GPU for every architecture (transformers 5.25 from .whl: carry it).
