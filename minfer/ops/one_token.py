@@ -21,18 +21,18 @@ from minfer.ops.metadata import AttentionMetadata
 class OneTokenForward:
     """``model.forward`` for a step of exactly one token, as fused matrix-vector launches.
 
-    ``model`` is a Llama-family decoder (``minfer.model.models.llama.LlamaForCausalLM``): ``embed_tokens``,
+    ``model`` is a Llama-family decoder (``minfer.model.models.llama.LlamaForCausalLM``): ``embed``,
     and ``layers`` of ``input_layernorm``, ``self_attn`` (``qkv_proj``, ``attention``, ``o_proj``),
     ``post_attention_layernorm`` and ``mlp`` (``gate_up_proj``, ``down_proj``).
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.embed_tokens = model.embed_tokens
+        self.embed = model.embed
         self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
                        for layer in model.layers]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         residual = None
         for ln, attn, ln2, mlp in self.layers:
             qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,

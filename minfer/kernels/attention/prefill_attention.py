@@ -24,7 +24,7 @@ window's lower edge, the keys some rows no longer see (at most ``BLOCK_M`` of th
 after it are whole for every row up to the diagonal, as without a window (H200, one 16k prompt, llama-3.1-8b heads:
 5.8 ms, 2.6 ms with a 4096 window). The soft cap needs the scaled score, so it gives up folding the scale into the
 exponent, and its tanh costs an exp2 and a reciprocal per score on the special-function units the softmax's exp2
-already keeps busy (4k prompt: 396 us, 536 us capped; tanh.approx would be cheaper but ~1e-3 off).
+already keeps busy (exact, as the Hopper kernel's; benchmarks/RESULTS.md has its cost).
 """
 
 from __future__ import annotations
