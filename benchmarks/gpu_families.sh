@@ -4,7 +4,7 @@
 #   PARTS="tests bench batch1 hybrid" WHEEL_DIR=.whl_min bash benchmarks/gpu_families.sh   # results under $OUT
 #   (carry .whl_min from `fetch_server_wheels.sh --test --min`: transformers 5.25 for the gpu tests)
 #
-# tests:  the gpu tests of the windowed / soft-capped attention kernels (Triton and Hopper) and the engine's
+# tests:  (TESTS: the files, TEST_FILTER: a -k expression) the gpu tests of the windowed / soft-capped attention kernels (Triton and Hopper) and the engine's
 #         HF agreement on the GPU for every architecture (transformers 5.25 from .whl: carry it).
 # bench:  workload A on llama-3.1-8b, gemma-3-27b and phi-4 (same call, against each one's bound; SHAPES narrows).
 # batch1: batch-1 decode on gemma-3-12b and phi-4 (target >= 85% of the weight-bandwidth bound; B1 narrows).
@@ -27,7 +27,7 @@ bench() {  # name, then minfer bench arguments
 
 case " $PARTS " in *" tests "*)
   echo "== gpu tests ($(left) s left)"
-  timeout "$(cap 240)" python3 -m pytest -q -m gpu -p no:cacheprovider -x ${TESTS:-tests/kernels/test_kernel_attention.py \
+  timeout "$(cap 240)" python3 -m pytest -q -m gpu -p no:cacheprovider -x ${TEST_FILTER:+-k "$TEST_FILTER"} ${TESTS:-tests/kernels/test_kernel_attention.py \
     tests/kernels/test_kernel_decode_sm90_gpu.py tests/kernels/test_kernel_prefill_sm90_gpu.py \
     tests/engine/test_engine_gpu.py} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log" ;;
 esac
