@@ -9,11 +9,12 @@
 # bench:  workload A on llama-3.1-8b, gemma-3-27b and phi-4 (same call, against each one's bound; SHAPES narrows).
 # batch1: batch-1 decode on gemma-3-12b and phi-4 (target >= 85% of the weight-bandwidth bound; B1 narrows).
 #         Random weights drawn on the device (--load-format dummy).
+# profile: torch.profiler over batch-1 decode steps of B1 (dev/profile_steps.py: the top kernels by device time).
 # hybrid: benchmarks/hybrid_kv.py on gemma-3-27b at 32k: sequences that fit and a long-context workload's
 #         throughput, hybrid KV cache against a full-length cache for every layer.
 DEADLINE_DEFAULT=570
 source "$(dirname "$0")/device_call.sh"
-PARTS="${PARTS:-tests bench batch1 hybrid}"
+PARTS="${PARTS:-tests bench batch1 hybrid}"  # and profile, on request
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 python3 -c "import transformers; print('transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
@@ -36,6 +37,12 @@ case " $PARTS " in *" bench "*)
 esac
 case " $PARTS " in *" batch1 "*)
   for shape in ${B1:-gemma-3-12b phi-4}; do bench "batch1_$shape" --shape "$shape" --batch1; done ;;
+esac
+case " $PARTS " in *" profile "*)
+  echo "== profile batch 1, ${B1:-gemma-3-12b} ($(left) s left)"
+  timeout "$(cap 150)" python3 dev/profile_steps.py --shape "${B1:-gemma-3-12b}" --batch1 --steps 50 --load-format dummy \
+    --out "$OUT/profile_batch1.txt" > "$OUT/profile_batch1.log" 2>&1 || echo "   exit $?"
+  head -40 "$OUT/profile_batch1.txt" 2>/dev/null ;;
 esac
 case " $PARTS " in *" hybrid "*)
   echo "== hybrid KV cache ($(left) s left)"

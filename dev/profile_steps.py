@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from minfer import LLM, SamplingParams
-from minfer.benchmark.shapes import write_random_checkpoint
+from minfer.benchmark.shapes import shape_checkpoint
 from minfer.benchmark.workload import fixed_workload, workload_a
 
 from host_overhead import time_phases  # this folder
@@ -36,11 +36,13 @@ def main() -> None:
     ap.add_argument("--batch1", action="store_true", help="one greedy request instead of workload A")
     ap.add_argument("--prompt-steps", action="store_true", help="profile the first, prompt-carrying steps")
     ap.add_argument("--cprofile", action="store_true", help="Python's cProfile over the steps instead (host hot spots)")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights drawn on the GPU (no checkpoint written: large shapes)")
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
-    path = write_random_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape)
-    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=4096, attention_backend=args.attention_backend,
-              async_scheduling=not args.no_async)
+    path = shape_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape, args.load_format)
+    llm = LLM(str(path), load_format=args.load_format, skip_tokenizer_init=True, max_model_len=4096,
+              attention_backend=args.attention_backend, async_scheduling=not args.no_async)
     engine = llm.llm_engine
     if args.batch1:
         prompts, _ = fixed_workload(1, 128, 4096, vocab_size=engine.model_config.vocab_size)
