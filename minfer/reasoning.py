@@ -1,5 +1,6 @@
 """Reasoning out of a choice's text: a reasoning model's ``<think>…</think>`` text apart from its answer (vLLM's
-``--reasoning-parser``). A leaf module, so that the offline ``LLM.chat`` and the server share one parser.
+``--reasoning-parser``). A leaf module (over ``minfer.harmony``), so that the offline ``LLM.chat`` and the server
+share one parser.
 
 One ``ReasoningParser`` per choice takes the text as it arrives (one ``feed`` per delta, then ``finish``) and
 returns (reasoning, content) pieces; a whole response is fed at once (``parse_whole``), so the streamed pieces
@@ -14,8 +15,16 @@ back until it is known. Two conventions, by name:
 
 An output that never closes its reasoning (cut by ``max_tokens`` while thinking) is all reasoning and has no
 content, as in vLLM. The text after ``</think>`` is the content as written (leading newlines included).
+
+- ``gpt_oss``: gpt-oss's harmony messages (``minfer.harmony``): the analysis channel is the reasoning, the final
+  channel and commentary preambles are the content (a later message on a new line), function calls are neither
+  (the server's ``gpt_oss`` tool-call parser reads them). Its markers are special tokens, so it reads text
+  decoded with them kept (``needs_special_tokens``: the caller decodes the choice with
+  ``skip_special_tokens=False``) and no marker reaches either side.
 """
 from __future__ import annotations
+
+from minfer.harmony import HarmonyScanner, Joined, Piece
 
 START, END = "<think>", "</think>"
 
@@ -34,6 +43,7 @@ class ReasoningParser:
     ``<think>`` is reasoning too, not content."""
 
     starts_inside = False
+    needs_special_tokens = False  # reads special-token markers: the choice is decoded with them kept
 
     def __init__(self) -> None:
         self._state = "head"  # "head" (undecided), "reasoning" or "content"
@@ -91,8 +101,36 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     starts_inside = True
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """Harmony messages: analysis to the reasoning, final and preambles to the content, calls dropped."""
+
+    needs_special_tokens = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._scanner = HarmonyScanner()
+        self._reasoning, self._content = Joined(), Joined()
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return self._split(self._scanner.feed(text))
+
+    def finish(self) -> tuple[str, str]:
+        return self._split(self._scanner.finish())
+
+    def _split(self, pieces: list[Piece]) -> tuple[str, str]:
+        reasoning, content = [], []
+        for p in pieces:
+            if p.route.kind == "reasoning":
+                reasoning.append(self._reasoning.add(p.index, p.text))
+            elif p.route.kind == "content":
+                content.append(self._content.add(p.index, p.text))
+        self.thought = self.thought or any(reasoning)
+        return "".join(reasoning), "".join(content)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {"qwen3": Qwen3ReasoningParser,
-                                                       "deepseek_r1": DeepSeekR1ReasoningParser}
+                                                       "deepseek_r1": DeepSeekR1ReasoningParser,
+                                                       "gpt_oss": GptOssReasoningParser}
 
 
 def reasoning_parser_class(name: str, what: str = "reasoning_parser") -> type[ReasoningParser]:

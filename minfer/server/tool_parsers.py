@@ -20,6 +20,11 @@ in vLLM.
   (constrained by its schema); each call is emitted as soon as its object is complete.
 - ``NamedParser``: ``tool_choice`` naming one function; the whole output is that call's arguments,
   streamed as they are generated.
+- ``gpt_oss`` (gpt-oss): harmony messages (``minfer.harmony``) addressed ``to=functions.NAME`` are calls, each
+  emitted when its message ends (``<|call|>``, or the end of the output); final and commentary-preamble text is
+  the content (a later message on a new line), the analysis channel is not (the reasoning parser's). The routing
+  is in the headers, so this parser reads the choice's own text with its special-token markers kept
+  (``needs_special_tokens``), not what a reasoning parser left of it.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable
+
+from minfer.harmony import HarmonyScanner, Joined, Piece
 
 ToolDelta = dict[str, Any]  # one entry of a chunk's delta.tool_calls
 
@@ -50,6 +57,8 @@ class ToolParser:
     """The state of one choice: ``calls`` holds the calls begun so far (a ``NamedParser``'s one call keeps
     only its first piece of arguments: the rest go out as deltas). ``names``: the functions a call may
     name (None: any, where a grammar has already restricted them)."""
+
+    needs_special_tokens = False  # reads the choice's text with its special-token markers (not the content)
 
     def __init__(self, names: Iterable[str] | None = None) -> None:
         self.calls: list[ToolCall] = []
@@ -305,7 +314,44 @@ class NamedParser(ToolParser):
         return self.feed("") if not self.calls else ("", [])
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+class GptOssParser(ToolParser):
+    """Harmony messages: calls to ``functions.NAME`` (the arguments are the body, a JSON object; a call a client
+    cannot dispatch is its body as content), final and preamble text as content, the rest dropped."""
+
+    needs_special_tokens = True
+
+    def __init__(self, names: Iterable[str] | None = None) -> None:
+        super().__init__(names)
+        self._scanner = HarmonyScanner()
+        self._content = Joined()
+        self._body = ""  # the arguments of the call being read
+
+    def feed(self, text: str) -> tuple[str, list[ToolDelta]]:
+        return self._read(self._scanner.feed(text))
+
+    def finish(self) -> tuple[str, list[ToolDelta]]:
+        return self._read(self._scanner.finish())
+
+    def _read(self, pieces: list[Piece]) -> tuple[str, list[ToolDelta]]:
+        out, calls = [], []
+        for p in pieces:
+            if p.route.kind == "content":
+                out.append(self._content.add(p.index, p.text))
+            elif p.route.kind == "call":
+                self._body += p.text
+                if p.end:
+                    body, self._body = self._body, ""
+                    call = _as_call({"name": p.route.function, "arguments": body.strip() or None}, self.names,
+                                    "arguments")
+                    if call is not None:
+                        calls.append(self._emit_call(*call))
+                    else:
+                        out.append(self._content.add(p.index, body))
+        return "".join(out), calls
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
+                                             "gpt_oss": GptOssParser}
 
 
 def check_tool_flags(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
