@@ -64,7 +64,8 @@ class Ops(ABC):
         """Attention of ``q`` ``[T, Hq, D]`` over the paged cache: the decodes' rows against their whole
         context, then each prompt chunk causally against its cached context and itself; within the layer's
         ``cache.window`` (sliding-window attention) when it has one, its scores capped by ``cache.softcap``
-        when set, through the block tables of its KV group (``cache.kv_group``)."""
+        when set, each head's ``cache.sinks`` logit in the softmax's denominator when it has them, through the
+        block tables of its KV group (``cache.kv_group``)."""
 
     @abstractmethod
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:

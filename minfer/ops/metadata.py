@@ -53,9 +53,11 @@ class RopeInputs:
 
 class PagedKVCache(Protocol):
     """One layer's paged cache, ``[num_blocks, block_size, Hkv, D]`` each; 8-bit caches carry a scale
-    per token and KV head in ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``. ``window`` (0: none)
-    and ``softcap`` (0: none) say how the layer attends; ``kv_group`` which of the step's block tables and
-    slot mappings address its cache (a hybrid cache gives sliding-window layers tables of their own)."""
+    per token and KV head in ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``. ``window`` (0: none),
+    ``softcap`` (0: none) and ``sinks`` (None: none) say how the layer attends; ``kv_group`` which of the step's
+    block tables and slot mappings address its cache (a hybrid cache gives sliding-window layers tables of their
+    own). ``sinks`` ``[Hq]`` (this rank's query heads, the model dtype; gpt-oss): one learned logit per head that
+    joins the softmax's denominator as a key with no value, so a head may attend to nothing."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -63,6 +65,7 @@ class PagedKVCache(Protocol):
     v_scale: torch.Tensor | None
     window: int
     softcap: float
+    sinks: torch.Tensor | None
     kv_group: int
 
 

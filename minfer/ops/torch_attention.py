@@ -4,10 +4,12 @@ The engine's CPU path and the reference the Triton path is held to on whole mode
 is dequantized right after the gather of the context (``minfer/kernels/quant/kv_quant.py``), where the
 Triton kernels dequantize in registers.
 
-A layer's ``window`` (sliding-window attention: a query at position p sees keys in (p - window, p]) and
-``softcap`` (Gemma 2: scores s become softcap·tanh(s / softcap)) apply as HF applies them. Only the
-blocks a window can reach are gathered: a hybrid KV cache may already have freed the others, and their
-block-table entries are then stale.
+A layer's ``window`` (sliding-window attention: a query at position p sees keys in (p - window, p]),
+``softcap`` (Gemma 2: scores s become softcap·tanh(s / softcap)) and ``sinks`` (gpt-oss: each head's learned
+logit joins the softmax as one more column, which the product with V drops) apply as HF applies them; the
+softmax stays in float32 with a sink too (HF's gpt-oss takes it in the model dtype). Only the blocks a window
+can reach are gathered: a hybrid KV cache may already have freed the others, and their block-table entries are
+then stale.
 """
 from __future__ import annotations
 
@@ -43,6 +45,16 @@ def _capped(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return scores if not softcap else torch.tanh(scores / softcap) * softcap
 
 
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Float32 ``scores`` → probabilities over the last dim; with ``sinks`` (shaped to broadcast against
+    ``scores[..., :1]``) the softmax of ``[scores | sink]`` (HF's ``cat`` of the sink column), its last column
+    dropped."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+
+
 def _decode_slots(meta: AttentionMetadata, table: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decodes' cache slots ``[B, L]`` and key positions ``[B, L]`` (-1: padding): each row's whole
     context, or its last ``window`` positions. Shared by the layers of one KV group and window."""
@@ -63,7 +75,8 @@ def _decode_slots(meta: AttentionMetadata, table: torch.Tensor, window: int) -> 
 def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
-                           block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, block_tables: torch.Tensor | None = None
+                           ) -> torch.Tensor:
     """One query per sequence against its context (its last ``window`` tokens with a window), padded to
     the longest in the batch; ``block_tables``: the layer's KV group's (default: the first group's).
 
@@ -79,16 +92,18 @@ def torch_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scores = _capped(torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale, softcap)
     valid = pos >= 0
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(q.dtype)
+    probs = _softmax(scores, None if sinks is None else sinks.view(hkv, -1, 1)).to(q.dtype)
     return torch.einsum("bkgl,blkd->bkgd", probs, v).reshape(nd, -1, d)
 
 
 def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                             v_scale: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0,
-                            block_tables: torch.Tensor | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None, block_tables: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """Each prompt chunk attends causally to its own tokens and its sequence's cached context (within
-    ``window`` of each query when set). ``q`` holds the whole step's rows (decodes first)."""
+    ``window`` of each query when set). ``q`` holds the whole step's rows (decodes first). SDPA has neither
+    a cap nor a sink: with either, the eager softmax."""
     bs = meta.block_size
     tables = meta.block_tables[0] if block_tables is None else block_tables
     outs = []
@@ -105,8 +120,8 @@ def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         visible = pos[None, :] <= q_pos
         if window:
             visible &= pos[None, :] > q_pos - window
-        if softcap:
-            o = _softcapped_attention(qs, k, v, visible, scale, softcap)
+        if softcap or sinks is not None:
+            o = _eager_attention(qs, k, v, visible, scale, softcap, sinks)
         else:
             o = F.scaled_dot_product_attention(qs, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
         outs.append(o.transpose(0, 1))
@@ -114,11 +129,12 @@ def torch_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return torch.cat(outs)
 
 
-def _softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-                          softcap: float) -> torch.Tensor:
-    """Eager attention with capped scores (SDPA has no cap): q [Hq, Q, D], k/v [Hkv, L, D] → [Hq, Q, D]."""
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                     softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Eager attention with capped scores and/or sinks: q [Hq, Q, D], k/v [Hkv, L, D] → [Hq, Q, D]."""
     hq, hkv = q.shape[0], k.shape[0]
     qg = q.view(hkv, hq // hkv, *q.shape[1:])  # [Hkv, G, Q, D]
     scores = _capped(torch.einsum("kgqd,kld->kgql", qg, k).float() * scale, softcap)
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1).to(q.dtype)
+    column = None if sinks is None else sinks.view(hkv, hq // hkv, 1, 1)
+    probs = _softmax(scores.masked_fill(~visible, float("-inf")), column).to(q.dtype)
     return torch.einsum("kgql,kld->kgqd", probs, v).reshape(q.shape)

@@ -58,7 +58,7 @@ class TorchOps(Ops):
                         scale: float) -> torch.Tensor:
         kc, vc = cache.k_cache, cache.v_cache
         how = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=cache.window, softcap=cache.softcap,
-                   block_tables=meta.block_tables[cache.kv_group])
+                   sinks=cache.sinks, block_tables=meta.block_tables[cache.kv_group])
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd:

@@ -233,3 +233,72 @@ def test_window_8bit_cache_gpu(kv_dtype: str) -> None:
                             num_splits=splits, kv_dtype=kv_dtype, stale=-1)
     check_prefill_window([3000, 300, 1], [3000, 2000, 1513], 32, 8, 128, PAGE, torch.bfloat16, "cuda", window=1000,
                          softcap=50.0, kv_dtype=kv_dtype, stale=-1)
+
+
+# ------------------------------------------------------------------ attention sinks (gpt-oss)
+def hf_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                      sinks: torch.Tensor) -> torch.Tensor:
+    """HF transformers' gpt-oss ``eager_attention_forward`` for one sequence, written out: q [Hq, Q, D], k/v
+    [Hkv, L, D] repeated per query head, ``visible`` [Q, L]; the sink logit per head catted as the last column,
+    the max subtracted, the softmax taken, the sink's column dropped before P·V."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = (q @ k.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+    combined = torch.cat([scores, sinks.reshape(-1, 1, 1).expand(-1, q.shape[1], -1).to(scores.dtype)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1] @ v
+
+
+def sink_case(dtype: torch.dtype = torch.float64, window: int = 0) -> tuple:
+    """A small paged batch (GQA 2, pages of 4, ragged chunks, the last row of each a decode query) with sinks
+    of both signs, and HF's output for it: (q, caches, table, qsl, lens, q_lens, scale, sinks, hf)."""
+    page, hq, hkv, d, scale = 4, 4, 2, 8, 0.7
+    ctx_lens, q_lens = [3, 6, 7, 17], [3, 2, 1, 9]
+    k_cache, v_cache, table = make_paged_kv(ctx_lens, hkv, d, page, dtype, "cpu")
+    lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).int()
+    q = torch.randn(sum(q_lens), hq, d, dtype=dtype)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=dtype)
+    hf = torch.empty_like(q)
+    for s, (ctx, n) in enumerate(zip(ctx_lens, q_lens)):
+        pos = torch.arange(ctx)
+        slots = table[s, pos // page].long() * page + pos % page
+        k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)
+        v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)
+        q_pos = torch.arange(ctx - n, ctx)[:, None]
+        visible = (pos[None, :] <= q_pos) & ((pos[None, :] > q_pos - window) if window else True)
+        rows = slice(int(qsl[s]), int(qsl[s + 1]))
+        hf[rows] = hf_sink_attention(q[rows].transpose(0, 1), k, v, visible, scale, sinks).transpose(0, 1)
+    return q, k_cache, v_cache, table, qsl, lens, q_lens, scale, sinks, hf
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_reference_with_sinks_is_hfs_formula(window: int) -> None:
+    """The kernels' references with sinks equal HF's gpt-oss attention (float64, a window or none)."""
+    q, kc, vc, table, qsl, lens, q_lens, scale, sinks, hf = sink_case(window=window)
+    got = paged_prefill_attention_ref(q, kc, vc, table, qsl, lens, max(q_lens), scale, window=window, sinks=sinks)
+    torch.testing.assert_close(got, hf, rtol=1e-12, atol=1e-12)
+    last = (qsl[1:] - 1).long()
+    got = paged_decode_attention_ref(q[last], kc, vc, table, lens, scale, window=window, sinks=sinks)
+    torch.testing.assert_close(got, hf[last], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_torch_ops_with_sinks_are_hfs_formula(window: int) -> None:
+    """The engine's CPU path (``ops/torch_attention.py``) with sinks, in float32, against HF's formula: decodes
+    first, then the prompt chunks, as a step lays them out."""
+    from minfer.ops import AttentionMetadata
+    from minfer.ops.torch_attention import torch_decode_attention, torch_prefill_attention
+
+    q, kc, vc, table, qsl, lens, q_lens, scale, sinks, hf = sink_case(window=window)
+    last = (qsl[1:] - 1).long()
+    order = torch.cat([last[:2], torch.arange(int(qsl[2]), int(qsl[-1]))])  # sequences 0, 1 decode their last row
+    q32, kc, vc, sinks = q[order].float(), kc.float(), vc.float(), sinks.float()
+    ctx = lens.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=[torch.empty(0, dtype=torch.long)], block_tables=[table], context_lens=lens, num_decodes=2,
+        block_size=4, context_lens_host=[ctx[0], ctx[1], ctx[2], ctx[3]], query_lens_host=[1, 1] + q_lens[2:])
+    dec = torch_decode_attention(q32[:2], kc, vc, meta, scale, window=window, sinks=sinks)
+    torch.testing.assert_close(dec, hf[last[:2]].float(), rtol=1e-5, atol=1e-5)
+    pre = torch_prefill_attention(q32, kc, vc, meta, scale, window=window, sinks=sinks)
+    torch.testing.assert_close(pre, hf[int(qsl[2]):].float(), rtol=1e-5, atol=1e-5)

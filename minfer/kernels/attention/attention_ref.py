@@ -2,8 +2,10 @@
 
 Both gather the context through the block table, dequantize 8-bit codes after the gather, and run a masked
 softmax in float32 (float64 for a float64 q). The optional ``window`` (sliding-window attention: a query at
-position p sees keys k with ``p - window < k <= p``) and ``softcap`` (Gemma 2's logit soft-capping,
-``softcap * tanh(s / softcap)`` on the scaled score before masking) follow HF transformers' definitions.
+position p sees keys k with ``p - window < k <= p``), ``softcap`` (Gemma 2's logit soft-capping,
+``softcap * tanh(s / softcap)`` on the scaled score before masking) and ``sinks`` (gpt-oss: a logit per query
+head ``[Hq]`` joined to each row's scores as one more column, uncapped, that the softmax counts and the product
+with V drops) follow HF transformers' definitions.
 """
 
 from __future__ import annotations
@@ -25,6 +27,15 @@ def _cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(scores / softcap) if softcap else scores
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``softmax(scores, -1)``, or with ``sinks`` (broadcast against ``scores[..., :1]``) the softmax of
+    ``[scores | sink]`` without its last column: the probabilities of the keys, summing to less than one."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -38,6 +49,7 @@ def paged_decode_attention_ref(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, Hq, D]`` (the token at ``context_lens[b] - 1``) over a padded gather.
 
@@ -65,7 +77,7 @@ def paged_decode_attention_ref(
     qg = q.to(compute).view(batch, num_kv_heads, group, head_dim)
     scores = _cap(torch.einsum("bhgd,bwhd->bhgw", qg, k) * scale, softcap)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_kv_heads, group, 1))
     res = torch.einsum("bhgw,bwhd->bhgd", probs, v).reshape(batch, num_heads, head_dim)
     if out is None:
         return res.to(q.dtype)
@@ -88,6 +100,7 @@ def paged_prefill_attention_ref(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of chunks ``q`` ``[T, Hq, D]``: per sequence, gather the keys from
     its first query's window start to its context end (so block ids before it are never read) and run a
@@ -120,5 +133,6 @@ def paged_prefill_attention_ref(
         scores = _cap(torch.einsum("qhd,khd->hqk", q[q0:q1].to(compute), k) * scale, softcap)
         hidden = (pos[None, :] > q_pos[:, None]) | (pos[None, :] < window_start(q_pos, window)[:, None])
         scores = scores.masked_fill(hidden[None], float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(out.dtype)
+        probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_heads, 1, 1))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
     return out
