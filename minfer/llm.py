@@ -1,6 +1,7 @@
 """LLM: the offline API — ``LLM(model=...).generate(prompts, SamplingParams(...))`` as in vLLM."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from importlib import resources
@@ -109,14 +110,22 @@ class LLM:
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             tools: list[dict] | None = None, reasoning_parser: str | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, reasoning_parser: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation (``tools``: OpenAI-style function specs
-        the template shows the model), then generate; for calls that must parse, constrain the output with
-        ``SamplingParams(structured_outputs=...)``. ``reasoning_parser`` (``qwen3``, ``deepseek_r1``: the
-        server's ``--reasoning-parser``) moves each completion's ``<think>`` text to ``reasoning_content`` and
-        leaves the answer alone in ``text`` (checked before anything is generated); structured outputs then
-        constrain the answer only, from the end of the reasoning on, as the server does."""
+        the template shows the model; ``chat_template_kwargs``: more template variables, e.g. gpt-oss's
+        ``reasoning_effort``), then generate; for calls that must parse, constrain the output with
+        ``SamplingParams(structured_outputs=...)``. ``reasoning_parser`` (``qwen3``, ``deepseek_r1``,
+        ``gpt_oss``: the server's ``--reasoning-parser``) moves each completion's reasoning to
+        ``reasoning_content`` and leaves the answer alone in ``text`` (checked before anything is generated);
+        structured outputs then constrain the answer only, from the end of the reasoning on, as the server does.
+        ``gpt_oss`` reads harmony's special-token markers, so its completions are decoded with them kept
+        (``skip_special_tokens=False``) and the parser takes them out; a function call is not in ``text`` (the
+        server's tool-call parser reads calls; offline, decode ``token_ids``)."""
         parser = reasoning_parser_class(reasoning_parser) if reasoning_parser is not None else None
+        if parser is not None and parser.needs_special_tokens:
+            sampling_params = dataclasses.replace(sampling_params or self.get_default_sampling_params(),
+                                                  skip_special_tokens=False)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         if chat_template is None and not getattr(tok, "chat_template", None):
@@ -124,7 +133,7 @@ class LLM:
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           chat_template=chat_template, tools=tools)
+                                           chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         outputs = self._generate(prompts, sampling_params, use_tqdm, reasoning=parser is not None)
         if parser is not None:

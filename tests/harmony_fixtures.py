@@ -61,7 +61,7 @@ def make_harmony_tokenizer(out: Path) -> dict[str, int]:
 def harmony_checkpoint(out: Path) -> Path:
     """The tiny random Llama 3 checkpoint of tests/conftest.py with the harmony tokenizer, its EOS tokens
     ``<|return|>`` and ``<|call|>`` (generation_config.json)."""
-    _root_conftest().make_checkpoint(out, "llama3")
+    _root_conftest().make_checkpoint(out, "llama3", max_positions=2048)  # room for the template's long system prompt
     ids = make_harmony_tokenizer(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids["<|return|>"], ids["<|call|>"]]}))
     return out

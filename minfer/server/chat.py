@@ -6,7 +6,9 @@ and a render is bounded in time (``chat_template.RenderBudget``) and stopped whe
 With tools (``server/tools.py``) each choice's text goes through a ``ToolParser``, the same one for a stream
 and a whole response; without them the text is the content, and streaming pays nothing for tools. With
 ``--reasoning-parser`` (``server/reasoning.py``) the reasoning is split off first: the tool parser reads the
-content only."""
+content only. A parser that reads special-token markers (``gpt_oss``: gpt-oss's harmony format) has the request's
+choices decoded with them kept (``skip_special_tokens`` off, whatever the request said: the parser takes every marker
+out of what the client sees), and such a tool parser reads the choice's own text."""
 from __future__ import annotations
 
 import json
@@ -25,7 +27,7 @@ from minfer.reasoning import grammar_gate
 from minfer.server.chat_template import RenderBudget, RenderStopped
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
-from minfer.server.reasoning import StreamSplitter, split_whole
+from minfer.server.reasoning import StreamSplitter, needs_special_tokens, split_whole
 from minfer.server.serving import ServerContext, collect, process, request_id, stream_response
 from minfer.server.stream import (DeltaTracker, TokenText, chat_logprobs, holdback_for, prompt_logprobs_entries, sse,
                                   usage)
@@ -154,6 +156,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     else:
         constraint = await ctx.constraint(req)
     params = ctx.sampling_params(req, max_tokens, top_k, req.prompt_logprobs, constraint)
+    if needs_special_tokens(ctx.reasoning_parser) or plan.needs_special_tokens:  # the parsers read the markers
+        params.skip_special_tokens = False
     cid, created = request_id("chatcmpl"), int(time.time())
     traced = needs_trace(req)
 
@@ -207,7 +211,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                 parser = parsers.get(c.index)
                 if parser is None:
                     parser = parsers[c.index] = plan.new_parser()
-                delta, reason = _tool_delta(parser, text, d.first, reason)
+                delta, reason = _tool_delta(parser, d.text if parser.needs_special_tokens else text, d.first, reason)
             if thought:
                 delta["reasoning_content"] = thought
             if not delta and reason is None and lp is None:
@@ -246,13 +250,13 @@ def _message(text: str, reason: str | None, plan: ToolPlan,
              reasoning_parser: str | None) -> tuple[dict[str, Any], str | None]:
     """A whole choice's message: its reasoning split off first (with a reasoning parser: ``reasoning_content``,
     null when it did not think, and a content that is null when empty), then its tool calls out of the content."""
-    thought, text = split_whole(reasoning_parser, text)
+    thought, content_text = split_whole(reasoning_parser, text)
     extra = {} if reasoning_parser is None else {"reasoning_content": thought}
     if plan.mode == "none":
-        content = text if reasoning_parser is None else text or None
+        content = content_text if reasoning_parser is None else content_text or None
         return {"role": "assistant", "content": content, **extra}, reason
     parser = plan.new_parser()
-    content, calls = parse_whole(parser, text)
+    content, calls = parse_whole(parser, text if parser.needs_special_tokens else content_text)
     message: dict[str, Any] = {"role": "assistant", "content": content, **extra}
     if calls:
         message["tool_calls"] = [call.to_dict() for call in calls]

@@ -4,7 +4,8 @@
 The parsers themselves are ``minfer.reasoning``'s (shared with the offline ``LLM.chat``); this module is the
 server's side: the flag's check at start, and the per-choice split a chat response runs before anything else
 reads the text, so that the tool-call parser sees the content only and a ``<tool_call>`` the model wrote while
-thinking stays reasoning.
+thinking stays reasoning (a tool-call parser that reads special-token markers, ``gpt_oss``, reads the choice's own
+text instead: harmony's headers say which message is a call).
 """
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ def check_reasoning_flag(reasoning_parser: str | None) -> None:
     """At start (before the model loads): a parser that exists, in one line naming the choices."""
     if reasoning_parser is not None:
         reasoning_parser_class(reasoning_parser, "--reasoning-parser")
+
+
+def needs_special_tokens(reasoning_parser: str | None) -> bool:
+    """Whether the parser reads special-token markers (``gpt_oss``): its choices are decoded with them kept."""
+    return reasoning_parser is not None and REASONING_PARSERS[reasoning_parser].needs_special_tokens
 
 
 def split_whole(reasoning_parser: str | None, text: str) -> tuple[str | None, str]:

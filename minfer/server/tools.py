@@ -36,6 +36,11 @@ class ToolPlan:
     parser: str | None = None
     function: str | None = None  # the named function
 
+    @property
+    def needs_special_tokens(self) -> bool:
+        """Whether each choice's parser reads special-token markers (auto with ``gpt_oss``)."""
+        return self.mode == "auto" and self.parser is not None and TOOL_PARSERS[self.parser].needs_special_tokens
+
     def new_parser(self) -> ToolParser:
         """A fresh parser for one choice (any mode but ``none``)."""
         if self.mode == "named":
