@@ -11,12 +11,13 @@ import logging
 import torch
 
 from minfer.ops.base import ModelForward, Ops
-from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
+from minfer.ops.metadata import AttentionMetadata, Fp8Activation, MoeExperts, PagedKVCache, RopeInputs
 from minfer.ops.torch_ops import TorchOps
 
 logger = logging.getLogger("minfer")
 
-__all__ = ["AttentionMetadata", "Fp8Activation", "ModelForward", "Ops", "PagedKVCache", "RopeInputs", "TorchOps", "select_ops"]
+__all__ = ["AttentionMetadata", "Fp8Activation", "ModelForward", "MoeExperts", "Ops", "PagedKVCache", "RopeInputs",
+           "TorchOps", "select_ops"]
 
 
 def select_ops(attention_backend: str, device: torch.device, block_size: int, head_dim: int) -> Ops:

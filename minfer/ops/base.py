@@ -13,7 +13,7 @@ from torch import nn
 
 from minfer.kernels.moe.moe_ref import fused_moe_ref
 from minfer.kernels.quant.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, group_amax
-from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
+from minfer.ops.metadata import AttentionMetadata, Fp8Activation, MoeExperts, PagedKVCache, RopeInputs
 
 # (input_ids [T], positions [T], metadata) -> final hidden states [T, hidden] (before the final norm)
 ModelForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -120,14 +120,18 @@ class Ops(ABC):
         w = dequantize_fp8(weight, weight_scale)
         return torch.nn.functional.linear(xs, w, None if bias is None else bias.float()).to(a.dtype)
 
-    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  top_k: int, renormalize: bool, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A sparse MoE block after its router: softmax over the experts (float32), each token's top-k
-        (renormalised to sum to one when ``renormalize``), and the weighted sum of those experts'
-        SwiGLU MLPs (``w_gate_up`` [E, 2I, H]: gate rows then up rows; ``w_down`` [E, H, I]). The
-        weights are rounded to ``weights_dtype`` (default: the logits' dtype, as Qwen3-MoE; Mixtral keeps
-        float32). The reference is a loaded HF model's block op for op (``kernels/moe/moe_ref.py``)."""
-        return fused_moe_ref(x, router_logits, w_gate_up, w_down, top_k, renormalize, weights_dtype=weights_dtype)
+    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoeExperts, top_k: int,
+                  renormalize: bool, weights_dtype: torch.dtype | None = None,
+                  topk_softmax: bool = False) -> torch.Tensor:
+        """A sparse MoE block after its router: each token's top-k experts and the weighted sum of their MLPs
+        (``experts``: SwiGLU or gpt-oss's clamped one, optional biases, weights in x's dtype or MXFP4).
+        Routing: a float32 softmax over the experts, then the top k (renormalised to sum to one when
+        ``renormalize``), or with ``topk_softmax`` (gpt-oss) the top k of the logits, then a softmax over
+        those k. The weights are rounded to ``weights_dtype`` (default: the logits' dtype, as Qwen3-MoE and
+        gpt-oss; Mixtral keeps float32). The reference is a loaded HF model's block op for op
+        (``kernels/moe/moe_ref.py``; MXFP4 experts dequantized one at a time as they are used)."""
+        return fused_moe_ref(x, router_logits, top_k=top_k, renormalize=renormalize, weights_dtype=weights_dtype,
+                             topk_softmax=topk_softmax, **experts.as_kwargs())
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """The forward the runner runs steps through (and CUDA graphs capture): the model itself,

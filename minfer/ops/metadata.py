@@ -1,10 +1,11 @@
-"""The data attention's ops read: per-step metadata, the rotary inputs, the layer's paged cache.
+"""The data the ops read: attention's per-step metadata, the rotary inputs, the layer's paged cache, a MoE
+block's experts.
 
 A leaf module (torch only) so that the model, the ops and the engine all import it without a cycle.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import torch
@@ -78,3 +79,42 @@ class Fp8Activation:
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class MoeExperts:
+    """A MoE block's stacked experts, as ``Ops.fused_moe`` reads them; the layer builds it once (it holds the
+    parameters themselves, so weights loaded in place later are seen).
+
+    ``w_gate_up`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``w_down`` ``[E, H, I]`` in
+    the activations' dtype, or MXFP4: uint8 ``[E, 2I, H // 2]`` / ``[E, H, I // 2]``, two e2m1 codes a byte
+    (the low nibble the even column), with uint8 e8m0 scales ``scale_gate_up`` ``[E, 2I, H // 32]`` /
+    ``scale_down`` ``[E, H, I // 32]`` (one per 32 columns; None for float weights). Optional biases
+    ``bias_gate_up`` ``[E, 2I]`` and ``bias_down`` ``[E, H]``. ``swiglu_limit`` 0 is the plain SwiGLU
+    (``silu(gate) * up``); above 0, gpt-oss's clamped one: gate clamped above and up on both sides at the
+    limit, ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``."""
+
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    bias_gate_up: torch.Tensor | None = None
+    bias_down: torch.Tensor | None = None
+    scale_gate_up: torch.Tensor | None = None
+    scale_down: torch.Tensor | None = None
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.scale_gate_up is None) != (self.scale_down is None):
+            raise ValueError("MoeExperts: scale_gate_up and scale_down are both given (MXFP4) or both None")
+        if self.swiglu_limit < 0:
+            raise ValueError(f"MoeExperts: swiglu_limit must be >= 0 (0: plain SwiGLU), got {self.swiglu_limit}")
+
+    @property
+    def mxfp4(self) -> bool:
+        """Whether the weights are packed e2m1 codes with e8m0 scales."""
+        return self.scale_gate_up is not None
+
+    def as_kwargs(self) -> dict[str, torch.Tensor | float | None]:
+        """The fields by name: the keyword arguments of the kernels' ``fused_moe`` and its reference
+        (``kernels/moe``, a layer below this one, take the tensors rather than this class)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -21,7 +21,7 @@ from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 from minfer.kernels.rope_store import rope_q, rope_store_kv
 from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
 from minfer.ops.base import ModelForward, Ops
-from minfer.ops.metadata import AttentionMetadata, Fp8Activation, PagedKVCache, RopeInputs
+from minfer.ops.metadata import AttentionMetadata, Fp8Activation, MoeExperts, PagedKVCache, RopeInputs
 from minfer.ops.one_token import OneTokenFusedForward
 
 
@@ -108,11 +108,14 @@ class TritonOps(Ops):
         gemm = fp8_gemm_block if block else fp8_gemm_channel
         return gemm(a.q, a.scale, weight, weight_scale, bias, out_dtype=a.dtype)
 
-    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  top_k: int, renormalize: bool, weights_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Routing, tokens grouped by expert on the device, and two grouped GEMMs (SwiGLU fused into the
-        first, the routing weights into the second) that read only the experts some token chose."""
-        return fused_moe(x, router_logits, w_gate_up, w_down, top_k, renormalize, weights_dtype=weights_dtype)
+    def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoeExperts, top_k: int,
+                  renormalize: bool, weights_dtype: torch.dtype | None = None,
+                  topk_softmax: bool = False) -> torch.Tensor:
+        """Routing, tokens grouped by expert on the device, and two grouped GEMMs (the gate into the first's
+        epilogue, the routing weights into the second's) that read only the experts some token chose; MXFP4
+        codes are expanded in registers, never to a dequantized copy."""
+        return fused_moe(x, router_logits, top_k=top_k, renormalize=renormalize, weights_dtype=weights_dtype,
+                         topk_softmax=topk_softmax, **experts.as_kwargs())
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model; a

@@ -299,8 +299,11 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
-              renormalize: bool, config: MoeConfig | None = None, *,
-              weights_dtype: torch.dtype | None = None) -> torch.Tensor:
+              renormalize: bool, config: MoeConfig | None = None, *, weights_dtype: torch.dtype | None = None,
+              topk_softmax: bool = False, bias_gate_up: torch.Tensor | None = None,
+              bias_down: torch.Tensor | None = None, scale_gate_up: torch.Tensor | None = None,
+              scale_down: torch.Tensor | None = None, swiglu_limit: float = 0.0,
+              swiglu_alpha: float = 1.0) -> torch.Tensor:
     """A sparse MoE block after its router -> ``[T, H]`` in x's dtype: ``sum_k weight_k *
     down_e(silu(gate_e(x)) * up_e(x))`` over each token's top_k experts e.
 
@@ -317,6 +320,9 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     Only the experts some token chose are read: at batch 1, top_k experts' weights. No host sync, grids
     from shapes only (CUDA-graph capturable). ``config`` overrides the ``MOE_CONFIGS`` table (sweeps, tests).
     """
+    if (topk_softmax or bias_gate_up is not None or bias_down is not None or scale_gate_up is not None
+            or scale_down is not None or swiglu_limit):
+        raise NotImplementedError("gpt-oss routing, biases, the clamped SwiGLU and MXFP4 weights: kernels to come")
     t, h, e, i = _check_moe_args(x, router_logits, w_gate_up, w_down, top_k)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:

@@ -24,7 +24,7 @@ from torch import nn
 from minfer.config import ModelConfig
 from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.quantization.base import QuantConfig
-from minfer.ops import Ops
+from minfer.ops import MoeExperts, Ops
 
 
 class SparseMoeBlock(nn.Module):
@@ -42,6 +42,7 @@ class SparseMoeBlock(nn.Module):
         self.gate.weight = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+        self.moe_experts = MoeExperts(self.w_gate_up, self.w_down)  # the parameters themselves, loaded in place
 
     def checkpoint_keys(self) -> list[tuple[str, int]]:
         """(matrix, expert) for every expert matrix the checkpoint must supply (and its format's tensors)."""
@@ -76,6 +77,5 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = F.linear(x, self.gate.weight)
-        y = self.ops.fused_moe(x, router_logits, self.w_gate_up, self.w_down, self.top_k, self.renormalize,
-                               self.weights_dtype)
+        y = self.ops.fused_moe(x, router_logits, self.moe_experts, self.top_k, self.renormalize, self.weights_dtype)
         return self.tp.all_reduce(y)
