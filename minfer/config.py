@@ -106,8 +106,8 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "linear", "longrope", "default"):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear, longrope")
+            if kind not in ("llama3", "linear", "longrope", "yarn", "default"):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear, longrope, yarn")
             scaling = None if kind == "default" else {**scaling, "rope_type": kind}
             if kind == "longrope":
                 scaling = _longrope(scaling, cfg)

@@ -76,6 +76,13 @@ ARCHS: dict[str, dict] = {
                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                                 "full_attention"], num_kv_shared_layers=2, hidden_size_per_layer_input=8,
                    vocab_size_per_layer_input=VOCAB, use_double_wide_mlp=True, final_logit_softcapping=30.0),
+    # gpt-oss: sinks, windowed / full layers alternating (window 21: prompts pass it mid-page), q/k/v/o biases,
+    # YaRN (factor 4 over 128 positions: the blend band lies inside the 8 frequencies), a biased router, top-2 of 4
+    # experts whose SwiGLU clamps at 1.5 (the tiny model's gate/up values pass it)
+    "gpt_oss": dict(arch="GptOssForCausalLM", model_type="gpt_oss", tie=False, head_dim=16, sliding_window=21,
+                    num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
 }
 
 
@@ -115,6 +122,8 @@ def make_checkpoint(out: Path, name: str, *, scale: float = 2.0, layers: int = 2
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("sinks"):  # gpt-oss: logits of the scores' size, so that a sink weighs
+                p.copy_(2.0 * torch.randn_like(p))
             elif p.dim() == 1:  # biases
                 p.copy_(0.2 * torch.randn_like(p))
             else:

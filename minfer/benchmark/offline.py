@@ -78,8 +78,9 @@ class DecodeCost:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, tp: int = 1, weight_element_bytes: float = 2.0,
-                  kv_element_bytes: float = 2.0) -> "DecodeCost":
-        """From the shape alone (bf16 weights and KV cache by default), sharded as ``minfer.model`` does."""
+                  kv_element_bytes: float = 2.0, expert_element_bytes: float | None = None) -> "DecodeCost":
+        """From the shape alone (bf16 weights and KV cache by default), sharded as ``minfer.model`` does;
+        ``expert_element_bytes``: the experts' bytes per weight where their format differs (MXFP4: 0.53)."""
         h, d, layers = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
         heads = cfg.num_attention_heads / tp
         kv_heads = cfg.num_key_value_heads / tp if cfg.num_key_value_heads >= tp else 1
@@ -92,11 +93,14 @@ class DecodeCost:
         bias = (heads + 2 * kv_heads) * d if cfg.attention_bias else 0
         norms = 2 * h + (2 * d if cfg.qk_norm else 0)
         weights = active + router + layers * (bias + norms) + vocab * h + h  # a token's own experts only
+        if expert_element_bytes is not None:  # the experts' elements counted in their own format
+            weights -= moe * cfg.num_experts_per_tok * expert * (1 - expert_element_bytes / weight_element_bytes)
+        expert_element_bytes = expert_element_bytes or weight_element_bytes
         windows = [cfg.layer_window(i) for i in range(layers)]
         shares = tuple((w, windows.count(w) / layers) for w in sorted(set(windows)))
         return cls(tp, weights * weight_element_bytes, active, vocab * h,
                    2 * layers * kv_heads * d * kv_element_bytes, 4 * heads * d * layers,
-                   expert_bytes=moe * expert * weight_element_bytes, num_experts=cfg.num_experts,
+                   expert_bytes=moe * expert * expert_element_bytes, num_experts=cfg.num_experts,
                    top_k=cfg.num_experts_per_tok, window_shares=shares)
 
     @classmethod
@@ -110,7 +114,9 @@ class DecodeCost:
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         if not cfg.tie_word_embeddings:
             held -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-        cost = cls.for_model(cfg, tp, runner.dtype.itemsize)
+        experts = model.quant.expert_method() if model.quant is not None else None
+        cost = cls.for_model(cfg, tp, runner.dtype.itemsize,
+                             expert_element_bytes=experts.bytes_per_weight if experts is not None else None)
         held -= (cost.num_experts - cost.top_k) * cost.expert_bytes  # a token reads its top-k experts only
         return replace(cost, weight_bytes=float(held), kv_bytes_per_token=float(runner.kv_spec.token_bytes),
                        matmul_flop_s=FP8_FLOP_S if model.quant is not None else BF16_FLOP_S)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from minfer.model.registry import model_config
-from minfer.model.random_weights import SEED, random_tensors, tensor_shapes
+from minfer.model.random_weights import SEED, random_tensors, stored_dtype, tensor_shapes
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -86,6 +86,19 @@ SHAPES: dict[str, dict] = {
                         intermediate_size=21504, vocab_size=262208, tie_word_embeddings=True,
                         **_GEMMA3, query_pre_attn_scalar=168),
 }
+# gpt-oss: sinks, 128-token windows on alternate layers, YaRN, MXFP4 experts (the released format: random codes
+# and scales), everything else bf16; 21 B (3.6 B active) and 117 B (5.1 B active)
+_GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=2880, num_attention_heads=64,
+                num_key_value_heads=8, head_dim=64, intermediate_size=2880, num_experts_per_tok=4,
+                vocab_size=201088, tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=150000.0,
+                rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                              "truncate": False, "original_max_position_embeddings": 4096},
+                sliding_window=128, swiglu_limit=7.0, attention_bias=True, rms_norm_eps=1e-5, hidden_act="silu",
+                eos_token_id=[200002, 199999, 200012], pad_token_id=199999,
+                quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+SHAPES["gpt-oss-20b"] = dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32)
+SHAPES["gpt-oss-120b"] = dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128)
 # The released Gemma 3 checkpoints (4B and up) are multimodal: the same language model under ``text_config`` of a
 # ``Gemma3ForConditionalGeneration`` (random text weights only: minfer serves the text model).
 for _size in ("12b", "27b"):
@@ -138,7 +151,7 @@ def _is_whole(path: Path, names: dict[str, tuple[int, ...]], dtype: torch.dtype)
                 return False
             for name, shp in names.items():
                 sl = f.get_slice(name)
-                if tuple(sl.get_shape()) != shp or sl.get_dtype() != _SAFETENSORS_DTYPES.get(dtype):
+                if tuple(sl.get_shape()) != shp or sl.get_dtype() != _SAFETENSORS_DTYPES.get(stored_dtype(name, dtype)):
                     return False
         return path.stat().st_size >= _data_end(path)
     except Exception:  # noqa: BLE001 - unreadable header: not whole, write it again
@@ -153,7 +166,7 @@ def _data_end(path: Path) -> int:
     return 8 + n + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
 
 
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
 
 
 def write_shape_config(shape: str, out: Path, dtype: torch.dtype = torch.bfloat16, layers: int | None = None,

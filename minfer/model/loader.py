@@ -165,11 +165,11 @@ def build_model(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device
     (a method of ``quantization.ONLINE_FORMATS``, applied to a float checkpoint as it loads); a quantized
     checkpoint says so in its config.
     ``load_format``: 'auto' reads the safetensors, 'dummy' draws random weights (``load_weights``)."""
-    if load_format == "dummy" and config.quantization_config is not None:
-        raise ValueError("load_format='dummy' does not support pre-quantized checkpoints (config.json has a "
+    quant = resolve_quantization(config.quantization_config, quantization)
+    if load_format == "dummy" and config.quantization_config is not None and not quant.random_weights:
+        raise ValueError(f"load_format='dummy' does not draw pre-quantized {quant.name} tensors (config.json has a "
                          "quantization_config): drop it from the config, and pass the engine's quantization argument for "
                          "weights quantized as they load")
-    quant = resolve_quantization(config.quantization_config, quantization)
     with torch.device(device):
         model = model_class(config.architecture)(config, dtype, max_position, ops, tp, quant)
     load_weights(model, model_dir, device, load_format)

@@ -27,13 +27,23 @@ def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return model_class(config.architecture).checkpoint_shapes(config)
 
 
+def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a checkpoint of float ``dtype`` stores tensor ``name`` in: uint8 for MXFP4 codes and scales."""
+    return torch.uint8 if name.endswith(("_blocks", "_scales")) else dtype
+
+
 def draw(name: str, shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype,
          device: torch.device | str) -> torch.Tensor:
     """One tensor on ``device``. A norm weight is 1 and uses no numbers from ``gen``: a random norm
-    would only rescale its layer. Any other tensor is drawn in float32 from ``gen``, times STD, then
-    rounded to ``dtype``, as a checkpoint stores it."""
+    would only rescale its layer. MXFP4 codes and scales (``*_blocks``, ``*_scales``) are random bytes.
+    Any other tensor is drawn in float32 from ``gen``, times STD, then rounded to ``dtype``, as a
+    checkpoint stores it."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=device)
+    if stored_dtype(name, dtype) == torch.uint8 and name.endswith("_blocks"):  # MXFP4 codes: any byte is two e2m1
+        return torch.randint(0, 256, shape, generator=gen, device=device, dtype=torch.uint8)
+    if name.endswith("_scales"):  # MXFP4 exponents near 2^-7: |w| ~ 0.02 on average, as the float tensors
+        return torch.randint(119, 122, shape, generator=gen, device=device, dtype=torch.uint8)
     return (torch.randn(shape, generator=gen, device=device) * STD).to(dtype)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from minfer.config import ModelConfig
 from minfer.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from minfer.model.models.gemma4 import Gemma4ForCausalLM
+from minfer.model.models.gpt_oss import GptOssForCausalLM
 from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from minfer.model.models.mixtral import MixtralForCausalLM
 from minfer.model.models.multimodal import Gemma3ForConditionalGeneration, Gemma4ForConditionalGeneration
@@ -32,6 +33,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     # multimodal checkpoints: their language model (models/multimodal.py)
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,

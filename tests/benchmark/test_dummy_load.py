@@ -22,7 +22,7 @@ from minfer.ops import TorchOps
 # each shape's layout (heads, tying, qk-norm, experts, sliding layers) at a few hundred KB
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
              intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
-SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "gemma-3-12b-it"]
+SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "gemma-3-12b-it", "gpt-oss-20b"]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
@@ -48,7 +48,7 @@ def test_dummy_load_needs_only_config_json_and_generates(tmp_path, shape):
 
 
 @pytest.mark.parametrize("shape,dtype", [("llama-3.2-1b", torch.float32), ("qwen3-30b-a3b", torch.float32),
-                                         ("mixtral-8x7b", torch.bfloat16)])
+                                         ("mixtral-8x7b", torch.bfloat16), ("gpt-oss-20b", torch.bfloat16)])
 def test_dummy_weights_equal_the_written_checkpoint(tmp_path, shape, dtype):
     """The same draws as write_random_checkpoint on the CPU (seed 0), rounded to the config's dtype as the
     file stores them (bfloat16 here, in a float32 model)."""
@@ -63,7 +63,7 @@ def test_dummy_weights_equal_the_written_checkpoint(tmp_path, shape, dtype):
         assert torch.isfinite(p).all()
         if "norm" in name:
             assert torch.equal(p, torch.ones_like(p)), name
-        elif p.numel() > 1000:
+        elif p.numel() > 1000 and p.is_floating_point():  # (MXFP4 codes are random bytes)
             assert abs(p.float().std().item() - 0.02) < 0.002, name
 
 

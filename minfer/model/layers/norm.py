@@ -1,7 +1,8 @@
 """``RMSNorm``, with the residual add fused in front of it (the Triton ops fuse the two).
 
 Gemma's norms scale by ``1 + w``: with ``offset=True`` the layer adds the one when its weight loads and keeps
-the sum in float32, which the ops read as Gemma's rounding (the weight multiplies in float32).
+the sum in float32, which the ops read as Gemma's rounding (the weight multiplies in float32). gpt-oss keeps
+its plain ``w`` in float32 (``weight_dtype``), rounded the same way.
 """
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ class RMSNorm(nn.Module):
     """``forward(x, residual)`` first adds the residual and returns the normed output together with the
     new residual stream."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: Ops, offset: bool = False) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, ops: Ops, offset: bool = False,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        """``weight_dtype``: the weight's own dtype (default the model dtype; float32 with ``offset``)."""
         super().__init__()
         self.eps = eps
         self.ops = ops
         self.offset = offset
         self.dtype = dtype
-        self.weight = nn.Parameter(torch.empty(size, dtype=torch.float32 if offset else dtype), requires_grad=False)
+        kind = torch.float32 if offset else (weight_dtype or dtype)
+        self.weight = nn.Parameter(torch.empty(size, dtype=kind), requires_grad=False)
 
     def load_shard(self, name: str, source: Any, shard: Any) -> None:
         """The checkpoint's weight (whole on every rank); Gemma's ``w`` becomes ``1 + w`` in float32."""

@@ -29,6 +29,9 @@ from minfer.ops import AttentionMetadata, Ops, RopeInputs
 
 
 class LlamaAttention(nn.Module):
+    o_bias = False  # o_proj has a bias (gpt-oss)
+    sinks = False  # a learned sink logit per head (gpt-oss)
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
                  tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, prefix: str = "self_attn",
                  window: int = 0) -> None:
@@ -42,12 +45,13 @@ class LlamaAttention(nn.Module):
         o = quant.linear_method([f"{prefix}.o_proj"]) if quant else UNQUANTIZED
         self.qkv_proj = FusedLinear(cfg.hidden_size, qkv_sizes, cfg.attention_bias, dtype,
                                     rows_from=[q_head * d, kv_head * d, kv_head * d], method=qkv, ops=ops)
-        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], False, dtype, cols_from=q_head * d, tp=tp,
+        self.o_proj = FusedLinear(self.q_size, [cfg.hidden_size], self.o_bias, dtype, cols_from=q_head * d, tp=tp,
                                   method=o, ops=ops)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, ops) if cfg.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops, window=window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, ops, window=window,
+                              sinks=self.sinks, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.o_proj(self.attention(self.qkv_proj(x), positions, meta))
@@ -68,13 +72,17 @@ class LlamaAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP with the residual stream carried beside them (the norms add it)."""
 
+    attention: type[LlamaAttention] = LlamaAttention  # a family's attention module (gpt-oss: biases, sinks)
+    float32_norms = False  # norm weights kept in float32, the product rounded once (gpt-oss, as HF keeps them)
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops, mlp: nn.Module,
                  tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, index: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
-        self.self_attn = LlamaAttention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn",
+        norm_dtype = torch.float32 if self.float32_norms else dtype
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops, weight_dtype=norm_dtype)
+        self.self_attn = self.attention(cfg, rotary, dtype, ops, tp, quant, f"layers.{index}.self_attn",
                                         cfg.layer_window(index))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops, weight_dtype=norm_dtype)
         self.mlp = mlp
         # the formats the projections want their inputs in, emitted by the norms before them
         self.attn_in = self.self_attn.qkv_proj.input_quant
@@ -102,6 +110,7 @@ class LlamaForCausalLM(nn.Module):
         "o_proj": ("o_proj", 0), "down_proj": ("down_proj", 0),
     }
     moe_block = "mlp"  # the checkpoint's name of a layer's MoE block (MoE families)
+    decoder_layer: type[DecoderLayer] = DecoderLayer
     # the layer layout the Triton ops' fused one-token forward (ops/one_token.py) reads: 'llama', 'gemma' or None
     fused_one_token: str | None = "llama"
     expert_matrices: dict[str, str] = {}  # an expert's checkpoint matrix names -> 'gate' / 'up' / 'down'
@@ -171,10 +180,11 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.quant = quant  # the linear layers' weight format (None: the model dtype); embeddings stay float
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, dtype, ops, self.make_mlp(cfg, i, dtype, ops, tp, quant),
-                                                 tp, quant, i)
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, rotary, dtype, ops,
+                                                       self.make_mlp(cfg, i, dtype, ops, tp, quant), tp, quant, i)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops,
+                            weight_dtype=torch.float32 if self.decoder_layer.float32_norms else dtype)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:

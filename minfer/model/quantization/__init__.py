@@ -7,20 +7,22 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from minfer.model.quantization import compressed_tensors, fp8
+from minfer.model.quantization import compressed_tensors, fp8, mxfp4
 from minfer.model.quantization.base import QuantConfig
 
 # config.json's quantization_config.quant_method -> its parser
 CHECKPOINT_FORMATS: dict[str, Callable[[dict[str, Any]], QuantConfig]] = {
     "compressed-tensors": compressed_tensors.from_config,
     "fp8": fp8.from_fp8_config,
+    "mxfp4": mxfp4.from_config,
 }
 # the engine's quantization= on a float checkpoint -> its config (config.QUANTIZATION_METHODS lists the names)
 ONLINE_FORMATS: dict[str, Callable[[str], QuantConfig]] = {
     "fp8": fp8.online,
 }
 SUPPORTED = ("quantization='fp8' (online, per channel)", compressed_tensors.SUPPORTED,
-             "fp8 with weight_block_size [128, 128] (Qwen3-FP8 / DeepSeek style) or per-tensor")
+             "fp8 with weight_block_size [128, 128] (Qwen3-FP8 / DeepSeek style) or per-tensor",
+             "mxfp4 (gpt-oss: MoE experts)")
 
 
 def resolve_quantization(quantization_config: dict[str, Any] | None, requested: str | None) -> QuantConfig | None:

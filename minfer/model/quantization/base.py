@@ -83,7 +83,11 @@ UNQUANTIZED = UnquantizedLinear()
 
 class ExpertMethod(ABC):
     """A MoE block's expert matrices in a checkpoint format: the extra tensors each one comes with, and
-    the float matrix they make (the fused MoE kernels multiply in the model dtype)."""
+    the float matrix they make (the fused MoE kernels multiply in the model dtype). A format the MoE op
+    multiplies as stored (MXFP4) sets ``keeps_format``: its family's experts module keeps the codes."""
+
+    keeps_format = False
+    bytes_per_weight: float | None = None  # what one kept weight costs in memory (None: the model dtype's)
 
     @abstractmethod
     def checkpoint_tensors(self) -> list[str]:
@@ -99,6 +103,7 @@ class QuantConfig(ABC):
     """A checkpoint's weight format, and the method of each layer."""
 
     name: str  # what get_stats() reports as the weight dtype
+    random_weights = False  # whether random_weights draws a checkpoint's tensors in this format (dummy loads)
 
     @abstractmethod
     def linear_method(self, checkpoint_modules: list[str]) -> LinearMethod:
