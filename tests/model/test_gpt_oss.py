@@ -141,3 +141,18 @@ def test_mxfp4_split_off_scale_blocks_fails_naming_the_sizes(mxfp4_pair):
     cfg.moe_intermediate_size = 96  # 48 a rank: not whole 32-column blocks
     with pytest.raises(ValueError, match="multiples of 32"):
         GptOssExperts(cfg, torch.float32, TensorParallel(rank=0, size=2), packed=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", ["default", "chunked"])
+def test_mxfp4_on_the_gpu_kernels_matches_hf(mxfp4_pair, scenario):
+    """The Triton (and, on Hopper, Gluon) attention with sinks and windows, and the MoE kernel expanding MXFP4
+    codes in registers, in float32 against HF on the dequantized twin."""
+    mx_dir, twin_dir = mxfp4_pair
+    llm = LLM(str(mx_dir), device="cuda", dtype="float32", **kv_settings(mx_dir, SCENARIOS[scenario]))
+    assert llm.llm_engine.runner.ops.name == "triton"
+    for prompt, out in zip(PROMPTS, _run(llm, PROMPTS)):
+        ref, ref_logits = hf_greedy(twin_dir, prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
