@@ -34,6 +34,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help=f"require `Authorization: Bearer KEY` on every route but /health, /metrics, /version and "
                         f"the pages (default: ${API_KEY_ENV}; unset: no key)")
+    p.add_argument("--allowed-hosts", action="append", default=None, metavar="HOSTS",
+                   help="Host names this server answers to beside the loopback ones (localhost, *.localhost, "
+                        "127.0.0.1, [::1]), comma-separated or repeated: names, addresses, '.example.com' (it and "
+                        "every name under it), '*' (any); any other Host is a 400, a guard against DNS rebinding "
+                        "(default: none on a loopback --host; '*' on any other, with a warning when there is no "
+                        "API key either)")
+    p.add_argument("--allowed-origins", action="append", default=None, metavar="ORIGINS",
+                   help="web pages on other origins that may call the API from a browser (scheme://host[:port], "
+                        "comma-separated or repeated, or '*'): they get CORS headers; a browser request from any "
+                        "other origin but the server's own is a 400 (default: none)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
     p.add_argument("--trust-request-chat-template", action="store_true",
@@ -79,6 +89,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     require_server_extra()
     from minfer.server.chat_template import load_chat_template
+    from minfer.server.hosts import parse_flag_list
 
     model, key = serve_model(args), api_key(args)  # run_server checks the tool flags before the model loads
     template = load_chat_template(args.chat_template) if args.chat_template is not None else None
@@ -88,5 +99,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                chat_template=template, max_request_bytes=args.max_request_bytes,
                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                trust_request_chat_template=args.trust_request_chat_template,
-               reasoning_parser=args.reasoning_parser)
+               reasoning_parser=args.reasoning_parser, allowed_hosts=parse_flag_list(args.allowed_hosts),
+               allowed_origins=parse_flag_list(args.allowed_origins))
     return 0

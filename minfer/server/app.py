@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
@@ -17,6 +18,7 @@ from minfer.server.auth import APIKeyMiddleware
 from minfer.server.chat import create_chat_completion
 from minfer.server.completions import create_completion
 from minfer.server.errors import APIError, install_error_handlers
+from minfer.server.hosts import HostAllowList, HostOriginMiddleware, check_origins
 from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from minfer.server.metrics import ServerMetrics
 from minfer.server.offload import ClientGone, OffloadedBodyRoute
@@ -39,7 +41,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
               chat_template: str | None = None,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, on_engine_dead: Callable[[str], None] | None = None,
-              trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> FastAPI:
+              trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
+              allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> FastAPI:
     """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
@@ -56,7 +59,13 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     ``--trust-request-chat-template``); without it that field is a 400.
     ``reasoning_parser``: chat answers' ``<think>`` text goes to ``reasoning_content`` (vLLM's
     ``--reasoning-parser``: a name in ``minfer.reasoning.REASONING_PARSERS``); None: all of it is content.
+    ``allowed_hosts``: the Host names the server answers to beside the loopback ones (``hosts.HostAllowList``:
+    names, addresses, ``.suffix`` patterns, ``*``); any other is a 400 before anything else runs (DNS rebinding).
+    ``allowed_origins``: pages on other origins (``scheme://host[:port]``, or ``*``) that may call the API from a
+    browser: they get CORS headers; a browser request from any other origin but the server's own is a 400.
     """
+    allowed_hosts, allowed_origins = tuple(allowed_hosts), check_origins(allowed_origins)
+    HostAllowList(allowed_hosts)  # a bad pattern fails here, before the engine thread starts
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_flag(reasoning_parser)
     if chat_template is not None:
@@ -87,8 +96,12 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     app.state.metrics = metrics
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_request_bytes=max_request_bytes)
-    if api_key is not None:  # added last, so it runs first: a bad key is a 401 before the body is read
+    if api_key is not None:  # added later, so it runs earlier: a bad key is a 401 before the body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key, open_prefixes=("/static/", DOCS_STATIC + "/"))
+    if allowed_origins:  # outside the key: preflights are answered, and a 401 carries the CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(HostOriginMiddleware, allowed_hosts=allowed_hosts,  # added last, so it runs first
+                       allowed_origins=allowed_origins)
 
     @app.exception_handler(ClientGone)
     async def _client_gone(_: Request, __: ClientGone) -> Response:

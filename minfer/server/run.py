@@ -7,7 +7,6 @@ engine are imported inside, so importing this module costs nothing.
 from __future__ import annotations
 
 import importlib.util
-import ipaddress
 import logging
 import signal
 import threading
@@ -31,22 +30,13 @@ def require_server_extra() -> None:
         raise ValueError(f"the server needs the `server` extra ({', '.join(missing)} not installed): {_INSTALL}")
 
 
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
-
-
 def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "127.0.0.1", port: int = 8000,
                served_model_names: list[str] | None = None, max_waiting_requests: int | None = DEFAULT_MAX_WAITING,
                log_level: str = "info", access_log: bool = True, api_key: str | None = None,
                chat_template: str | None = None, max_request_bytes: int | None = None,
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-               trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> None:
+               trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
+               allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
     the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
@@ -57,20 +47,32 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     ``enable_auto_tool_choice``, ``tool_call_parser``: see ``build_app`` (checked before the model loads).
     ``trust_request_chat_template``, ``reasoning_parser``: see ``build_app`` (the parser's name is checked
     before the model loads).
+    ``allowed_hosts``: see ``build_app``; None: the loopback names alone on a loopback ``host``, else ``*``.
+    ``allowed_origins``: see ``build_app`` (both are checked before the model loads).
     """
     require_server_extra()
     try:
         import uvicorn
 
         from minfer.server.app import build_app
+        from minfer.server.hosts import HostAllowList, check_origins, default_allowed_hosts, is_loopback
+        from minfer.server.http_protocol import http_protocol
     except ImportError as exc:  # installed, but broken (a dependency of the extra is missing)
         raise ValueError(f"the server's packages do not import ({exc}): {_INSTALL}") from None
 
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_flag(reasoning_parser)
+    hosts = allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host)
+    any_host = HostAllowList(hosts).any
+    origins = check_origins(allowed_origins or [])
     if api_key is None and not is_loopback(host):
-        logger.warning("serving on %s without an API key: anyone who can reach this port can use the model "
-                       "(pass --api-key or set MINFER_API_KEY)", host)
+        logger.warning("serving on %s without an API key: anyone who can reach this port can use the model%s "
+                       "(pass --api-key or set MINFER_API_KEY)", host,
+                       ", and with any Host header a web page in a browser that reaches it can too (DNS rebinding;"
+                       " --allowed-hosts names the hosts to answer to)" if any_host else "")
+    elif api_key is None and any_host:
+        logger.warning("--allowed-hosts '*' without an API key: a web page in your browser can reach this server "
+                       "by DNS rebinding (pass --api-key, or name the hosts to answer to)")
 
     from minfer.config import EngineConfig
     from minfer.engine.llm_engine import LLMEngine
@@ -106,10 +108,10 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         app = build_app(engine, names, max_waiting_requests or None, api_key=api_key, chat_template=chat_template,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                         on_engine_dead=engine_dead, trust_request_chat_template=trust_request_chat_template,
-                        reasoning_parser=reasoning_parser,
+                        reasoning_parser=reasoning_parser, allowed_hosts=hosts, allowed_origins=origins,
                         **limit)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                                               timeout_graceful_shutdown=5))
+                                               timeout_graceful_shutdown=5, http=http_protocol()))
         try:
             server.run()
         except KeyboardInterrupt:  # Ctrl-C: uvicorn has stopped gracefully and raised it again; end quietly

@@ -71,14 +71,36 @@ def test_a_public_host_without_a_key_warns(monkeypatch: pytest.MonkeyPatch, capl
     import minfer.server.run as server_run
 
     monkeypatch.setattr("minfer.llm.builtin_model_path", lambda: tmp_path)  # stops before a model loads
-    for host, key, warns in (("0.0.0.0", None, True), ("::", None, True), ("192.168.1.7", None, True),
-                             ("0.0.0.0", "k", False), ("127.0.0.1", None, False), ("localhost", None, False),
-                             ("::1", None, False)):
+    for host, key, hosts, warns in (("0.0.0.0", None, None, True), ("::", None, None, True),
+                                    ("192.168.1.7", None, None, True), ("0.0.0.0", "k", None, False),
+                                    ("127.0.0.1", None, None, False), ("localhost", None, None, False),
+                                    ("::1", None, None, False), ("127.0.0.1", None, ["*"], True),  # rebinding open
+                                    ("127.0.0.1", "k", ["*"], False), ("0.0.0.0", None, ["m.lan"], True)):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="minfer"), pytest.raises(ValueError, match="built-in"):
-            server_run.run_server(None, {}, host=host, api_key=key)
+            server_run.run_server(None, {}, host=host, api_key=key, allowed_hosts=hosts)
         warned = [r.getMessage() for r in caplog.records if "without an API key" in r.getMessage()]
         assert bool(warned) is warns, (host, key, warned)
+        # any Host accepted without a key: the warning names DNS rebinding and the flag that narrows it
+        assert any("DNS rebinding" in w and "--allowed-hosts" in w for w in warned) is (warns and hosts != ["m.lan"])
+
+
+def test_allowed_hosts_and_origins_flags(seen: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
+    assert main(["serve", "m"]) == 0 and seen["allowed_hosts"] is None and seen["allowed_origins"] is None
+    assert main(["serve", "m", "--allowed-hosts", "a.lan,.example.com", "--allowed-hosts", "[::2]",
+                 "--allowed-origins", '["http://ui.lan:3000"]']) == 0
+    assert seen["allowed_hosts"] == ["a.lan", ".example.com", "[::2]"]
+    assert seen["allowed_origins"] == ["http://ui.lan:3000"]
+
+
+def test_bad_host_patterns_fail_before_the_model_loads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import minfer.server.run as server_run
+
+    monkeypatch.setattr("minfer.llm.builtin_model_path", lambda: tmp_path / "missing")  # would fail later
+    with pytest.raises(ValueError, match="--allowed-hosts: 'localhost:8000' .* any port is allowed"):
+        server_run.run_server(None, {}, allowed_hosts=["localhost:8000"])
+    with pytest.raises(ValueError, match="--allowed-origins: 'ui.lan' is not an origin"):
+        server_run.run_server(None, {}, allowed_origins=["ui.lan"])
 
 
 @pytest.mark.parametrize("module", ["uvicorn", "fastapi", "fastapi_offline", "prometheus_client"])
@@ -107,8 +129,9 @@ def test_without_the_extra_the_command_prints_one_line(tmp_path: Path) -> None:
 
 def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """`minfer serve MODEL --chat-template FILE --api-key K`: the app uvicorn would run renders chats with
-    the file's template, on /v1/chat/completions and /tokenize alike, and wants the key."""
+    """`minfer serve MODEL --chat-template FILE --api-key K --allowed-hosts testserver`: the app uvicorn would
+    run renders chats with the file's template, on /v1/chat/completions and /tokenize alike, wants the key, and
+    answers the test client's Host but not another."""
     import uvicorn
     from fastapi.testclient import TestClient
 
@@ -125,8 +148,9 @@ def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
         def run(self) -> None:
             app, self.started = self.config.app, True
             served.append((self.config.host, self.config.port))
+            assert self.config.http.__name__.startswith("OpenAIError")  # unparsable requests: the error shape
             messages = [{"role": "user", "content": "def f("}]
-            with TestClient(app, headers={"Authorization": "Bearer k"}) as c:
+            with TestClient(app, headers={"Authorization": "Bearer k"}) as c:  # Host: testserver
                 tok = app.state.ctx.tokenizer
                 expected = tok.encode("<<user: def f(>><<assistant:", add_special_tokens=False)
                 assert c.post("/tokenize", json={"messages": messages}).json()["tokens"] == expected
@@ -134,6 +158,8 @@ def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
                 assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
                 assert chat.json()["model"] == model
                 assert c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+                refused = c.get("/v1/models", headers={"Host": "attacker.example"})  # not in --allowed-hosts
+                assert refused.status_code == 400 and refused.json()["error"]["code"] == "host_not_allowed"
                 stats = c.get("/stats").json()
                 assert stats["kv_blocks_used"] == 0 and stats["healthy"]
 
@@ -142,5 +168,5 @@ def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
     path = tmp_path / "chat.jinja"
     path.write_text(TEMPLATE)
     assert main(["serve", model, "--chat-template", str(path), "--api-key", "k", "--port", "8123",
-                 "--num-kv-blocks", "64", "--max-num-seqs", "4"]) == 0
+                 "--num-kv-blocks", "64", "--max-num-seqs", "4", "--allowed-hosts", "testserver"]) == 0
     assert served == [("127.0.0.1", 8123)]

@@ -25,6 +25,7 @@ from minfer.config import EngineConfig  # noqa: E402
 from minfer.engine.llm_engine import LLMEngine  # noqa: E402
 from minfer.outputs import RequestOutputKind  # noqa: E402
 from minfer.server.app import build_app  # noqa: E402
+from minfer.server.http_protocol import http_protocol  # noqa: E402
 from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES  # noqa: E402
 
 MODEL_NAME = "tiny-llama3"
@@ -45,20 +46,24 @@ class LiveServer:
 
     def __init__(self, model_dir: Path, max_waiting_requests: int | None = 1024, api_key: str | None = None,
                  chat_template: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-                 trust_request_chat_template: bool = True, **engine_args: Any) -> None:
-        """``trust_request_chat_template`` is on by default: the shared server's tests send templates."""
+                 trust_request_chat_template: bool = True, allowed_hosts: tuple[str, ...] = (),
+                 allowed_origins: tuple[str, ...] = (), http: str = "auto", **engine_args: Any) -> None:
+        """``trust_request_chat_template`` is on by default: the shared server's tests send templates.
+        ``http``: uvicorn's HTTP protocol under ``http_protocol`` (as ``minfer serve`` runs it)."""
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE_ARGS, **engine_args}),
                                 RequestOutputKind.DELTA)
         self.app = build_app(self.engine, [MODEL_NAME], max_waiting_requests, api_key=api_key,
                              chat_template=chat_template, max_request_bytes=max_request_bytes,
-                             trust_request_chat_template=trust_request_chat_template)
+                             trust_request_chat_template=trust_request_chat_template,
+                             allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
         self.ctx = self.app.state.ctx
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2,
+                                                    http=http_protocol(http)))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -60,7 +60,7 @@ def test_32_concurrent_streams_complete_correctly(server: Any, openai_client: An
 
 def _open_stream(server: Any, body: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock
 

@@ -220,7 +220,7 @@ def test_stream_closed_before_its_first_token(own_server: Any, caplog: pytest.Lo
     body = b'{"prompt": "def f():", "max_tokens": 300, "ignore_eos": true, "stream": true}'
     with caplog.at_level(logging.ERROR):
         sock = socket.create_connection(("127.0.0.1", live.port), timeout=30)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         deadline = time.monotonic() + 10
         while live.async_engine.stats()["num_waiting_requests"] == 0 and time.monotonic() < deadline:

@@ -51,7 +51,7 @@ def _open_request(live: LiveServer, path: str, body: dict[str, Any]) -> socket.s
     """A request sent on a raw socket, so the test can leave (close it) with the request in flight."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", live.port))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 
