@@ -101,12 +101,13 @@ def render_chat(tok: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]
     (None: untraced). A template's refusal, or a render past its time, is the caller's 400."""
     messages = template_messages(req)
     param = "chat_template" if req.chat_template else "messages"
+    variables = {**({"reasoning_effort": req.reasoning_effort} if req.reasoning_effort else {}),
+                 **(req.chat_template_kwargs or {})}
 
     def render() -> Any:
         return tok.apply_chat_template(messages, chat_template=req.chat_template, tokenize=False, tools=tools,
                                        add_generation_prompt=req.add_generation_prompt,
-                                       continue_final_message=req.continue_final_message,
-                                       **(req.chat_template_kwargs or {}))
+                                       continue_final_message=req.continue_final_message, **variables)
 
     try:
         text = budget.run(render) if budget is not None else render()

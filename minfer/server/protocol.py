@@ -177,6 +177,9 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = Field(True, description="end with the assistant's header, so the model answers")
     continue_final_message: bool = Field(False, description="leave the last (assistant) message open to extend it")
     chat_template_kwargs: JsonObject | None = Field(None, description="extra variables for the template")
+    reasoning_effort: Literal["low", "medium", "high"] | None = Field(
+        None, description="OpenAI's field: the template variable of that name (gpt-oss's 'Reasoning: low'); "
+                          "a chat_template_kwargs entry of that name wins")
     add_special_tokens: bool = Field(False, description="add BOS etc. on top of what the template writes")
     # tools
     tools: list[ChatTool] | None = Field(None, max_length=512)

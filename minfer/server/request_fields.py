@@ -46,13 +46,14 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
     "logits_processors": ([],), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "prompt_embeds": (), "audio": (), "modalities": (["text"],),
-    "prediction": (), "reasoning_effort": (), "web_search_options": (), "documents": (),
+    "prediction": (), "web_search_options": (), "documents": (),
     "mm_processor_kwargs": (), "spaces_between_special_tokens": (True,),
 }
 
 
-# Chat's tool fields, on /v1/completions (which has no messages to call tools from).
-CHAT_ONLY: dict[str, tuple[Any, ...]] = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": ()}
+# Chat's tool fields and template variables, on /v1/completions (which has no messages and no template).
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
+                                         "reasoning_effort": ()}
 # The constraints on the output, one at most per request.
 CONSTRAINTS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar")

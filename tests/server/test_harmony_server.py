@@ -141,6 +141,22 @@ def test_the_template_renders_tools_history_and_kwargs(live: LiveServer, oai: An
         len(tok.encode(text, add_special_tokens=False))
 
 
+def test_reasoning_effort_is_a_template_variable(live: LiveServer, oai: Any) -> None:
+    """OpenAI's top-level ``reasoning_effort`` reaches the template (a chat_template_kwargs entry wins); on
+    /v1/completions, which has no template, it is refused by name."""
+    tok = live.engine.tokenizer
+    for body, effort in [({"reasoning_effort": "low"}, "low"), ({}, "medium"),
+                         ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "high")]:
+        req = ChatCompletionRequest.model_validate({"messages": USER, **body})
+        assert f"Reasoning: {effort}\n" in render_chat(tok, req)
+    _script(live, ANSWER)
+    assert _chat(oai, reasoning_effort="low").choices[0].message.content == "Four."
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        oai.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body={"reasoning_effort": "low"})
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        _chat(oai, extra_body={"reasoning_effort": "extreme"})
+
+
 def test_without_a_parser_as_before(live: LiveServer, oai: Any) -> None:
     """No parser: the text is the content, decoded as the request says (markers skipped by default)."""
     ctx = live.ctx
