@@ -43,7 +43,7 @@ def http_protocol(name: str = "auto") -> type[asyncio.Protocol]:
             """Called by uvicorn inside its ``except`` for the parser's error, so ``sys.exc_info`` holds it."""
             cycle = getattr(self, "cycle", None)
             if cycle is not None and cycle.response_started and not cycle.response_complete:
-                super().send_400_response(msg)  # mid-response: no status line can be sent now; uvicorn's way
+                self.transport.close()  # mid-response no status line can be sent: the client sees the body end
                 return
             error = sys.exc_info()[1]
             self.transport.write(malformed_request_response(str(error or ""), self.server_state.default_headers))

@@ -15,6 +15,7 @@ import pytest
 
 from minfer.server.hosts import (HostAllowList, HostOriginMiddleware, check_origins, default_allowed_hosts,
                                  parse_flag_list, split_host_header)
+from minfer.server.http_protocol import http_protocol
 
 from .conftest import MODEL_NAME, LiveServer
 
@@ -231,3 +232,41 @@ def test_malformed_http_is_a_400_in_the_error_shape(raw_server: LiveServer, monk
     status, answer = raw(raw_server, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
                                      b"Content-Type: application/json", body)
     assert status == 200 and seen.count("engine") == 1
+
+
+@pytest.mark.parametrize("name", PROTOCOLS)
+def test_the_protocols_400_alone(name: str) -> None:
+    """``send_400_response`` as uvicorn calls it, inside its ``except`` for the parser's error; mid-response (no
+    status line can be sent) it only closes the connection."""
+    from types import SimpleNamespace
+
+    class Transport:
+        def __init__(self) -> None:
+            self.data, self.closed = b"", False
+
+        def write(self, data: bytes) -> None:
+            self.data += data
+
+        def close(self) -> None:
+            self.closed = True
+
+    protocol_class = http_protocol(name)
+    for started, complete in ((False, False), (True, True), (True, False)):
+        protocol: Any = protocol_class.__new__(protocol_class)
+        protocol.transport = Transport()
+        protocol.server_state = SimpleNamespace(default_headers=[(b"server", b"uvicorn")])
+        protocol.cycle = SimpleNamespace(response_started=started, response_complete=complete)
+        try:
+            raise ValueError("a reason from the parser")
+        except ValueError:
+            protocol.send_400_response("Invalid HTTP request received.")
+        assert protocol.transport.closed
+        if started and not complete:
+            assert protocol.transport.data == b""
+            continue
+        head, _, body = protocol.transport.data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 ") and b"\r\nserver: uvicorn\r\n" in head
+        assert f"content-length: {len(body)}".encode() in head and b"connection: close" in head
+        assert json.loads(body)["error"] == {"message": "the request is not valid HTTP: a reason from the parser",
+                                             "type": "invalid_request_error", "param": None,
+                                             "code": "malformed_http_request"}
