@@ -62,9 +62,8 @@ class TritonOps(Ops):
     def paged_attention(self, q: torch.Tensor, cache: PagedKVCache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor:
         kc, vc, g = cache.k_cache, cache.v_cache, cache.kv_group
-        if cache.sinks is not None:  # until the kernels take them: never attend as if the sinks were not there
-            raise NotImplementedError("attention sinks are not in the Triton kernels yet: use the torch ops")
-        how = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=cache.window, softcap=cache.softcap)
+        how = dict(k_scale=cache.k_scale, v_scale=cache.v_scale, window=cache.window, softcap=cache.softcap,
+                   sinks=cache.sinks)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
         if nd:

@@ -349,10 +349,11 @@ def _window_case(ctx_lens: list[int], first_pos: list[int], num_kv_heads: int, h
 def check_decode_window(ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, page: int,
                         dtype: torch.dtype, device: str, window: int = 0, softcap: float = 0.0,
                         num_splits: int | None = None, kv_dtype: str | None = None, stale: int | str | None = None,
-                        q_gain: float = 1.0, kernel=paged_decode_attention) -> torch.Tensor:
-    """Decode with a sliding window and/or soft cap vs the float64 reference (on the same codes and scales for
-    an 8-bit ``kv_dtype``), the kernel's table poisoned before each window when ``stale`` is set. ``q_gain``
-    scales q, so scores reach the cap's saturation. Returns the kernel's output."""
+                        q_gain: float = 1.0, kernel=paged_decode_attention,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode with a sliding window, soft cap and/or attention ``sinks`` ``[num_heads]`` vs the float64 reference (on
+    the same codes and scales for an 8-bit ``kv_dtype``), the kernel's table poisoned before each window when
+    ``stale`` is set. ``q_gain`` scales q, so scores reach the cap's saturation. Returns the kernel's output."""
     (k_cache, v_cache), scales, kernel_table, table = _window_case(
         ctx_lens, [c - 1 for c in ctx_lens], num_kv_heads, head_dim, page, dtype, device, window, kv_dtype, stale)
     lens = torch.tensor(ctx_lens, dtype=torch.int32, device=device)
@@ -361,19 +362,20 @@ def check_decode_window(ctx_lens: list[int], num_heads: int, num_kv_heads: int, 
     out = torch.full_like(q, float("nan"))
     with _watching(kernel_table, table, stale) as table_reads:
         kernel(q, k_cache, v_cache, kernel_table, lens, scale, out=out, num_splits=num_splits, window=window,
-               softcap=softcap, **scales)
+               softcap=softcap, **scales, **_sinks(sinks))
     assert table_reads[0] > 0, "no block-table load was seen"
     up = (lambda t: t) if kv_dtype else (lambda t: t.double())
     ref = paged_decode_attention_ref(q.double(), up(k_cache), up(v_cache), table, lens, scale, window=window,
-                                     softcap=softcap, **scales)
-    assert_close(out, ref, dtype, f"decode window={window} softcap={softcap} splits={num_splits} {kv_dtype or ''}")
+                                     softcap=softcap, **scales, **_sinks(sinks, torch.float64))
+    assert_close(out, ref, dtype, f"decode window={window} softcap={softcap} splits={num_splits} {kv_dtype or ''}"
+                 f"{' sinks' if sinks is not None else ''}")
     return out
 
 
 def check_prefill_window(q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
                          page: int, dtype: torch.dtype, device: str, window: int = 0, softcap: float = 0.0,
                          kv_dtype: str | None = None, stale: int | str | None = None, q_gain: float = 1.0,
-                         kernel=paged_prefill_attention) -> torch.Tensor:
+                         kernel=paged_prefill_attention, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill counterpart of ``check_decode_window``; sequence s's first query sits at ``ctx - q_len``."""
     (k_cache, v_cache), scales, kernel_table, table = _window_case(
         ctx_lens, [c - n for c, n in zip(ctx_lens, q_lens)], num_kv_heads, head_dim, page, dtype, device, window,
@@ -385,10 +387,16 @@ def check_prefill_window(q_lens: list[int], ctx_lens: list[int], num_heads: int,
     out = torch.full_like(q, float("nan"))
     with _watching(kernel_table, table, stale) as table_reads:
         kernel(q, k_cache, v_cache, kernel_table, qsl, lens, max(q_lens), scale, out=out, window=window,
-               softcap=softcap, **scales)
+               softcap=softcap, **scales, **_sinks(sinks))
     assert table_reads[0] > 0, "no block-table load was seen"
     up = (lambda t: t) if kv_dtype else (lambda t: t.double())
     ref = paged_prefill_attention_ref(q.double(), up(k_cache), up(v_cache), table, qsl, lens, max(q_lens), scale,
-                                      window=window, softcap=softcap, **scales)
-    assert_close(out, ref, dtype, f"prefill window={window} softcap={softcap} {kv_dtype or ''}")
+                                      window=window, softcap=softcap, **scales, **_sinks(sinks, torch.float64))
+    assert_close(out, ref, dtype, f"prefill window={window} softcap={softcap} {kv_dtype or ''}"
+                 f"{' sinks' if sinks is not None else ''}")
     return out
+
+
+def _sinks(sinks: torch.Tensor | None, dtype: torch.dtype | None = None) -> dict:
+    """The ``sinks`` keyword (in ``dtype`` for the reference) when there are sinks; without, none, as before them."""
+    return {} if sinks is None else {"sinks": sinks if dtype is None else sinks.to(dtype)}

@@ -302,3 +302,73 @@ def test_torch_ops_with_sinks_are_hfs_formula(window: int) -> None:
     torch.testing.assert_close(dec, hf[last[:2]].float(), rtol=1e-5, atol=1e-5)
     pre = torch_prefill_attention(q32, kc, vc, meta, scale, window=window, sinks=sinks)
     torch.testing.assert_close(pre, hf[int(qsl[2]):].float(), rtol=1e-5, atol=1e-5)
+
+
+def head_sinks(num_heads: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Sinks of both signs around the scores' spread (N(0, 1)-ish at these shapes), as trained ones are."""
+    return (2 * torch.randn(num_heads, device=device)).to(dtype)
+
+
+@pytest.mark.parametrize("num_splits,window", [(1, 0), (4, 0), (3, 21)], ids=["direct", "split4", "split3-window21"])
+def test_decode_sinks(num_splits: int, window: int) -> None:
+    # Split 0 alone counts the sink; 4 splits of a 1-token context leave empty ones, with no sink either.
+    check_decode_window([1, 15, 40, 90], 8, 2, 32, PAGE, torch.bfloat16, "cpu", window=window, num_splits=num_splits,
+                        sinks=head_sinks(8, dtype=torch.bfloat16), stale=-1 if window else None)
+
+
+@pytest.mark.parametrize("window", [0, 21])
+def test_prefill_sinks(window: int) -> None:
+    # Chunks after cached context (chunked prefill), a single row, a fresh prompt; GQA 4.
+    check_prefill_window([40, 1, 7, 33], [80, 23, 23, 33], 8, 2, 32, PAGE, torch.float32, "cpu", window=window,
+                         sinks=head_sinks(8), stale=-1 if window else None)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_sinks_8bit_cache(kv_dtype: str) -> None:
+    check_decode_window([3, 37, 90], 8, 2, 32, PAGE, torch.float32, "cpu", window=37, num_splits=2,
+                        kv_dtype=kv_dtype, sinks=head_sinks(8))
+    check_prefill_window([40, 9], [90, 30], 8, 2, 32, PAGE, torch.float32, "cpu", window=21, kv_dtype=kv_dtype,
+                         sinks=head_sinks(8))
+
+
+def test_sinks_with_softcap() -> None:
+    """Soft-capping and sinks do not meet in real models; the cap bends the scores, never the sink."""
+    check_decode_window([20, 70], 4, 1, 32, PAGE, torch.float32, "cpu", softcap=1.0, num_splits=2, sinks=head_sinks(4))
+    check_prefill_window([20, 33], [20, 60], 4, 1, 32, PAGE, torch.float32, "cpu", softcap=1.0, sinks=head_sinks(4))
+
+
+def test_a_dominant_sink() -> None:
+    """A sink of +8 outweighs the scores (spread ~1): the output shrinks by ~e^8 / context and stays exact."""
+    big = torch.full((4,), 8.0)
+    torch.manual_seed(3)
+    dec = check_decode_window([5, 60], 4, 2, 32, PAGE, torch.float32, "cpu", num_splits=3, sinks=big)
+    torch.manual_seed(3)
+    plain = check_decode_window([5, 60], 4, 2, 32, PAGE, torch.float32, "cpu", num_splits=3)
+    assert dec.norm() < 0.2 * plain.norm()
+    check_prefill_window([30, 7], [50, 7], 4, 2, 32, PAGE, torch.float32, "cpu", window=21, sinks=big)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # -inf - -inf in a where's unused branch
+@pytest.mark.parametrize("sink", [float("-inf"), -1e4], ids=["minus-inf", "minus-1e4"])
+def test_a_vanishing_sink_is_no_sink(sink: float) -> None:
+    """A sink no score can reach adds exp2(-inf) = 0 to the denominator and starts no running max above a score:
+    the output is the one without sinks, bit for bit (with windows whose lower edge hides every key of a tile from
+    some rows, and empty splits)."""
+    sinks = torch.full((8,), sink)
+    for fn, args, how in ((check_decode_window, ([1, 15, 40, 90],), dict(window=21, num_splits=4)),
+                          (check_prefill_window, ([40, 1, 33], [80, 23, 33]), dict(window=5))):
+        torch.manual_seed(5)
+        with_sinks = fn(*args, 8, 2, 32, PAGE, torch.float32, "cpu", sinks=sinks, **how)
+        torch.manual_seed(5)
+        without = fn(*args, 8, 2, 32, PAGE, torch.float32, "cpu", **how)
+        assert torch.equal(with_sinks, without), fn.__name__
+
+
+def test_sinks_are_checked() -> None:
+    from minfer.kernels.attention.decode_attention import paged_decode_attention
+
+    k_cache, v_cache, table = make_paged_kv([5], 2, 32, PAGE, torch.float32, "cpu")
+    q, lens = torch.randn(1, 8, 32), torch.tensor([5], dtype=torch.int32)
+    for bad in (torch.zeros(4), torch.zeros(8, dtype=torch.int32), torch.zeros(16)[::2]):
+        with pytest.raises(ValueError, match="sinks"):
+            paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2, sinks=bad)

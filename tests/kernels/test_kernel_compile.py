@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-# (module, kernel, signature, constexprs) of each build: the activation codes and the norm's weight rounding
+# (module, kernel, signature, constexprs) of each build: the activation codes, the norm's weight rounding, attention
+# sinks
 BUILDS = {
     "silu": ("minfer.kernels.activation", "_act_and_mul_kernel",
              dict(X="*bf16", OUT="*bf16", stride_x="i32", stride_o="i32", inter="i32"),
@@ -23,6 +24,25 @@ BUILDS = {
                             dict(X="*bf16", R="*bf16", W="*fp32", OUT="*bf16", stride_x="i32", stride_xh="i32",
                                  stride_r="i32", heads="i32", hidden="i32", eps="fp32"),
                             dict(HAS_RESIDUAL=True, F32_WEIGHT=True, BLOCK=4096, PDL=False)),
+    # attention's sinks (gpt-oss), with the split partials and a window as gpt-oss's sliding layers take them
+    "decode_attention_sinks": ("minfer.kernels.attention.decode_attention", "_decode_split_kernel",
+                               dict(Q="*bf16", K="*bf16", V="*bf16", KS="*bf16", VS="*bf16", BT="*i32", CL="*i32",
+                                    O="*bf16", MID_O="*fp32", MID_LSE="*fp32", scale_log2e="fp32", stride_qb="i32",
+                                    stride_qh="i32", stride_kb="i32", stride_kt="i32", stride_kh="i32",
+                                    stride_btb="i32", stride_ob="i32", stride_oh="i32", num_splits="i32",
+                                    SINKS="*bf16"),
+                               dict(GROUP=8, GROUP_PAD=16, HEAD_DIM=64, PAGE=16, BLOCK_N=64, DIRECT=False,
+                                    DOT_PREC="tf32", UPCAST=False, QUANT=False, F16=False, F16_KIND=-1, Q8=False,
+                                    ASM=False, COLUMN_SUMS=False, PDL=False, WINDOW=128, SOFTCAP_LOG2=0.0,
+                                    HAS_SINKS=True)),
+    "prefill_attention_sinks": ("minfer.kernels.attention.prefill_attention", "_prefill_kernel",
+                                dict(Q="*bf16", K="*bf16", V="*bf16", KS="*bf16", VS="*bf16", BT="*i32", QSL="*i32",
+                                     CL="*i32", O="*bf16", scale_log2e="fp32", stride_qt="i32", stride_qh="i32",
+                                     stride_kb="i32", stride_kt="i32", stride_kh="i32", stride_btb="i32",
+                                     stride_ot="i32", stride_oh="i32", SINKS="*bf16"),
+                                dict(GROUP=8, HEAD_DIM=64, PAGE=16, NUM_KV_HEADS=8, BLOCK_M=128, BLOCK_N=128,
+                                     DOT_PREC="tf32", UPCAST=False, QUANT=False, F16=False, F16_KIND=-1, ASM=False,
+                                     WINDOW=128, SOFTCAP_LOG2=0.0, HAS_SINKS=True)),
 }
 
 

@@ -1,6 +1,7 @@
 """The attention layer's learned sinks (gpt-oss): a parameter of this rank's query heads in the model dtype, read from
 the checkpoint's ``self_attn.sinks`` slice under tensor parallelism, and handed to the ops through the cache
-protocol (``cache.sinks``), which give the attention of the kernels' reference."""
+protocol (``cache.sinks``): the torch ops and the Triton ones (the interpreter on the CPU) give the attention of the
+kernels' reference."""
 from __future__ import annotations
 
 import pytest
@@ -41,12 +42,12 @@ def test_wrong_tensors_are_refused() -> None:
 def layer_step(ops, dtype: torch.dtype = torch.float32) -> tuple:
     """A layer with sinks over a filled paged cache, and a step of two decodes then two prompt chunks (a
     window of 9 on the layer): (layer, q, meta, lens, qsl of the chunks)."""
-    page, hkv, d = 4, 2, 16
-    ctx, q_lens = [5, 13, 11, 7], [1, 1, 6, 7]
+    page, hkv, d = 16, 2, 16
+    ctx, q_lens = [5, 40, 33, 20], [1, 1, 20, 7]
     layer = Attention(HEADS, hkv, d, ops, window=9, sinks=True, dtype=dtype)
     layer.sinks.data.copy_(torch.linspace(-2, 3, HEADS))
     layer.k_cache, layer.v_cache = torch.randn(2, 16, page, hkv, d).to(dtype).unbind(0)
-    table = torch.randperm(16)[:16].view(4, 4).int()
+    table = torch.randperm(16)[:12].view(4, 3).int()
     lens = torch.tensor(ctx, dtype=torch.int32)
     qsl = torch.tensor([0] + q_lens[2:]).cumsum(0).int()
     meta = AttentionMetadata(
@@ -57,17 +58,26 @@ def layer_step(ops, dtype: torch.dtype = torch.float32) -> tuple:
     return layer, q, meta, lens, qsl
 
 
-def test_the_ops_read_the_layers_sinks() -> None:
-    layer, q, meta, lens, qsl = layer_step(TorchOps())
+def ops_named(name: str):
+    if name == "torch":
+        return TorchOps()
+    from minfer.ops.triton_ops import TritonOps
+
+    return TritonOps(torch.device("cpu"), 16, 16)
+
+
+@pytest.mark.parametrize("ops", ["torch", "triton"])
+def test_the_ops_read_the_layers_sinks(ops: str) -> None:
+    layer, q, meta, lens, qsl = layer_step(ops_named(ops))
     out = layer.ops.paged_attention(q, layer, meta, layer.scale)
     how = dict(window=layer.window, sinks=layer.sinks.double())
     table, kc, vc = meta.block_tables[0], layer.k_cache.double(), layer.v_cache.double()
     dec = paged_decode_attention_ref(q[:2].double(), kc, vc, table[:2], lens[:2], layer.scale, **how)
-    pre = paged_prefill_attention_ref(q[2:].double(), kc, vc, table[2:], qsl, lens[2:], 7, layer.scale, **how)
+    pre = paged_prefill_attention_ref(q[2:].double(), kc, vc, table[2:], qsl, lens[2:], 20, layer.scale, **how)
     torch.testing.assert_close(out.double(), torch.cat([dec, pre]), rtol=1e-5, atol=1e-5)
     layer.sinks.data.fill_(-1e30)  # a sink that no key can match is no sink
     plain = dict(window=layer.window)
     dec = paged_decode_attention_ref(q[:2].double(), kc, vc, table[:2], lens[:2], layer.scale, **plain)
-    pre = paged_prefill_attention_ref(q[2:].double(), kc, vc, table[2:], qsl, lens[2:], 7, layer.scale, **plain)
+    pre = paged_prefill_attention_ref(q[2:].double(), kc, vc, table[2:], qsl, lens[2:], 20, layer.scale, **plain)
     out = layer.ops.paged_attention(q, layer, meta, layer.scale)
     torch.testing.assert_close(out.double(), torch.cat([dec, pre]), rtol=1e-5, atol=1e-5)

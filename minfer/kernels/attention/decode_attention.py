@@ -44,6 +44,10 @@ the splits divide that range alone and the key loop starts there, so a block who
 looked up (a hybrid cache frees those, leaving stale or -1 table entries) and a long context costs O(window) (H200,
 B=32 x 32k, window 4096: 143 us, as at 4k without a window; 967 us without). The cap is applied in the log2 domain,
 with the cap scaled by log2(e): ``c * tanh(s / c)`` scales with s and c together; decode does not notice its cost.
+
+Sinks (gpt-oss: a logit per head in the softmax's denominator, no value) are one more variant (``HAS_SINKS``; ``SINKS``
+None without). Split 0 alone counts them, so the merge weighs each in once: its running max starts at the sink, whose
+term joins the denominator at the end (at most 1: no overflow).
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, Q8: tl.constexpr, ASM: tl.constexpr,
     COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False, WINDOW: tl.constexpr = 0, SOFTCAP_LOG2: tl.constexpr = 0.0,
+    SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     kvh = tl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
@@ -124,6 +129,9 @@ def _decode_split_kernel(
         q = q_to_f16(q)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    if HAS_SINKS:  # log2-domain sinks; split 0's running max starts at its sink
+        sink = tl.load(SINKS + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     if COLUMN_SUMS:
         l_cols = tl.zeros([GROUP_PAD, BLOCK_N], tl.float32)
@@ -192,6 +200,8 @@ def _decode_split_kernel(
         m_i = m_new
     if COLUMN_SUMS:
         l_i = tl.sum(l_cols, axis=1)
+    if HAS_SINKS:  # the sink's term, once (split 0): at most 1, as m_i >= sink
+        l_i += tl.where(split == 0, tl.exp2(sink - m_i), 0.0)
 
     if DIRECT:
         out = acc / l_i[:, None]
@@ -284,12 +294,14 @@ def paged_decode_attention(
     config: DecodeConfig | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, D]`` (the token at ``context_lens[b] - 1``) over its paged context.
 
     8-bit caches (int8 / fp8) need their ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``.
     ``window`` > 0: only the last ``window`` keys (HF's ``sliding_window``); table entries of blocks wholly
-    before them are never read. ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``.
+    before them are never read. ``softcap`` > 0: scores become ``softcap * tanh(score / softcap)``. ``sinks``
+    ``[Hq]``: each head's logit joins the softmax's denominator (uncapped), with no value.
 
     ``num_splits`` overrides the split-K heuristic (tests, tuning); by default it is derived from
     the batch, the KV heads, the widest possible context (``block_tables.shape[1] * block_size``,
@@ -297,7 +309,7 @@ def paged_decode_attention(
     """
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens)
-    check_window_softcap(window, softcap)
+    check_window_softcap(window, softcap, sinks, q)
     quant = fmt is not None
     batch, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -323,7 +335,7 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim, PAGE=page,
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
         F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums,
-        PDL=pdl, WINDOW=int(window), SOFTCAP_LOG2=float(softcap) * LOG2E,
+        PDL=pdl, WINDOW=int(window), SOFTCAP_LOG2=float(softcap) * LOG2E, SINKS=sinks, HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if not direct:
@@ -331,12 +343,17 @@ def paged_decode_attention(
     return out
 
 
-def check_window_softcap(window: int, softcap: float) -> None:
-    """A window is a key count (0: none) and a cap a positive bound (0: none); anything else is a caller's bug."""
+def check_window_softcap(window: int, softcap: float, sinks: torch.Tensor | None = None,
+                         q: torch.Tensor | None = None) -> None:
+    """A window: a key count (0: none); a cap: a positive bound (0: none); sinks: a float per head of ``q`` (None:
+    none). Anything else is a caller's bug."""
     if int(window) != window or window < 0:
         raise ValueError(f"window must be an int >= 0 (0: no window), got {window!r}")
     if not 0 <= softcap < float("inf"):
         raise ValueError(f"softcap must be a finite float >= 0 (0: no cap), got {softcap!r}")
+    if sinks is not None and (sinks.shape != q.shape[1:2] or sinks.stride(0) != 1 or sinks.device != q.device
+                              or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be [{q.shape[1]}] floats on {q.device}, got {list(sinks.shape)} {sinks.dtype}")
 
 
 def split_partials(q: torch.Tensor, out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,10 @@ after it are whole for every row up to the diagonal, as without a window (H200, 
 5.8 ms, 2.6 ms with a 4096 window). The soft cap needs the scaled score, so it gives up folding the scale into the
 exponent, and its tanh costs an exp2 and a reciprocal per score on the special-function units the softmax's exp2
 already keeps busy (exact, as the Hopper kernel's; benchmarks/RESULTS.md has its cost).
+
+Attention sinks (gpt-oss) are a compile-time variant too (``HAS_SINKS``; ``SINKS`` is None without them): a head's
+sink logit is a key with no value that every row sees, so the running max starts at it and its term joins the
+denominator at the end (at most 1, the max being at least the sink).
 """
 
 from __future__ import annotations
@@ -137,7 +141,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, ASM: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP_LOG2: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP_LOG2: tl.constexpr = 0.0, SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     h = tl.program_id(0)
     m_block = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -162,6 +166,9 @@ def _prefill_kernel(
         q = q_to_f16(q)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    if HAS_SINKS:  # the head's sink in the log2 domain, where the running max starts
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m_i = tl.maximum(m_i, sink)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = BT + s.to(tl.int64) * stride_btb
@@ -195,6 +202,8 @@ def _prefill_kernel(
                                      ctx, scale_log2e, stride_kb, stride_kt, dims, PAGE, BLOCK_N, True, DOT_PREC,
                                      UPCAST, QUANT, F16, F16_KIND, ASM, False, WINDOW, SOFTCAP_LOG2)
 
+    if HAS_SINKS:  # NaN only for a -inf sink in a row that saw no key, which the window's guard below catches
+        l_i += tl.exp2(sink - m_i)
     if WINDOW > 0:  # a padding row past the chunk's end may see no key of its window: 0 / 0, never stored
         l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
@@ -233,6 +242,7 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of chunks ``q`` ``[T, Hq, D]`` over the paged cache.
 
@@ -241,11 +251,12 @@ def paged_prefill_attention(
     8-bit caches (int8 / fp8) need their ``k_scale``/``v_scale`` ``[num_blocks, Hkv, block_size]``.
     ``window`` > 0: row i sees keys ``(pos_i - window, pos_i]`` (HF's ``sliding_window``); table entries of blocks
     wholly before the first row's window are never read. ``softcap`` > 0: scores become
-    ``softcap * tanh(score / softcap)``.
+    ``softcap * tanh(score / softcap)``. ``sinks`` ``[Hq]``: each head's logit joins the softmax's denominator
+    (uncapped), with no value.
     """
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens, query_start_loc=query_start_loc)
-    check_window_softcap(window, softcap)
+    check_window_softcap(window, softcap, sinks, q)
     quant = fmt is not None
     num_tokens, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -265,7 +276,7 @@ def paged_prefill_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE=page, NUM_KV_HEADS=num_kv_heads,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
         F16_KIND=fmt.f16_kind if f16 else -1, ASM=asm, WINDOW=int(window), SOFTCAP_LOG2=float(softcap) * LOG2E,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SINKS=sinks, HAS_SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
