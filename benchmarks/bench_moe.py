@@ -1,15 +1,19 @@
-"""The fused MoE kernels on one GPU at two real layers, against the torch reference and the layer's bound.
+"""The fused MoE kernels on one GPU at real layers, against the torch reference and the layer's bound.
 
-Layers (bfloat16): qwen3-30b-a3b (H 2048, I 768, 128 experts, top 8, renormalised) and mixtral-8x7b (H 4096,
-I 14336, 8 experts, top 2, renormalised), at T = 1, 16, 64, 256, 1024, 4096 tokens, router logits N(0, 1)
-(roughly even loads). Per row: the experts some token chose; ``fused_moe`` and ``fused_moe_ref`` in µs; the
-bound, the larger of the bytes of the chosen experts' weights plus x and the output over 4.22 TB/s and the
-FLOPs (``6 * T * top_k * H * I``) over 793 TFLOP/s; the kernel's share of it; and ``err``, the kernel's
-relative Frobenius error against the reference. ``fused_moe`` is timed as a CUDA-graph replay (how decode steps
-run it), the reference eagerly (it reads the chosen experts back to the host); both medians of
-``triton.testing.do_bench``, L2 flushed before each repetition (cold weights).
+Layers (bfloat16 activations): qwen3-30b-a3b (H 2048, I 768, 128 experts, top 8, renormalised) and mixtral-8x7b
+(H 4096, I 14336, 8 experts, top 2, renormalised) with bfloat16 experts; gpt-oss-20b and gpt-oss-120b (H 2880,
+I 2880, 32 / 128 experts, top 4, top-k-then-softmax routing, biases, clamped SwiGLU) with MXFP4 experts, each
+timed twice: the codes expanded in registers (the default) and through ``tl.dot_scaled`` (the ``dot_scaled``
+rows). T = 1, 16, 64, 256, 1024, 4096 tokens, router logits N(0, 1) (roughly even loads). Per row: the experts
+some token chose; ``fused_moe`` and ``fused_moe_ref`` in µs; the bound, the larger of the bytes of the chosen
+experts' weights (MXFP4: codes, scales and biases) plus x and the output over 4.22 TB/s and the FLOPs
+(``6 * T * top_k * H * I``) over 793 TFLOP/s; the kernel's share of it; and ``err``, the kernel's relative
+Frobenius error against the reference. ``fused_moe`` is timed as a CUDA-graph replay (how decode steps run it),
+the reference eagerly (it reads the chosen experts back to the host, and dequantizes MXFP4 ones); both medians
+of ``triton.testing.do_bench``, L2 flushed before each repetition (cold weights).
 
-    python benchmarks/bench_moe.py            # the table (markdown; also $OUT/moe.md), ~1-2 min on an H200
+    python benchmarks/bench_moe.py            # the table (markdown; also $OUT/moe.md), a few minutes on an H200
+    python benchmarks/bench_moe.py --only gpt-oss-20b,gpt-oss-120b   # some layers
     python benchmarks/bench_moe.py --sweep    # each T against a few candidate configs (for MOE_CONFIGS)
     python benchmarks/bench_moe.py --smoke    # tiny shapes; runs on a CPU under the interpreter
 """
@@ -29,15 +33,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_kernels import bench, bench_graph, rel_err  # noqa: E402
 from minfer.kernels.moe.moe import MoeConfig, fused_moe, moe_config  # noqa: E402
 from minfer.kernels.moe.moe_ref import fused_moe_ref, moe_route_ref  # noqa: E402
+from minfer.kernels.quant.mxfp4_ref import quantize_mxfp4  # noqa: E402
 
 PEAK_BW = 4.22e12  # measured device-to-device copy, bytes read + written (BENCHMARKS.md)
 PEAK_FLOPS = 793e12  # measured bf16 torch.mm
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = torch.bfloat16
-# name: (hidden H, expert intermediate I, experts E, top_k)
-LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}
+# name: (hidden H, expert intermediate I, experts E, top_k, gpt-oss: MXFP4 experts with biases and clamped SwiGLU,
+# top-k-then-softmax routing)
+LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8, False), "mixtral-8x7b": (4096, 14336, 8, 2, False),
+          "gpt-oss-20b": (2880, 2880, 32, 4, True), "gpt-oss-120b": (2880, 2880, 128, 4, True)}
 TOKENS = (1, 16, 64, 256, 1024, 4096)
-SMOKE_LAYERS = {"qwen3-like": (64, 32, 16, 4), "mixtral-like": (64, 48, 4, 2)}
+SMOKE_LAYERS = {"qwen3-like": (64, 32, 16, 4, False), "mixtral-like": (64, 48, 4, 2, False),
+                "gpt-oss-like": (64, 64, 8, 4, True)}
 SMOKE_TOKENS = (1, 16)
 SWEEP = [MoeConfig(*c) for c in (
     (16, 32, 256, 1, 4, 3), (16, 32, 128, 1, 2, 4), (16, 128, 64, 1, 4, 4), (16, 256, 64, 1, 8, 3),
@@ -51,62 +59,76 @@ def config_name(cfg: MoeConfig) -> str:
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
 
 
-def make_layer(h: int, i: int, e: int, t: int) -> tuple[torch.Tensor, ...]:
-    """x, router logits, w_gate_up, w_down (bfloat16, unit-scale outputs)."""
+def make_layer(h: int, i: int, e: int, t: int, gpt_oss: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """x, router logits and ``fused_moe``'s keywords past them: bfloat16 experts (unit-scale outputs), or
+    gpt-oss's (MXFP4 codes quantized from normal weights expert by expert, the gate/up values a few units wide so
+    the clamp bites, biases, top-k-then-softmax routing)."""
     x = torch.randn(t, h, device=DEV).to(DT)
     logits = torch.randn(t, e, device=DEV).to(DT)
-    w_gate_up = (torch.randn(e, 2 * i, h, device=DEV) / h ** 0.5).to(DT)
-    w_down = (torch.randn(e, h, i, device=DEV) / i ** 0.5).to(DT)
-    return x, logits, w_gate_up, w_down
+    if not gpt_oss:
+        return x, logits, dict(w_gate_up=(torch.randn(e, 2 * i, h, device=DEV) / h ** 0.5).to(DT),
+                               w_down=(torch.randn(e, h, i, device=DEV) / i ** 0.5).to(DT), renormalize=True)
+    gate_up = [quantize_mxfp4(torch.randn(2 * i, h, device=DEV) * 3 / h ** 0.5) for _ in range(e)]
+    down = [quantize_mxfp4(torch.randn(h, i, device=DEV) / i ** 0.5) for _ in range(e)]
+    return x, logits, dict(
+        w_gate_up=torch.stack([b for b, _ in gate_up]), scale_gate_up=torch.stack([s for _, s in gate_up]),
+        w_down=torch.stack([b for b, _ in down]), scale_down=torch.stack([s for _, s in down]),
+        bias_gate_up=torch.randn(e, 2 * i, device=DEV).to(DT), bias_down=(0.1 * torch.randn(e, h, device=DEV)).to(DT),
+        swiglu_limit=7.0, swiglu_alpha=1.702, renormalize=False, topk_softmax=True)
 
 
-def bound_us(h: int, i: int, e_used: int, t: int, top_k: int) -> tuple[float, float]:
-    """(memory bound, compute bound) in µs: the chosen experts' weights + x + out; 2 FLOPs per MAC."""
-    nbytes = 2 * (e_used * 3 * h * i + 2 * t * h)
+def bound_us(h: int, i: int, e_used: int, t: int, top_k: int, gpt_oss: bool) -> tuple[float, float]:
+    """(memory bound, compute bound) in µs: the chosen experts' weights (MXFP4: half a byte an element, a scale
+    byte per 32, the bfloat16 biases) + x + out; 2 FLOPs per MAC."""
+    expert = 3 * h * i * (17 / 32 if gpt_oss else 2) + (2 * (3 * i + h) if gpt_oss else 0)
+    nbytes = e_used * expert + 2 * 2 * t * h
     return nbytes / PEAK_BW * 1e6, 6 * t * top_k * h * i / PEAK_FLOPS * 1e6
 
 
 def run_table(layers: dict, tokens: tuple[int, ...]) -> list[str]:
     lines = ["| layer | T | experts used | fused_moe µs | reference µs | bound µs (mem / flops) | of bound | err |",
              "|---|---|---|---|---|---|---|---|"]
-    for name, (h, i, e, top_k) in layers.items():
-        w = make_layer(h, i, e, max(tokens))
+    for name, (h, i, e, top_k, gpt_oss) in layers.items():
+        xs, all_logits, kw = make_layer(h, i, e, max(tokens), gpt_oss)
         for t in tokens:
-            x, logits = w[0][:t].contiguous(), w[1][:t].contiguous()
-            args = (x, logits, w[2], w[3], top_k, True)
-            err = rel_err(fused_moe(*args), fused_moe_ref(*args))
-            e_used = int(torch.unique(moe_route_ref(logits, top_k, True)[1]).numel())
-            ours = bench_graph(lambda: fused_moe(*args)) * 1e3
-            ref = bench(lambda: fused_moe_ref(*args), rep=100) * 1e3
-            mem, flops = bound_us(h, i, e_used, t, top_k)
-            line = (f"| {name} | {t} | {e_used}/{e} | {ours:.1f} | {ref:.1f} | {max(mem, flops):.3g} ({mem:.3g} / "
-                    f"{flops:.3g}) | {100 * max(mem, flops) / ours:.0f}% | {err:.1e} |")
-            print(line, flush=True)
-            lines.append(line)
-        del w
+            x, logits = xs[:t].contiguous(), all_logits[:t].contiguous()
+            want = fused_moe_ref(x, logits, top_k=top_k, **kw)
+            e_used = int(torch.unique(moe_route_ref(logits, top_k, True, topk_softmax=gpt_oss)[1]).numel())
+            ref = bench(lambda: fused_moe_ref(x, logits, top_k=top_k, **kw), rep=100) * 1e3
+            mem, flops = bound_us(h, i, e_used, t, top_k, gpt_oss)
+            for variant in ([False, True] if gpt_oss else [None]):  # MXFP4: the expansion, then tl.dot_scaled
+                extra = {} if variant is None else dict(dot_scaled=variant)
+                err = rel_err(fused_moe(x, logits, top_k=top_k, **kw, **extra), want)
+                ours = bench_graph(lambda: fused_moe(x, logits, top_k=top_k, **kw, **extra)) * 1e3
+                line = (f"| {name}{' dot_scaled' if variant else ''} | {t} | {e_used}/{e} | {ours:.1f} | {ref:.1f} | "
+                        f"{max(mem, flops):.3g} ({mem:.3g} / {flops:.3g}) | {100 * max(mem, flops) / ours:.0f}% | "
+                        f"{err:.1e} |")
+                print(line, flush=True)
+                lines.append(line)
+        del xs, all_logits, kw
     return lines
 
 
 def run_sweep(layers: dict, tokens: tuple[int, ...]) -> list[str]:
     """µs of every candidate config per (layer, T), the table's choice and the fastest marked."""
     lines = ["| layer | T | table's config µs | fastest µs | fastest config |", "|---|---|---|---|---|"]
-    for name, (h, i, e, top_k) in layers.items():
-        w = make_layer(h, i, e, max(tokens))
+    for name, (h, i, e, top_k, gpt_oss) in layers.items():
+        xs, all_logits, kw = make_layer(h, i, e, max(tokens), gpt_oss)
         for t in tokens:
-            args = (w[0][:t].contiguous(), w[1][:t].contiguous(), w[2], w[3], top_k, True)
+            x, logits = xs[:t].contiguous(), all_logits[:t].contiguous()
             times = {}
             for cfg in SWEEP:
                 try:
-                    times[cfg] = bench_graph(lambda: fused_moe(*args, cfg), rep=50) * 1e3
-                except Exception as exc:  # a tile too big for shared memory: skip it
+                    times[cfg] = bench_graph(lambda: fused_moe(x, logits, top_k=top_k, config=cfg, **kw), rep=50) * 1e3
+                except Exception as exc:  # a tile too big for shared memory (or too shallow for MXFP4): skip it
                     print(f"  {config_name(cfg)}: {type(exc).__name__}", flush=True)
             best = min(times, key=times.get)
-            table = bench_graph(lambda: fused_moe(*args), rep=50) * 1e3
+            table = bench_graph(lambda: fused_moe(x, logits, top_k=top_k, **kw), rep=50) * 1e3
             line = (f"| {name} | {t} | {table:.1f} ({config_name(moe_config(t, top_k, e))}) | {times[best]:.1f} | "
                     f"{config_name(best)} |")
             print(line, flush=True)
             lines.append(line)
-        del w
+        del xs, all_logits, kw
     return lines
 
 
@@ -114,10 +136,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
     ap.add_argument("--sweep", action="store_true", help="time candidate launch configs per T")
+    ap.add_argument("--only", help=f"comma-separated layers (of {', '.join(LAYERS)})")
     args = ap.parse_args()
     if DEV == "cpu" and not args.smoke:
         sys.exit("no CUDA GPU: run with --smoke (tiny shapes under the interpreter)")
     layers, tokens = (SMOKE_LAYERS, SMOKE_TOKENS) if args.smoke else (LAYERS, TOKENS)
+    if args.only:
+        layers = {name: layers[name] for name in args.only.split(",")}
     torch.manual_seed(0)
     lines = (run_sweep if args.sweep else run_table)(layers, tokens)
     print("\n" + "\n".join(lines))

@@ -11,6 +11,13 @@ import sys
 
 import pytest
 
+# The MoE grouped GEMMs' common arguments (gpt-oss-20b: 32 experts; bf16 activations, MXFP4 weights, biases).
+_MOE_SIG = dict(W="*u8", S="*u8", B="*bf16", OUT="*bf16", COUNTS="*i32", ROWS="*i32", E="i32", T="i32", H="i32",
+                I="i32", num_pid_m="i32", stride_x="i32", stride_a="i32", stride_we="i32", stride_wn="i32",
+                stride_se="i32", stride_sn="i32", stride_be="i32", stride_o="i32")
+_MOE_CONSTS = dict(E_PAD=32, UPCAST=False, PRECISION="tf32", MXFP4=True, DOT_SCALED=False, A_FORMAT="bf16",
+                   HAS_BIAS=True)
+
 # (module, kernel, signature, constexprs) of each build: the activation codes, the norm's weight rounding, attention
 # sinks
 BUILDS = {
@@ -43,6 +50,21 @@ BUILDS = {
                                 dict(GROUP=8, HEAD_DIM=64, PAGE=16, NUM_KV_HEADS=8, BLOCK_M=128, BLOCK_N=128,
                                      DOT_PREC="tf32", UPCAST=False, QUANT=False, F16=False, F16_KIND=-1, ASM=False,
                                      WINDOW=128, SOFTCAP_LOG2=0.0, HAS_SINKS=True)),
+    # the MoE kernels' gpt-oss variants: top-k-then-softmax routing; MXFP4 codes expanded in registers (a decode
+    # tile, mma.sync, with a K tail: 2880 = 22.5 * 128; a prefill tile, wgmma) or through tl.dot_scaled; biases and
+    # the clamped SwiGLU
+    "moe_route_topk_softmax": ("minfer.kernels.moe.moe", "_moe_route_kernel",
+                               dict(L="*bf16", IDS="*i32", WTS="*bf16", COUNTS="*i32", ROWS="*i32", E="i32", T="i32",
+                                    stride_l="i32"),
+                               dict(TOP_K=4, RENORM=False, E_PAD=32, TOPK_SOFTMAX=True)),
+    "moe_gate_up_mxfp4_gpt_oss": ("minfer.kernels.moe.moe", "_moe_gate_up_kernel", dict(_MOE_SIG, X="*bf16"),
+                                  dict(_MOE_CONSTS, TOP_K=4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1,
+                                       EVEN_K=False, LIMIT=7.0, ALPHA=1.702)),
+    "moe_down_mxfp4_bias": ("minfer.kernels.moe.moe", "_moe_down_kernel", dict(_MOE_SIG, A="*bf16", WTS="*bf16"),
+                            dict(_MOE_CONSTS, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EVEN_K=True)),
+    "moe_gate_up_mxfp4_dot_scaled": ("minfer.kernels.moe.moe", "_moe_gate_up_kernel", dict(_MOE_SIG, X="*bf16"),
+                                     dict(_MOE_CONSTS, TOP_K=4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
+                                          EVEN_K=True, DOT_SCALED=True, LIMIT=7.0, ALPHA=1.702)),
 }
 
 

@@ -1,5 +1,7 @@
 """The fused MoE kernels on a GPU at real layer shapes (``pytest -m gpu``), against the torch reference.
 
+gpt-oss-20b and 120b (MXFP4 experts, biases, clamped SwiGLU, top-k-then-softmax routing) at the end of the file.
+
 The layers, in bfloat16: qwen3-30b-a3b (H 2048, I 768, 128 experts, top 8, renormalised) and
 mixtral-8x7b (H 4096, I 14336, 8 experts, top 2, float32 router weights). Token counts: T = 1, 3, 64, 300
 and 4096. These cover one 16-row block, a partly filled block, several experts with several blocks, and
@@ -128,3 +130,105 @@ def test_cuda_graph_replays_with_new_inputs(weights, name, t):
         logits.copy_(new_logits)
         graph.replay()
         check(name, out, x, logits, w_gate_up, w_down)
+
+
+# ------------------------------------------------------------------------------------------------ gpt-oss
+# gpt-oss's MoE layers (bfloat16 activations, MXFP4 experts, biases, clamped SwiGLU, top-k-then-softmax routing):
+# name: (hidden H, expert intermediate I, experts E, top_k). Both the register expansion (the default) and the
+# tl.dot_scaled variant, held to the reference (the experts dequantized to bfloat16, HF's arithmetic after).
+GPT_OSS = {"gpt-oss-20b": (2880, 2880, 32, 4), "gpt-oss-120b": (2880, 2880, 128, 4)}
+LIMIT, ALPHA = 7.0, 1.702
+
+
+def gpt_oss_layer(name: str, device: str = "cuda", layers: dict = GPT_OSS) -> dict:
+    """A layer's experts as ``fused_moe``'s keywords: random codes with scale bytes drawn so that gate/up values
+    have a std of a few units (the clamp at 7 bites), down projections at about unit output scale."""
+    h, i, e, _ = layers[name]
+
+    def packed(n: int, k: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device),
+                torch.randint(lo, hi, (e, n, k // 32), dtype=torch.uint8, device=device))
+
+    (w_gate_up, scale_gate_up), (w_down, scale_down) = packed(2 * i, h, 120, 123), packed(h, i, 117, 120)
+    return dict(w_gate_up=w_gate_up, w_down=w_down, scale_gate_up=scale_gate_up, scale_down=scale_down,
+                bias_gate_up=torch.randn(e, 2 * i, device=device).to(DT),
+                bias_down=(0.1 * torch.randn(e, h, device=device)).to(DT), swiglu_limit=LIMIT, swiglu_alpha=ALPHA)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_weights():
+    """``get(name)`` -> the layer's experts (:func:`gpt_oss_layer`), made once per module (120b: 1.6 GB)."""
+    cache: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            cache[name] = gpt_oss_layer(name)
+        return cache[name]
+
+    yield get
+    cache.clear()
+    torch.cuda.empty_cache()
+
+
+def gpt_oss_check(out: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, experts: dict, top_k: int,
+                  what: str) -> None:
+    ref = fused_moe_ref(x, logits, top_k=top_k, renormalize=False, topk_softmax=True, **experts)
+    assert out.shape == x.shape and out.dtype == DT
+    err = rel_err(out, ref)
+    assert err < TOL, f"{what}: rel err {err:.2e} >= {TOL:.0e}"
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS))
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("dot_scaled", [False, True], ids=["expand", "dot_scaled"])
+def test_gpt_oss_layer(gpt_oss_weights, name, t, dot_scaled):
+    h, _, e, top_k = GPT_OSS[name]
+    experts = gpt_oss_weights(name)
+    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e, DT, "cuda")
+    out = fused_moe(x, logits, top_k=top_k, renormalize=False, topk_softmax=True, dot_scaled=dot_scaled, **experts)
+    gpt_oss_check(out, x, logits, experts, top_k, f"{name} T={t} dot_scaled={dot_scaled}")
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS))
+@pytest.mark.parametrize("t", [3, 300, 4096])
+def test_gpt_oss_skewed_load(gpt_oss_weights, name, t):
+    """Expert 1 takes every token, expert 3 none: its scales are 2 ** 113 and its biases NaN, which a kernel that
+    read them would spread."""
+    h, _, e, top_k = GPT_OSS[name]
+    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e, DT, "cuda")
+    cold = skew(logits, "one_takes_all", top_k)
+    counts = moe_route(logits, top_k, False, topk_softmax=True).expert_counts.tolist()
+    assert counts[1] == t and all(counts[c] == 0 for c in cold)
+    experts = dict(gpt_oss_weights(name))
+    for key, poison in (("scale_gate_up", 240), ("scale_down", 240), ("bias_gate_up", float("nan")),
+                        ("bias_down", float("nan"))):
+        experts[key] = experts[key].clone()
+        experts[key][cold] = poison
+    out = fused_moe(x, logits, top_k=top_k, renormalize=False, topk_softmax=True, **experts)
+    gpt_oss_check(out, x, logits, experts, top_k, f"{name} T={t} skewed")  # the reference reads no cold expert
+
+
+@pytest.mark.parametrize("name", list(GPT_OSS))
+@pytest.mark.parametrize("t", [1, 64])
+def test_gpt_oss_cuda_graph(gpt_oss_weights, name, t):
+    """Captured once, replayed on new inputs that route differently."""
+    h, _, e, top_k = GPT_OSS[name]
+    experts = gpt_oss_weights(name)
+    x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e, DT, "cuda")
+
+    def run() -> torch.Tensor:
+        return fused_moe(x, logits, top_k=top_k, renormalize=False, topk_softmax=True, **experts)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for case in ("even", "one_takes_all", "even"):
+        new_logits = distinct_logits(t, e, DT, "cuda")
+        if case != "even":
+            skew(new_logits, case, top_k)
+        x.copy_(torch.randn(t, h, device="cuda").to(DT))
+        logits.copy_(new_logits)
+        graph.replay()
+        gpt_oss_check(out, x, logits, experts, top_k, f"{name} T={t} graph {case}")

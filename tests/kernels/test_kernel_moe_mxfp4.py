@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testlib import distinct_logits, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse)
+from kernel_testlib import EXACT_BF16, distinct_logits, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse)
 
+from minfer.kernels.moe.moe import MOE_CONFIGS, MoeConfig, fused_moe, moe_route
 from minfer.kernels.moe.moe_ref import fused_moe_ref, moe_experts_ref, moe_route_ref
 from minfer.kernels.quant.mxfp4_ref import E2M1_MAGNITUDES, dequantize_mxfp4, quantize_mxfp4, unpack_e2m1
 
@@ -186,3 +187,120 @@ def exact(x, logits, w_gate_up, w_down, top_k, experts) -> torch.Tensor:
         w_down = dequantize_mxfp4(w_down, kw.pop("scale_down"), torch.float64)
     kw = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     return moe_experts_ref(x.double(), weights.double(), ids, w_gate_up.double(), w_down.double(), **kw)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+KERNEL_TOL = {torch.float32: 1e-5, torch.float16: 2e-4, torch.bfloat16: 1e-2 if EXACT_BF16 else 4e-2}
+SMALL = MoeConfig(16, 64, 32)  # 16-row blocks, 32 deep: several blocks and K steps at test shapes
+
+
+def check_kernel(x, logits, w_gate_up, w_down, experts, top_k=4, config=SMALL, **kw) -> None:
+    """The kernel against the reference: float32 and float16 directly (the same roundings; float16 checks
+    their order), bfloat16 against the float64 block (see the module docstring)."""
+    out = fused_moe(x, logits, w_gate_up, w_down, top_k, False, config, topk_softmax=True, **experts, **kw)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    if x.dtype == torch.bfloat16:
+        err = rel_err(out, exact(x, logits, w_gate_up, w_down, top_k, experts))
+    else:
+        err = rel_err(out, fused_moe_ref(x, logits, w_gate_up, w_down, top_k, False, topk_softmax=True, **experts))
+    assert err <= KERNEL_TOL[x.dtype], f"rel err {err:.2e} > {KERNEL_TOL[x.dtype]:.0e} ({x.dtype}, {config}, {kw})"
+
+
+@pytest.mark.parametrize("t", [1, 33])
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_moe_gpt_oss(dtype, mxfp4, t):
+    """gpt-oss's routing, biases and clamped SwiGLU (clamps hit: test_gpt_oss_routing_and_clamps), float or
+    MXFP4 weights; 8 experts, top 4: at T=33 loads are uneven, several blocks per expert."""
+    check_kernel(*make_gpt_oss(t, 8, 64, 32, dtype, mxfp4))
+
+
+@pytest.mark.parametrize("dtype,mxfp4", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)],
+                         ids=["float32", "float32-mxfp4", "bfloat16-mxfp4"])
+def test_skewed_load_and_an_expert_with_no_tokens(dtype, mxfp4):
+    """Expert 1 takes every token (two 16-row blocks at T=20), expert 3 none: its biases are NaN and its
+    weights huge (MXFP4: scale 2 ** 113), which a kernel that read them would spread."""
+    x, logits, w_gate_up, w_down, experts = make_gpt_oss(20, 8, 64, 32, dtype, mxfp4)
+    logits[:, 1] += 30
+    logits[:, 3] -= 30
+    counts = moe_route(logits, 2, False, topk_softmax=True).expert_counts.tolist()
+    assert counts[1] == 20 and counts[3] == 0 and sum(counts) == 40
+    experts["bias_gate_up"][3] = float("nan")
+    experts["bias_down"][3] = float("nan")
+    if mxfp4:
+        experts["scale_gate_up"][3] = 240
+        experts["scale_down"][3] = 240
+    else:
+        w_gate_up[3] = float("nan")
+        w_down[3] = float("nan")
+    check_kernel(x, logits, w_gate_up, w_down, experts, top_k=2)
+
+
+@pytest.mark.parametrize("config", [MoeConfig(16, 32, 64, group_m=2), MoeConfig(32, 64, 32), MOE_CONFIGS[-1][1]],
+                         ids=["16x32x64-g2", "32x64x32", "largest"])
+def test_mxfp4_configs_and_k_tails(config):
+    """H = I = 96: BLOCK_K 64 leaves a 32-column tail (the masked path) in both GEMMs."""
+    check_kernel(*make_gpt_oss(5, 4, 96, 96, torch.float32, mxfp4=True), top_k=2, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mxfp4_dot_scaled_variant(dtype):
+    """The ``tl.dot_scaled`` variant (off by default) computes the same block."""
+    check_kernel(*make_gpt_oss(9, 4, 64, 96, dtype, mxfp4=True), top_k=2, dot_scaled=True)
+
+
+def test_plain_swiglu_with_mxfp4_weights():
+    """MXFP4 without gpt-oss's extras: the softmax-then-top-k router, plain SwiGLU, no biases."""
+    x, logits, w_gate_up, w_down, experts = make_gpt_oss(9, 4, 64, 32, torch.float32, mxfp4=True, spread=1.0)
+    scales = dict(scale_gate_up=experts["scale_gate_up"], scale_down=experts["scale_down"])
+    out = fused_moe(x, logits, w_gate_up, w_down, 2, True, SMALL, **scales)
+    assert rel_err(out, fused_moe_ref(x, logits, w_gate_up, w_down, 2, True, **scales)) <= 1e-5
+
+
+@pytest.mark.parametrize("e,top_k,t", [(32, 4, 9), (128, 4, 5), (6, 3, 7)])
+def test_route_topk_softmax(e, top_k, t):
+    """The routing kernel's gpt-oss mode: HF's picks in HF's order (largest logit first), a softmax over
+    those k, and row lists holding each (token, slot) once under its expert."""
+    logits = distinct_logits(t, e, torch.bfloat16)
+    routing = moe_route(logits, top_k, False, topk_softmax=True)
+    weights, ids = moe_route_ref(logits, top_k, False, topk_softmax=True)
+    assert torch.equal(routing.topk_ids.long(), ids)
+    assert routing.topk_weights.dtype == torch.bfloat16
+    torch.testing.assert_close(routing.topk_weights.float(), weights.float(), rtol=1e-2 if not EXACT_BF16 else 4e-3,
+                               atol=0)
+    counts = torch.bincount(ids.reshape(-1), minlength=e)
+    assert torch.equal(routing.expert_counts.long(), counts)
+    for expert in range(e):
+        rows = routing.expert_rows[expert, :counts[expert]].sort().values
+        assert torch.equal(rows.long(), torch.nonzero(ids.reshape(-1) == expert).squeeze(1))
+
+
+def test_ops_take_moe_experts():
+    """Both backends' op reads a MoeExperts: the Triton op (interpreted) equals the torch op."""
+    from minfer.ops import MoeExperts, TorchOps
+    from minfer.ops.triton_ops import TritonOps
+
+    x, logits, w_gate_up, w_down, experts = make_gpt_oss(5, 4, 64, 32, torch.float32, mxfp4=True)
+    moe = MoeExperts(w_gate_up, w_down, **experts)
+    want = TorchOps().fused_moe(x, logits, moe, 2, False, topk_softmax=True)
+    out = TritonOps(torch.device("cpu"), 16, 64).fused_moe(x, logits, moe, 2, False, topk_softmax=True)
+    assert rel_err(out, want) <= 1e-5
+    with pytest.raises(ValueError, match="both"):
+        MoeExperts(w_gate_up, w_down, scale_gate_up=experts["scale_gate_up"])
+
+
+def test_mxfp4_bad_arguments():
+    x, logits, w_gate_up, w_down, experts = make_gpt_oss(3, 4, 64, 32, torch.float32, mxfp4=True)
+    with pytest.raises(ValueError, match="block_k"):
+        fused_moe(x, logits, w_gate_up, w_down, 2, False, MoeConfig(16, 32, 16), **experts)
+    with pytest.raises(ValueError, match="scales"):
+        fused_moe(x, logits, w_gate_up, w_down, 2, False, **{**experts, "scale_down": experts["scale_down"][:, :8]})
+    with pytest.raises(TypeError, match="uint8"):
+        fused_moe(x, logits, w_gate_up.float(), w_down, 2, False, **experts)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        x48, _, wgu48, wd48, ex48 = make_gpt_oss(3, 4, 48, 32, torch.float32)
+        fused_moe(x48, logits, torch.zeros(4, 64, 24, dtype=torch.uint8), torch.zeros(4, 48, 16, dtype=torch.uint8), 2,
+                  False, scale_gate_up=torch.zeros(4, 64, 1, dtype=torch.uint8),
+                  scale_down=torch.zeros(4, 48, 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="bias_down"):
+        fused_moe(x, logits, w_gate_up, w_down, 2, False, **{**experts, "bias_down": experts["bias_down"][:2]})

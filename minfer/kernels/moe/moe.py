@@ -5,21 +5,23 @@ at top-k 1), with no host sync and every grid sized from shapes alone, so a CUDA
 
 1. ``_moe_route_kernel``, one program per token: softmax of the logits in float32, the top-k by k rounds
    of argmax (largest first; an exact tie goes to the lower expert index), renormalisation, the weights
-   rounded to their dtype. Pick j is the token's slot j, as ``torch.topk`` orders them. Each pick takes
-   its rank within its expert from one ``atomic_add`` on that expert's counter and stores its row
-   (``token * top_k + slot``) at ``expert_rows[expert, rank]``: the grouping by expert happens here. A
-   kernel rather than torch ops because torch would need about six launches (softmax, topk, sum, div, a
-   sort and a histogram for the grouping), each a few microseconds at batch 1, against one.
+   rounded to their dtype (gpt-oss, ``TOPK_SOFTMAX``: the top k of the logits, then a softmax over those k).
+   Pick j is the token's slot j, as ``torch.topk`` orders them. Each pick takes its rank within its expert
+   from one ``atomic_add`` on that expert's counter and stores its row (``token * top_k + slot``) at
+   ``expert_rows[expert, rank]``: the grouping by expert happens here. A kernel rather than torch ops because
+   torch would need about six launches (softmax, topk, sum, div, a sort and a histogram for the grouping),
+   each a few microseconds at batch 1, against one.
 2. ``_moe_gate_up_kernel``, the grouped GEMM for gate/up: program (m-block, n-tile) finds its expert from
    the counters (the m-blocks are each expert's ``ceil(count / BLOCK_M)`` blocks laid end to end: a
    cumulative sum over E counters, in registers), gathers its block's x rows through ``expert_rows``,
    multiplies them by the expert's gate and up rows (two dots sharing the A tile) and stores
    ``silu(gate) * up`` from the epilogue, rounded as HF rounds (``activation.py``), at the rows' own
-   positions of ``inter [T*top_k, I]``.
+   positions of ``inter [T*top_k, I]``. gpt-oss adds each expert's bias there and its clamped SwiGLU
+   (``LIMIT`` > 0), every op rounded as HF's ``_apply_gate``.
 3. ``_moe_down_kernel``, the grouped GEMM for down, same blocks: ``inter`` rows times the expert's down
-   matrix, rounded to x's dtype, times the routing weight, stored at the row's position of ``contrib
-   [T*top_k, H]`` (in x's dtype, or float32 for float32 weights: HF's type promotion). At top-k 1 it
-   writes the output itself.
+   matrix, rounded to x's dtype (plus the bias, rounded), times the routing weight, stored at the row's
+   position of ``contrib [T*top_k, H]`` (in x's dtype, or float32 for float32 weights: HF's type promotion).
+   At top-k 1 it writes the output itself.
 4. ``_moe_sum_kernel``: each token's top_k rows summed in float32 in slot order and rounded once, as
    HF's ``view(T, top_k, H).sum(1)``. No atomics in the sum: the summation order is the reference's and the
    output deterministic (within an expert the atomic ranks order rows arbitrarily, but a row's products do
@@ -32,10 +34,15 @@ implicit, so no sorted, padded copy is built. The padded rows number at most ``T
 total exit at once. An expert no token chose has no blocks: at batch 1 only the top_k chosen experts'
 weights are read (qwen3-30b-a3b: 8 of 128), which is what bounds a decode step.
 
+MXFP4 experts (gpt-oss's checkpoints) stay packed: both GEMMs read the codes and scales and expand them to x's
+dtype in registers before each dot (``moe_mxfp4.py``), half a byte a weight instead of two. The variants (routing,
+bias, SwiGLU, weight format) are compile-time constants: the plain path compiles as it did without them.
+
 Launch configs come from a small table by mean rows per expert (``MOE_CONFIGS``), not autotuning.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,6 +51,7 @@ import triton
 import triton.language as tl
 
 from .._utils import check_dtype, dot_mode, next_pow2
+from .moe_mxfp4 import mxfp4_mainloop
 
 
 @dataclass(frozen=True)
@@ -102,23 +110,34 @@ class MoeRouting(NamedTuple):
 # ------------------------------------------------------------------------------------------------ triton
 @triton.jit
 def _moe_route_kernel(L, IDS, WTS, COUNTS, ROWS, E, T, stride_l, TOP_K: tl.constexpr, RENORM: tl.constexpr,
-                      E_PAD: tl.constexpr):
+                      E_PAD: tl.constexpr, TOPK_SOFTMAX: tl.constexpr):
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     logits = tl.load(L + t.to(tl.int64) * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    p = tl.exp(logits - tl.max(logits, axis=0))
-    probs = tl.math.div_rn(p, tl.sum(p, axis=0))
-    # k rounds of argmax, largest first; a tie goes to the lower index. A taken (or padding) lane is -1.
-    left = tl.where(e < E, probs, -1.0)
-    slot = tl.full([E_PAD], -1, tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.min(tl.where(left == tl.max(left, axis=0), e, E_PAD), axis=0)
-        slot = tl.where(e == best, j, slot)
-        left = tl.where(e == best, -1.0, left)
-    sel = slot >= 0
-    w = tl.where(sel, probs, 0.0)
-    if RENORM:
-        w = tl.math.div_rn(w, tl.sum(w, axis=0))
+    if TOPK_SOFTMAX:  # gpt-oss: the top k of the logits, then a softmax over those k
+        left = logits
+        slot = tl.full([E_PAD], -1, tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.min(tl.where((left == tl.max(left, axis=0)) & (slot < 0) & (e < E), e, E_PAD), axis=0)
+            slot = tl.where(e == best, j, slot)
+            left = tl.where(e == best, float("-inf"), left)
+        sel = slot >= 0
+        p = tl.where(sel, tl.exp(logits - tl.max(tl.where(sel, logits, float("-inf")), axis=0)), 0.0)
+        w = tl.math.div_rn(p, tl.sum(p, axis=0))
+    else:
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        probs = tl.math.div_rn(p, tl.sum(p, axis=0))
+        # k rounds of argmax, largest first; a tie goes to the lower index. A taken (or padding) lane is -1.
+        left = tl.where(e < E, probs, -1.0)
+        slot = tl.full([E_PAD], -1, tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.min(tl.where(left == tl.max(left, axis=0), e, E_PAD), axis=0)
+            slot = tl.where(e == best, j, slot)
+            left = tl.where(e == best, -1.0, left)
+        sel = slot >= 0
+        w = tl.where(sel, probs, 0.0)
+        if RENORM:
+            w = tl.math.div_rn(w, tl.sum(w, axis=0))
     row = t * TOP_K + slot
     tl.store(IDS + row, e, mask=sel)
     tl.store(WTS + row, w, mask=sel)  # rounded to the weights dtype here, as HF rounds them
@@ -151,11 +170,14 @@ def _tile_ids(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _moe_gate_up_kernel(X, W, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_x, stride_we, stride_wn, stride_o,
-                        TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        GROUP_M: tl.constexpr, E_PAD: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    """OUT[row, c] = silu(x[token] · W[e, c]) * (x[token] · W[e, I + c]) for the rows of each expert block."""
+def _moe_gate_up_kernel(X, W, S, B, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_x, stride_we, stride_wn,
+                        stride_se, stride_sn, stride_be, stride_o, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_PAD: tl.constexpr,
+                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, MXFP4: tl.constexpr,
+                        DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+    """OUT[row, c] = act(x[token] · W[e, c] (+ B[e, c]), x[token] · W[e, I + c] (+ B[e, I + c])) for the rows of
+    each expert block: SwiGLU, or gpt-oss's clamped one when LIMIT > 0."""
     HALF: tl.constexpr = BLOCK_N // 2
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(I, HALF), GROUP_M)
     expert, rank0, rows_left = _expert_block(COUNTS, pid_m, E, BLOCK_M, E_PAD)
@@ -168,44 +190,67 @@ def _moe_gate_up_kernel(X, W, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_x
     tokens = rows // TOP_K
     cols = pid_n * HALF + tl.arange(0, HALF)
     wcols = (cols % I).to(tl.int64)  # columns past I wrap around (valid addresses, not stored)
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = X + tokens.to(tl.int64)[:, None] * stride_x + rk[None, :]
     w_base = W + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + wcols[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, HALF], K-major: wgmma's B
-    u_ptrs = w_base + (wcols + I)[None, :] * stride_wn + rk[:, None]
     acc_g = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            bg = tl.load(g_ptrs)
-            bu = tl.load(u_ptrs)
-        else:
-            k_left = H - k0
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-            bg = tl.load(g_ptrs, mask=rk[:, None] < k_left, other=0.0)
-            bu = tl.load(u_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        if UPCAST:
-            a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    # HF's roundings: gate and up projections to the dtype, silu in float32 rounded, the product rounded.
     dtype = OUT.dtype.element_ty
+    if MXFP4:  # the codes expanded in registers (moe_mxfp4.py)
+        s_base = S + expert.to(tl.int64) * stride_se
+        acc_g, acc_u = mxfp4_mainloop(acc_g, acc_u, X + tokens.to(tl.int64) * stride_x, w_base + wcols * stride_wn,
+                                      s_base + wcols * stride_sn, w_base + (wcols + I) * stride_wn,
+                                      s_base + (wcols + I) * stride_sn, H, BLOCK_K, True, EVEN_K, dtype, UPCAST,
+                                      PRECISION, DOT_SCALED, A_FORMAT)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = X + tokens.to(tl.int64)[:, None] * stride_x + rk[None, :]
+        g_ptrs = w_base + wcols[None, :] * stride_wn + rk[:, None]  # [BLOCK_K, HALF], K-major: wgmma's B
+        u_ptrs = w_base + (wcols + I)[None, :] * stride_wn + rk[:, None]
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                bg = tl.load(g_ptrs)
+                bu = tl.load(u_ptrs)
+            else:
+                k_left = H - k0
+                a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                bg = tl.load(g_ptrs, mask=rk[:, None] < k_left, other=0.0)
+                bu = tl.load(u_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            if UPCAST:
+                a, bg, bu = a.to(tl.float32), bg.to(tl.float32), bu.to(tl.float32)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+    # HF's roundings: gate and up projections to the dtype (each bias added in place: one more rounding), the
+    # activation's every op rounded (activation.py; swiglu_ref for gpt-oss's), the product rounded.
     g = acc_g.to(dtype).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype)
-    h = (act.to(tl.float32) * acc_u.to(dtype).to(tl.float32)).to(dtype)
+    u = acc_u.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        b_base = B + expert.to(tl.int64) * stride_be
+        g = (g + tl.load(b_base + wcols).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+        u = (u + tl.load(b_base + wcols + I).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    if LIMIT > 0:
+        g = tl.minimum(g, LIMIT).to(dtype).to(tl.float32)
+        u = tl.maximum(tl.minimum(u, LIMIT), -LIMIT).to(dtype).to(tl.float32)
+        ga = (g * ALPHA).to(dtype).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-ga))).to(dtype).to(tl.float32)
+        glu = (g * sig).to(dtype).to(tl.float32)
+        h = ((u + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(dtype)
+        h = (act.to(tl.float32) * u).to(dtype)
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(o_ptrs, h, mask=valid[:, None] & (cols < I)[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(A, W, WTS, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_a, stride_we, stride_wn, stride_o,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """OUT[row, n] = weight[row] * (A[row] · W[e, n]) for the rows of each expert block."""
+def _moe_down_kernel(A, W, S, B, WTS, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_a, stride_we, stride_wn,
+                     stride_se, stride_sn, stride_be, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_PAD: tl.constexpr, EVEN_K: tl.constexpr,
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr,
+                     A_FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """OUT[row, n] = weight[row] * (A[row] · W[e, n] (+ B[e, n])) for the rows of each expert block."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert, rank0, rows_left = _expert_block(COUNTS, pid_m, E, BLOCK_M, E_PAD)
     if expert >= E:
@@ -214,27 +259,38 @@ def _moe_down_kernel(A, W, WTS, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride
     valid = rm < rows_left
     rows = tl.load(ROWS + expert.to(tl.int64) * T + rank0 + rm, mask=valid, other=0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    a_ptrs = A + rows.to(tl.int64)[:, None] * stride_a + rk[None, :]
-    b_ptrs = W + expert.to(tl.int64) * stride_we + (cols % H).to(tl.int64)[None, :] * stride_wn + rk[:, None]
+    wcols = (cols % H).to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_left = I - k0
-            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    # HF's roundings: the projection to A's dtype, times the weight, rounded to OUT's dtype (x's, or float32
-    # for float32 weights: torch's type promotion of ``proj_out * weight``).
+    if MXFP4:
+        w_cols = W + expert.to(tl.int64) * stride_we + wcols * stride_wn
+        s_cols = S + expert.to(tl.int64) * stride_se + wcols * stride_sn
+        acc, _ = mxfp4_mainloop(acc, acc, A + rows.to(tl.int64) * stride_a, w_cols, s_cols, w_cols, s_cols, I, BLOCK_K,
+                                False, EVEN_K, A.dtype.element_ty, UPCAST, PRECISION, DOT_SCALED, A_FORMAT)
+    else:
+        rk = tl.arange(0, BLOCK_K)
+        a_ptrs = A + rows.to(tl.int64)[:, None] * stride_a + rk[None, :]
+        b_ptrs = W + expert.to(tl.int64) * stride_we + wcols[None, :] * stride_wn + rk[:, None]
+        for k0 in range(0, I, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = I - k0
+                a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+    # HF's roundings: the projection to A's dtype (the bias added in place: one more rounding), times the weight,
+    # rounded to OUT's dtype (x's, or float32 for float32 weights: torch's type promotion of ``proj_out * weight``).
     wt = tl.load(WTS + rows).to(tl.float32)
-    y = acc.to(A.dtype.element_ty).to(tl.float32) * wt[:, None]
+    y = acc.to(A.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(B + expert.to(tl.int64) * stride_be + wcols).to(tl.float32)
+        y = (y + bias[None, :]).to(A.dtype.element_ty).to(tl.float32)
+    y = y * wt[:, None]
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(o_ptrs, y.to(OUT.dtype.element_ty), mask=valid[:, None] & (cols < H)[None, :])
 
@@ -253,7 +309,8 @@ def _moe_sum_kernel(C, OUT, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------------ launchers
 def _check_moe_args(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                    top_k: int) -> tuple[int, int, int, int]:
+                    top_k: int, scale_gate_up: torch.Tensor | None, scale_down: torch.Tensor | None,
+                    bias_gate_up: torch.Tensor | None, bias_down: torch.Tensor | None) -> tuple[int, int, int, int]:
     check_dtype("x", x)
     if x.dim() != 2 or router_logits.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise ValueError(f"expected x [T, H], router_logits [T, E], w_gate_up [E, 2I, H], w_down [E, H, I], got "
@@ -262,29 +319,49 @@ def _check_moe_args(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: tor
     t, h = x.shape
     e, two_i, _ = w_gate_up.shape
     i = two_i // 2
-    if (router_logits.shape != (t, e) or w_gate_up.shape != (e, 2 * i, h) or w_down.shape != (e, h, i)
-            or two_i % 2):
+    mxfp4 = scale_gate_up is not None
+    pack = 2 if mxfp4 else 1  # MXFP4: two codes a byte along K
+    if (router_logits.shape != (t, e) or w_gate_up.shape != (e, 2 * i, h // pack)
+            or w_down.shape != (e, h, i // pack) or two_i % 2):
         raise ValueError(f"inconsistent MoE shapes: x {list(x.shape)}, router_logits {list(router_logits.shape)}, "
-                         f"w_gate_up {list(w_gate_up.shape)}, w_down {list(w_down.shape)}")
+                         f"w_gate_up {list(w_gate_up.shape)}, w_down {list(w_down.shape)}"
+                         + (" (MXFP4: [E, 2I, H // 2], [E, H, I // 2] bytes)" if mxfp4 else ""))
     if not 1 <= top_k <= e:
         raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
-    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+    weights = [w_gate_up, w_down] + ([scale_gate_up, scale_down] if mxfp4 else [])
+    if mxfp4:
+        if h % 32 or i % 32:
+            raise ValueError(f"MXFP4 experts need H and I multiples of 32 (a scale per 32), got H {h}, I {i}")
+        if any(w is None or w.dtype != torch.uint8 for w in weights):
+            raise TypeError("MXFP4 experts: w_gate_up, w_down, scale_gate_up and scale_down must all be uint8")
+        if scale_gate_up.shape != (e, 2 * i, h // 32) or scale_down.shape != (e, h, i // 32):
+            raise ValueError(f"MXFP4 scales must be [E, 2I, H // 32] and [E, H, I // 32], got "
+                             f"{list(scale_gate_up.shape)} and {list(scale_down.shape)}")
+    elif scale_down is not None:
+        raise ValueError("scale_down without scale_gate_up: MXFP4 experts need both")
+    elif w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
         raise TypeError(f"expert weights must be x's dtype {x.dtype}, got {w_gate_up.dtype} and {w_down.dtype}")
+    for name, bias, shape in (("bias_gate_up", bias_gate_up, (e, 2 * i)), ("bias_down", bias_down, (e, h))):
+        if bias is not None and (bias.shape != shape or not bias.is_floating_point()):
+            raise ValueError(f"{name} must be a float [{', '.join(map(str, shape))}], got {bias.dtype} "
+                             f"{list(bias.shape)}")
+        weights += [bias] if bias is not None else []
     if not router_logits.is_floating_point():
         raise TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
-    if not x.is_contiguous() or not w_gate_up.is_contiguous() or not w_down.is_contiguous():
-        raise ValueError("x, w_gate_up and w_down must be contiguous")
+    if not x.is_contiguous() or not all(w.is_contiguous() for w in weights):
+        raise ValueError("x and the experts' weights, scales and biases must be contiguous")
     if router_logits.stride(1) != 1:
         raise ValueError(f"router_logits must have a contiguous last dimension, got strides {router_logits.stride()}")
     return t, h, e, i
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-              weights_dtype: torch.dtype | None = None) -> MoeRouting:
-    """Route ``router_logits [T, E]``: each token's top_k experts (float32 softmax; ties to the lower index),
-    their weights (renormalised to sum to one when ``renormalize``, then rounded to ``weights_dtype``,
-    default ``router_logits.dtype``), and the per-expert row lists the grouped GEMMs read (see
-    :class:`MoeRouting`). One memset and one kernel; nothing is read back to the host."""
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype | None = None,
+              topk_softmax: bool = False) -> MoeRouting:
+    """Route ``router_logits [T, E]``: each token's top_k experts (ties to the lower index) and their weights, by
+    a float32 softmax over the experts then the top k (renormalised to sum to one when ``renormalize``), or with
+    ``topk_softmax`` (gpt-oss) the top k of the logits then a softmax over those k (``renormalize`` changes
+    nothing there); rounded to ``weights_dtype`` (default ``router_logits.dtype``); and the per-expert row lists
+    the grouped GEMMs read (see :class:`MoeRouting`). One memset and one kernel; nothing is read back to the host."""
     t, e = router_logits.shape
     dev = router_logits.device
     ids = torch.empty(t, top_k, dtype=torch.int32, device=dev)
@@ -294,61 +371,81 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if t:
         e_pad = next_pow2(e)
         _moe_route_kernel[(t,)](router_logits, ids, wts, counts, rows, e, t, router_logits.stride(0), TOP_K=top_k,
-                                RENORM=renormalize, E_PAD=e_pad, num_warps=4 if e_pad > 256 else 1)
+                                RENORM=renormalize, E_PAD=e_pad, TOPK_SOFTMAX=topk_softmax,
+                                num_warps=4 if e_pad > 256 else 1)
     return MoeRouting(ids, wts, counts, rows)
+
+
+def dot_scaled_default() -> bool:
+    """Whether MXFP4 products take ``tl.dot_scaled`` rather than the register expansion: ``MINFER_MOE_DOT_SCALED=1``
+    (untimed; see ``moe_mxfp4.py``), off by default."""
+    return os.environ.get("MINFER_MOE_DOT_SCALED", "0") == "1"
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
               renormalize: bool, config: MoeConfig | None = None, *, weights_dtype: torch.dtype | None = None,
               topk_softmax: bool = False, bias_gate_up: torch.Tensor | None = None,
               bias_down: torch.Tensor | None = None, scale_gate_up: torch.Tensor | None = None,
-              scale_down: torch.Tensor | None = None, swiglu_limit: float = 0.0,
-              swiglu_alpha: float = 1.0) -> torch.Tensor:
-    """A sparse MoE block after its router -> ``[T, H]`` in x's dtype: ``sum_k weight_k *
-    down_e(silu(gate_e(x)) * up_e(x))`` over each token's top_k experts e.
+              scale_down: torch.Tensor | None = None, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0,
+              dot_scaled: bool | None = None) -> torch.Tensor:
+    """A sparse MoE block after its router -> ``[T, H]`` in x's dtype: ``sum_k weight_k * down_e(act(gate_e(x),
+    up_e(x)))`` over each token's top_k experts e.
 
     ``x [T, H]`` float32/bfloat16/float16, ``router_logits [T, E]`` (any float dtype, softmax in float32),
-    ``w_gate_up [E, 2I, H]`` (gate rows, then up rows) and ``w_down [E, H, I]`` in x's dtype, all
-    contiguous. Routing as HF's routers: top-k of the softmax, renormalised when ``renormalize`` (Qwen3-MoE's
-    ``norm_topk_prob``; Mixtral always), weights rounded to ``weights_dtype``: by default
-    ``router_logits.dtype``, Qwen3-MoE's rule (``router_top_value.to(router_logits.dtype)``); Mixtral keeps
-    them float32 (pass ``torch.float32``; the same thing when the logits are float32). An exact tie at the
-    k-th place goes to the lower expert index (``torch.topk`` promises no order there). Every intermediate
-    is rounded where a loaded HF model's block rounds it (:func:`fused_moe_ref`), and each token's weighted
-    rows are summed in float32 in slot order, so only the order of the dot products' sums differs.
+    ``w_gate_up [E, 2I, H]`` (gate rows, then up rows) and ``w_down [E, H, I]`` in x's dtype, all contiguous; or
+    MXFP4 (``scale_gate_up`` / ``scale_down`` given): uint8 codes ``[E, 2I, H // 2]`` / ``[E, H, I // 2]`` and e8m0
+    scales ``[E, 2I, H // 32]`` / ``[E, H, I // 32]``, expanded to x's dtype in registers
+    (``moe_mxfp4.py``; ``dot_scaled``: through ``tl.dot_scaled`` instead, None: :func:`dot_scaled_default`).
+    Optional biases ``bias_gate_up [E, 2I]`` / ``bias_down [E, H]``. ``act``: ``silu(gate) * up``, or with
+    ``swiglu_limit`` > 0 gpt-oss's clamped SwiGLU (``moe_ref.swiglu_ref``). Routing as HF's routers
+    (:func:`moe_route`; ``topk_softmax``: gpt-oss's), weights rounded to ``weights_dtype``: by default
+    ``router_logits.dtype``, Qwen3-MoE's and gpt-oss's rule; Mixtral keeps them float32 (pass ``torch.float32``).
+    An exact tie at the k-th place goes to the lower expert index (``torch.topk`` promises no order there). Every
+    intermediate is rounded where a loaded HF model's block rounds it (:func:`fused_moe_ref`), and each token's
+    weighted rows are summed in float32 in slot order, so only the order of the dot products' sums differs.
 
     Only the experts some token chose are read: at batch 1, top_k experts' weights. No host sync, grids
     from shapes only (CUDA-graph capturable). ``config`` overrides the ``MOE_CONFIGS`` table (sweeps, tests).
     """
-    if (topk_softmax or bias_gate_up is not None or bias_down is not None or scale_gate_up is not None
-            or scale_down is not None or swiglu_limit):
-        raise NotImplementedError("gpt-oss routing, biases, the clamped SwiGLU and MXFP4 weights: kernels to come")
-    t, h, e, i = _check_moe_args(x, router_logits, w_gate_up, w_down, top_k)
+    t, h, e, i = _check_moe_args(x, router_logits, w_gate_up, w_down, top_k, scale_gate_up, scale_down,
+                                 bias_gate_up, bias_down)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
     cfg = config or moe_config(t, top_k, e)
-    if cfg.block_n % 32 or cfg.block_m < 16 or cfg.block_k < 16:
-        raise ValueError(f"block_n must be a multiple of 32 and block_m, block_k at least 16, got {cfg}")
-    routing = moe_route(router_logits, top_k, renormalize, weights_dtype)
+    mxfp4 = scale_gate_up is not None
+    if cfg.block_n % 32 or cfg.block_m < 16 or cfg.block_k < (32 if mxfp4 else 16) or (mxfp4 and cfg.block_k % 32):
+        raise ValueError(f"block_n must be a multiple of 32, block_m at least 16 and block_k at least 16 (MXFP4: a "
+                         f"multiple of 32), got {cfg}")
+    dot_scaled = mxfp4 and x.dtype != torch.float32 and (dot_scaled_default() if dot_scaled is None else dot_scaled)
+    routing = moe_route(router_logits, top_k, renormalize, weights_dtype, topk_softmax)
     upcast, precision = dot_mode(x.dtype)
     e_pad = next_pow2(e)
     num_pid_m = max_blocks(t, top_k, e, cfg.block_m)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_PAD=e_pad,
-                  UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  UPCAST=upcast, PRECISION=precision, MXFP4=mxfp4, DOT_SCALED=dot_scaled,
+                  A_FORMAT="fp16" if x.dtype == torch.float16 else "bf16", num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    # Absent scales and biases: x stands in for the pointer, never read (the variant reads none).
+    s_gu, s_d = (scale_gate_up, scale_down) if mxfp4 else (x, x)
+    b_gu = x if bias_gate_up is None else bias_gate_up
+    b_d = x if bias_down is None else bias_down
     inter = torch.empty(t * top_k, i, dtype=x.dtype, device=x.device)
     grid = (num_pid_m * triton.cdiv(i, cfg.block_n // 2),)
-    _moe_gate_up_kernel[grid](x, w_gate_up, inter, routing.expert_counts, routing.expert_rows, e, t, h, i, num_pid_m,
-                              x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), inter.stride(0), TOP_K=top_k,
-                              EVEN_K=h % cfg.block_k == 0, **common)
+    _moe_gate_up_kernel[grid](x, w_gate_up, s_gu, b_gu, inter, routing.expert_counts, routing.expert_rows, e, t, h, i,
+                              num_pid_m, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), s_gu.stride(0),
+                              s_gu.stride(1), b_gu.stride(0), inter.stride(0), TOP_K=top_k,
+                              EVEN_K=h % cfg.block_k == 0, HAS_BIAS=bias_gate_up is not None,
+                              LIMIT=float(swiglu_limit), ALPHA=float(swiglu_alpha), **common)
     # Each (token, slot)'s weighted output, in HF's product dtype; with one slot, the output itself (the same
     # single rounding).
     contrib_dtype = torch.promote_types(x.dtype, routing.topk_weights.dtype)
     contrib = out if top_k == 1 else torch.empty(t * top_k, h, dtype=contrib_dtype, device=x.device)
     grid = (num_pid_m * triton.cdiv(h, cfg.block_n),)
-    _moe_down_kernel[grid](inter, w_down, routing.topk_weights, contrib, routing.expert_counts, routing.expert_rows,
-                           e, t, h, i, num_pid_m, inter.stride(0), w_down.stride(0), w_down.stride(1),
-                           contrib.stride(0), EVEN_K=i % cfg.block_k == 0, **common)
+    _moe_down_kernel[grid](inter, w_down, s_d, b_d, routing.topk_weights, contrib, routing.expert_counts,
+                           routing.expert_rows, e, t, h, i, num_pid_m, inter.stride(0), w_down.stride(0),
+                           w_down.stride(1), s_d.stride(0), s_d.stride(1), b_d.stride(0), contrib.stride(0),
+                           EVEN_K=i % cfg.block_k == 0, HAS_BIAS=bias_down is not None, **common)
     if top_k > 1:
         block = min(1024, next_pow2(h))
         _moe_sum_kernel[(t, triton.cdiv(h, block))](contrib, out, h, TOP_K=top_k, BLOCK=block, num_warps=4)
