@@ -32,8 +32,10 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, forward: ModelForward | None = None, num_groups: int = 1) -> None:
-        """``num_groups``: the KV groups, each with its own slot mapping and block tables."""
+                 device: torch.device, forward: ModelForward | None = None, num_groups: int = 1,
+                 state_slots: int = 0) -> None:
+        """``num_groups``: the KV groups, each with its own slot mapping and block tables. ``state_slots``: the
+        state cache's slots when the model has recurrent layers (the last one takes the padding rows)."""
         self.model = model
         self.forward = model if forward is None else forward  # the runner's: Ops.model_forward(model)
         self.sizes = graph_batch_sizes(max_batch)
@@ -45,6 +47,11 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((num_groups, b), -1, dtype=torch.int64, device=dev)
         self.context_lens = torch.ones(b, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(num_groups, b, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.spare_slot = state_slots - 1
+        if state_slots:  # each row's state slot and whether it has a state (a one-token prompt has none)
+            self.state_slots = torch.full((b,), self.spare_slot, dtype=torch.int32, device=dev)
+            self.has_state = torch.ones(b, dtype=torch.bool, device=dev)
+            self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=dev)
         # The LM head runs in the graph too (eagerly it was three more launches per step, on the host's
         # critical path at small batches), into one logits buffer that every bucket shares.
         # (the whole vocabulary's: under tensor parallelism the graph holds the logits gather)
@@ -53,9 +60,11 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
+        state = {} if self.spare_slot < 0 else dict(state_slots=self.state_slots[:b], has_state=self.has_state[:b],
+                                                    query_start_loc=self.query_start_loc[:b + 1])
         return AttentionMetadata(
             slot_mapping=[s[:b] for s in self.slot_mapping], block_tables=[t[:b] for t in self.block_tables],
-            context_lens=self.context_lens[:b], num_decodes=b, block_size=self.block_size)
+            context_lens=self.context_lens[:b], num_decodes=b, block_size=self.block_size, **state)
 
     @torch.no_grad()
     def capture(self) -> None:
@@ -86,8 +95,8 @@ class DecodeGraphs:
         return num_seqs <= self.max_batch and max_blocks <= self.block_tables.shape[2]
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, src_rows: np.ndarray,
-            ctx_lens: np.ndarray, tables: np.ndarray, prev_tokens: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            ctx_lens: np.ndarray, tables: np.ndarray, prev_tokens: torch.Tensor | None,
+            state_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest bucket that holds this decode batch of ``n`` sequences (host arrays; a row
         with ``src_rows[i] >= 0`` takes its input id from ``prev_tokens[src_rows[i]]``, on the device).
         The inputs go up packed in one copy and one kernel scatters them into the graph's buffers
@@ -101,9 +110,22 @@ class DecodeGraphs:
         packed = host.to(self.input_ids.device, non_blocking=True)
         stage_decode_inputs(packed, n, width, prev_tokens, self.input_ids[:b], self.positions[:b],
                             self.slot_mapping[:, :b], self.context_lens[:b], self.block_tables[:, :b])
+        if self.spare_slot >= 0:  # recurrent layers: the rows' state slots (``state_rows``), padding to the spare
+            self._stage_state(n, b, state_rows, ctx_lens)
         if b in self.graphs:
             self.graphs[b].replay()
             hidden = self.outputs[b]
         else:  # uncaptured: the same buffers, eagerly
             hidden = self._forward(b, self._meta(b))
         return hidden[:n], self.logits[:n]
+
+    def _stage_state(self, n: int, b: int, rows: np.ndarray, ctx_lens: np.ndarray) -> None:
+        """The state slots and has-state flags of a replay's ``n`` rows (one more small upload), the padding
+        rows' slot the spare one (their writes land there, read by no sequence)."""
+        host = torch.empty(2 * n, dtype=torch.int32, pin_memory=self.input_ids.is_cuda)
+        host[:n] = torch.from_numpy(rows.astype(np.int32))
+        host[n:] = torch.from_numpy((ctx_lens > 1).astype(np.int32))  # a decode's one token: it has a state
+        dev = host.to(self.input_ids.device, non_blocking=True)
+        self.state_slots[:n].copy_(dev[:n])
+        self.state_slots[n:b].fill_(self.spare_slot)
+        self.has_state[:n].copy_(dev[n:] != 0)

@@ -75,9 +75,13 @@ class LLMEngine:
                                    self.runner.num_kv_blocks, config.block_size, defaults,
                                    config.structured_outputs_limits(), windows, config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, output_kind)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          windows)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        recurrent = bool(self.runner.state_layers)  # no prefix hits, no forks: engine/state_cache.py
+        if recurrent and config.enable_prefix_caching:
+            logger.info("prefix caching off: the model's recurrent layers keep no state at block boundaries")
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching and not recurrent, windows)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   fork_samples=not recurrent)
         self.requests: dict[str, list[Sequence]] = {}  # live requests' samples
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0

@@ -33,6 +33,7 @@ from minfer.engine.kv_sizing import count_kv_blocks, profile_lengths
 from minfer.engine.sampler import DeviceSample, Sampler
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.engine.sequence import Sequence
+from minfer.engine.state_cache import allocate_state_cache, slot_bytes, state_layers
 from minfer.engine.step_arrays import StepArrays, synthetic_step
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
@@ -79,6 +80,12 @@ class ModelRunner:
         self.num_kv_groups = len(self.kv_spec.kv_groups)
         self.input_batch = InputBatch(config.max_num_seqs, cdiv(max_model_len, self.block_size), self.device,
                                       self.num_kv_groups)
+        self.state_layers = state_layers(self.model)
+        if self.state_layers:  # before the memory profile: the KV budget is what it leaves
+            slots = config.max_num_seqs + 1  # a slot per input-batch row, and one for graph padding rows
+            allocate_state_cache(self.state_layers, slots, self.device)
+            logger.info("state cache: %d slots of %.2f MiB (%d recurrent layers)", slots,
+                        slot_bytes(self.state_layers) / 2**20, len(self.state_layers))
         started = time.perf_counter()
         blocks = count_kv_blocks(config, self.block_bytes, max_model_len, self.device, model_config.vocab_size,
                                  self._profile_peak)
@@ -178,7 +185,8 @@ class ModelRunner:
         if self.device.type != "cuda" or not self.ops.cuda_graphs or self.config.enforce_eager:
             return None
         graphs = DecodeGraphs(self.model, self.config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
-                              self.block_size, self.device, forward=self.forward, num_groups=self.num_kv_groups)
+                              self.block_size, self.device, forward=self.forward, num_groups=self.num_kv_groups,
+                              state_slots=self.config.max_num_seqs + 1 if self.state_layers else 0)
         graphs.capture()
         return graphs
 
@@ -240,7 +248,12 @@ class ModelRunner:
         nd, num_seqs, groups = a.num_decodes, len(a.q_lens), len(a.tables)
         ctx_lens, p_ctx, p_cu, *tables = self._upload(
             torch.int32, a.ctx_lens, a.ctx_lens[nd:], a.cu[nd:] - nd, *a.tables, *a.tables[:, nd:])
-        return AttentionMetadata(
+        state = {}
+        if self.state_layers:  # a made-up step (profile, warm-up) has no rows: any slots, none live yet
+            rows = a.batch_rows if a.batch_rows is not None else np.arange(num_seqs) % (self.config.max_num_seqs + 1)
+            state_slots, has, cu = self._upload(torch.int32, rows, a.ctx_lens > a.q_lens, a.cu)
+            state = dict(state_slots=state_slots, has_state=has.bool(), query_start_loc=cu)
+        return AttentionMetadata(**state,
             slot_mapping=slots, block_tables=tables[:groups], context_lens=ctx_lens, num_decodes=nd,
             block_size=self.block_size, prefill_query_start_loc=p_cu,
             max_prefill_query_len=int(a.q_lens[nd:].max()) if nd < num_seqs else 0,
@@ -301,7 +314,8 @@ class ModelRunner:
                                                                                               a.tables.shape[2]):
             src_rows = np.full(len(a.ids), -1, dtype=np.int64)
             src_rows[a.fill_dst] = a.fill_src  # a decode's one token is its row
-            hidden, logits = self.graphs.run(a.ids, a.positions, a.slots, src_rows, a.ctx_lens, a.tables, prev_tokens)
+            hidden, logits = self.graphs.run(a.ids, a.positions, a.slots, src_rows, a.ctx_lens, a.tables, prev_tokens,
+                                             a.batch_rows)
             if len(a.logit_rows) != len(logits):
                 rows, = self._upload(torch.int64, a.logit_rows)
                 logits = logits[rows]

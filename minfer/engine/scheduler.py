@@ -38,8 +38,12 @@ def _context_len(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 fork_samples: bool = True) -> None:
+        """``fork_samples``: a request's samples fork from sample 0's prompt (off for models with recurrent
+        state, where each sample computes its own: ``engine/state_cache.py``)."""
         self.block_manager = block_manager
+        self.fork_samples = fork_samples
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -49,7 +53,11 @@ class Scheduler:
         self._freed: list[int] = []
 
     def add_request(self, seqs: list[Sequence]) -> None:
-        """Queue a request's samples: sample 0 now, the others once it has computed the prompt."""
+        """Queue a request's samples: sample 0 now, the others once it has computed the prompt (or all of
+        them now, without forking)."""
+        if not self.fork_samples:
+            self.waiting.extend(seqs)
+            return
         self.waiting.append(seqs[0])
         if len(seqs) > 1:
             self.unforked[seqs[0].seq_id] = seqs[1:]

@@ -30,13 +30,15 @@ class StepArrays:
         """The arrays a follower needs to run the same forward (``StepChannel``), with the hidden-state
         row ranges whose logits prompt logprobs read (``[k, 2]``)."""
         return [self.ids, self.positions, self.slots, self.tables, self.ctx_lens, self.q_lens, self.cu,
-                self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes]), prompt_logprob_rows]
+                self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes]), prompt_logprob_rows,
+                self.batch_rows]
 
     @classmethod
     def from_message(cls, arrays: list[np.ndarray]) -> tuple["StepArrays", np.ndarray]:
-        ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp = arrays
+        """(The step, the prompt-logprob row ranges); the batch rows are the state slots of recurrent layers."""
+        ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp, rows = arrays
         return cls(ids, positions, slots, tables.astype(np.int32), ctx_lens.astype(np.int32), q_lens, cu,
-                   logit_rows, int(nd[0]), fill_dst, fill_src), plp
+                   logit_rows, int(nd[0]), fill_dst, fill_src, rows), plp
 
 
 def synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray, groups: int = 1) -> StepArrays:

@@ -20,6 +20,7 @@ from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3F
 from minfer.model.models.mixtral import MixtralForCausalLM
 from minfer.model.models.multimodal import Gemma3ForConditionalGeneration, Gemma4ForConditionalGeneration
 from minfer.model.models.phi3 import Phi3ForCausalLM
+from minfer.model.models.qwen3_5 import Qwen3_5ForCausalLM
 from minfer.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -28,6 +29,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,

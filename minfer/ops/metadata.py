@@ -36,6 +36,12 @@ class AttentionMetadata:
     max_prefill_query_len: int = 0
     context_lens_host: list[int] = field(default_factory=list)
     query_lens_host: list[int] = field(default_factory=list)
+    # Recurrent layers (``engine/state_cache.py``), for models that have them: each sequence's state slot and
+    # whether it has a state to start from (tokens computed before this step), int32 / bool [num_seqs], and
+    # every sequence's rows in the step (decodes included): [num_seqs + 1] int32
+    state_slots: torch.Tensor | None = None
+    has_state: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
     # torch ops: the decodes' cache slots and key positions, once per step for each block table and window
     _decode_slots: dict = field(default_factory=dict)
 
