@@ -10,11 +10,11 @@ A code becomes a float16 bit pattern by placing it: sign at bit 15, its 2-bit ex
 bits 11..9. That float16 is exactly the e2m1 value times 2 ** -14 (code 1, 0.5, lands on a float16 subnormal,
 which the conversion to float32 keeps exactly), so one float32 multiply by ``2 ** (scale - 127 + 14)``, a bit
 pattern too, gives the exact value; it rounds to the activations' dtype only for the tensor-core dot (bfloat16:
-exact, the same bits as the reference's dequantized weight). Scale bytes up to 240 (2 ** 113) stay exact; the
-released checkpoints' lie near 2 ** -4 .. 2 ** -10.
+exact, the same bits as the reference's dequantized weight). Scale bytes up to 240 (2 ** 113) stay exact; past
+that the factor's bit pattern overflows (no trained weight is that large; byte 255 is e8m0's NaN).
 
-``tl.dot_scaled`` (Triton's own MX product: on Hopper it upcasts the e2m1 operand to bfloat16 itself, then
-wgmma) is the alternative, a compile-time variant (``DOT_SCALED``) for 16-bit activations, off by default: it is
+``tl.dot_scaled`` (Triton's own MX product: built for sm_90 it upcasts the e2m1 operand to bfloat16 itself,
+``fp4_to_fp`` on packed registers, then wgmma) is the alternative, a compile-time variant (``DOT_SCALED``) for 16-bit activations, off by default: it is
 held to the reference under the interpreter and builds for sm_90, but has not been timed against the expansion.
 """
 from __future__ import annotations
