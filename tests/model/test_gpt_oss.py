@@ -109,6 +109,20 @@ def test_mxfp4_checkpoint_matches_hf_on_the_dequantized_weights(mxfp4_pair, scen
     assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
 
 
+def test_mxfp4_on_the_triton_kernels_matches_hf(mxfp4_pair):
+    """The Triton attention with sinks and windows and the MoE kernel expanding MXFP4 codes (the interpreter on
+    the CPU), prompts past the window, chunked and mixed with decodes."""
+    mx_dir, twin_dir = mxfp4_pair
+    llm = LLM(str(mx_dir), attention_backend="triton",
+              **kv_settings(mx_dir, dict(num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=2)))
+    assert llm.llm_engine.runner.ops.name == "triton"
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:]],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(PROMPTS[1:], outs):
+        ref, ref_logits = hf_greedy(twin_dir, prompt, 6)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+
+
 def test_hf_reads_our_mxfp4_layout_as_the_twin(mxfp4_pair):
     """HF's own MXFP4 loader (dequantizing) on the written checkpoint gives the twin's expert weights: the
     interleaving, nibble order and transposes of ``write_mxfp4_pair`` are the released format's."""
