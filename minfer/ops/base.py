@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from minfer.kernels.linear_attention.gated_delta_ref import causal_conv1d_ref, gated_delta_rule_ref
 from minfer.kernels.moe.moe_ref import fused_moe_ref
 from minfer.kernels.quant.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, group_amax
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, MoeExperts, PagedKVCache, RopeInputs
@@ -137,4 +138,29 @@ class Ops(ABC):
         """The forward the runner runs steps through (and CUDA graphs capture): the model itself,
         unless these ops have a faster forward for some steps (the Triton ops' one-token forward)."""
         return model
+
+    # ---- Linear attention (Qwen3.5's Gated DeltaNet): per-sequence state in slots of the engine's state cache. A
+    # step's sequences are cut by query_start_loc [B + 1] (int32; decodes first, then prompt chunks); sequence b
+    # reads and writes slot slots[b] ([B], distinct), starting from it when has_state[b] (bool [B]) and from zeros
+    # otherwise, so a prompt chunked anywhere gives HF's numbers over the whole prompt (to float32 rounding).
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                      query_start_loc: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + SiLU of ``x`` [T, C] (the fused q|k|v channels) with ``weight`` [C, K], each
+        sequence's window starting from its slot's ``conv_state`` [S, C, K - 1] (x's dtype: the last K - 1
+        inputs, HF's state less the column its next conv never reads), which becomes the sequence's last K - 1
+        inputs. Returns y [T, C] in x's dtype, rounded as HF's conv then SiLU
+        (``kernels/linear_attention/gated_delta_ref.py``)."""
+        return causal_conv1d_ref(x, weight, conv_state, query_start_loc, slots, has_state)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor,
+                         has_state: torch.Tensor, use_qk_l2norm: bool = True,
+                         scale: float | None = None) -> torch.Tensor:
+        """The gated delta rule: q, k [T, Hk, Dk] (L2-normalised here when ``use_qk_l2norm``, q then times
+        ``scale``, default ``Dk ** -0.5``), v [T, Hv, Dv] (value head j reads key head ``j // (Hv / Hk)``), g
+        [T, Hv] float32 log decay, beta [T, Hv]; ``state`` [S, Hv, Dk, Dv] float32, each sequence's state after
+        its last token written to its slot. q, k, v may be views of the conv's output. Returns o [T, Hv, Dv] in
+        q's dtype; HF's arithmetic in float32 (its recurrent step for one-token sequences, its chunked form for
+        longer ones)."""
+        return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, slots, has_state, use_qk_l2norm, scale)
 

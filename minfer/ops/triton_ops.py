@@ -14,6 +14,8 @@ from minfer.kernels.attention.gluon_sm90 import sm90_available
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
+from minfer.kernels.linear_attention.causal_conv import causal_conv1d
+from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.moe.moe import fused_moe
 from minfer.kernels.quant.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
 from minfer.kernels.quant.fp8_ref import FP8_GROUP
@@ -120,3 +122,17 @@ class TritonOps(Ops):
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model; a
         family of another layer layout than those it knows (``fused_one_token = None``) runs its own forward."""
         return OneTokenFusedForward(model) if getattr(model, "fused_one_token", None) else model
+
+    def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                      query_start_loc: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:
+        """One launch for decodes and chunks alike (a program per sequence and channel tile, its slot's buffer
+        read and rewritten in place); no host sync."""
+        return causal_conv1d(x, weight, conv_state, query_start_loc, slots, has_state)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor,
+                         has_state: torch.Tensor, use_qk_l2norm: bool = True,
+                         scale: float | None = None) -> torch.Tensor:
+        """Decodes alone (T == B, from the shapes): the fused recurrent kernel, CUDA-graph capturable; a step with
+        prompt chunks: the chunked pair (every 64-token block's UT solve in parallel, then a scan per sequence)."""
+        return gated_delta_rule(q, k, v, g, beta, state, query_start_loc, slots, has_state, use_qk_l2norm, scale)
