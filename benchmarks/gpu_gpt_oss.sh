@@ -32,17 +32,17 @@ case " $PARTS " in *" tests "*)
     tests/engine/test_engine_gpu.py tests/model/test_gpt_oss.py} -k "${TEST_FILTER:-sink or gpt_oss or mxfp4}" 2>&1 \
     | tail -25 | tee "$OUT/gpu_tests.log" ;;
 esac
+case " $PARTS " in *" bench "*)
+  for shape in ${SHAPES:-gpt-oss-20b llama-3.1-8b}; do bench "batch1_$shape" --shape "$shape" --batch1; done
+  for shape in ${SHAPES:-gpt-oss-20b gpt-oss-120b}; do bench "workload_a_$shape" --shape "$shape"; done ;;
+esac
+
 case " $PARTS " in *" kernels "*)
   echo "== bench_moe.py ($(left) s left)"
   timeout "$(cap 120)" python3 benchmarks/bench_moe.py --only gpt-oss-20b,gpt-oss-120b \
     > "$OUT/bench_moe.log" 2>&1 || echo "   exit $?; $(tail -2 "$OUT/bench_moe.log")"  # writes $OUT/moe.md
   cat "$OUT/moe.md" 2>/dev/null ;;
 esac
-case " $PARTS " in *" bench "*)
-  for shape in ${SHAPES:-gpt-oss-20b llama-3.1-8b}; do bench "batch1_$shape" --shape "$shape" --batch1; done
-  for shape in ${SHAPES:-gpt-oss-20b gpt-oss-120b}; do bench "workload_a_$shape" --shape "$shape"; done ;;
-esac
-
 python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
