@@ -20,6 +20,10 @@ _MOE_CONSTS = dict(E_PAD=32, UPCAST=False, PRECISION="tf32", MXFP4=True, DOT_SCA
 
 # (module, kernel, signature, constexprs) of each build: the activation codes, the norm's weight rounding, attention
 # sinks
+SM90_SHARED = 232448  # the most shared memory one block may take on sm_90 (227 KiB)
+# what the Gated DeltaNet kernels' signatures share
+_GDN_SIG = dict(K="*bf16", G="*fp32", QSL="*i32", stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32",
+                stride_gt="i32", stride_bt="i32", dk="i32", dv="i32", eps="fp32")
 BUILDS = {
     "silu": ("minfer.kernels.activation", "_act_and_mul_kernel",
              dict(X="*bf16", OUT="*bf16", stride_x="i32", stride_o="i32", inter="i32"),
@@ -65,6 +69,30 @@ BUILDS = {
     "moe_gate_up_mxfp4_dot_scaled": ("minfer.kernels.moe.moe", "_moe_gate_up_kernel", dict(_MOE_SIG, X="*bf16"),
                                      dict(_MOE_CONSTS, TOP_K=4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
                                           EVEN_K=True, DOT_SCALED=True, LIMIT=7.0, ALPHA=1.702)),
+    # Gated DeltaNet (Qwen3.5-9B's layer: 16 key / 32 value heads of 128, conv 4) with the launch options the
+    # launchers use: the conv's one-token decode blocks; the recurrent decode; the chunked pair (float32 products
+    # in tf32x3; the scan's single stage keeps it under sm_90's shared memory)
+    "conv_decode": ("minfer.kernels.linear_attention.causal_conv", "_causal_conv_kernel",
+                    dict(X="*bf16", W="*bf16", STATE="*bf16", Y="*bf16", QSL="*i32", SLOTS="*i32", HAS="*i1",
+                         stride_xt="i32", stride_yt="i32", stride_ss="i32", C="i32"),
+                    dict(K=4, KP=4, BLOCK_T=1, BLOCK_C=128)),
+    "gated_delta_recurrent": ("minfer.kernels.linear_attention.gated_delta", "_recurrent_kernel",
+                              dict(_GDN_SIG, Q="*bf16", V="*bf16", BETA="*bf16", STATE="*fp32", O="*bf16",
+                                   SLOTS="*i32", HAS="*i1", stride_vt="i32", stride_vh="i32", stride_ot="i32",
+                                   stride_oh="i32", stride_ss="i32", stride_sh="i32", scale="fp32"),
+                              dict(GROUP=2, DK=128, BV=32, L2NORM=True)),
+    "gated_delta_chunk_prepare": ("minfer.kernels.linear_attention.gated_delta", "_chunk_prepare_kernel",
+                                  dict(_GDN_SIG, V="*bf16", BETA="*bf16", U="*fp32", W="*fp32", CUM="*fp32",
+                                       num_tokens="i32", num_seqs="i32", search_steps="i32", stride_vt="i32",
+                                       stride_vh="i32"),
+                                  dict(GROUP=2, DK=128, DV=128, BT=64, LEVELS=6, L2NORM=True, PREC="tf32x3"),
+                                  dict(num_warps=8)),
+    "gated_delta_chunk_scan": ("minfer.kernels.linear_attention.gated_delta", "_chunk_scan_kernel",
+                               dict(_GDN_SIG, Q="*bf16", U="*fp32", W="*fp32", CUM="*fp32", STATE="*fp32",
+                                    O="*bf16", SLOTS="*i32", HAS="*i1", stride_qt="i32", stride_qh="i32",
+                                    stride_ot="i32", stride_oh="i32", stride_ss="i32", stride_sh="i32",
+                                    scale="fp32"),
+                               dict(GROUP=2, DK=128, BV=64, BT=64, L2NORM=True, PREC="tf32x3"), dict(num_stages=1)),
 }
 
 
@@ -76,12 +104,12 @@ def build(name: str) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    module, kernel, sig, consts = BUILDS[name]
+    module, kernel, sig, consts, *options = BUILDS[name]  # options: the launcher's num_warps / num_stages
     fn = getattr(importlib.import_module(module), kernel)
     signature = {n: sig.get(n, "constexpr") for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4})
-    return {"cubin_bytes": len(compiled.asm["cubin"])}
+                              options={"num_warps": 4, **(options[0] if options else {})})
+    return {"cubin_bytes": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
 
 
 @pytest.mark.parametrize("name", list(BUILDS))
@@ -91,7 +119,9 @@ def test_kernel_compiles_for_sm90(name: str) -> None:
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["cubin_bytes"] > 0
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert built["cubin_bytes"] > 0
+    assert built["shared"] <= SM90_SHARED, f"{built['shared']} bytes of shared memory: the launch would fail"
 
 
 if __name__ == "__main__":
