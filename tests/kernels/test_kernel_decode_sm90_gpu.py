@@ -2,7 +2,7 @@
 on an sm_90 GPU (`pytest -m gpu`): page sizes, GQA ratios (1 to 16 heads per KV head), head dims, 16-bit
 dtypes, every 8-bit cache format, split counts with empty splits, contexts that are not multiples of the
 64-key tile, a strided q and CUDA-graph replay; sliding windows (with split-K, 8-bit caches, and the table
-entries of blocks wholly before each window stale) and logit soft-capping."""
+entries of blocks wholly before each window stale), logit soft-capping and attention sinks (gpt-oss)."""
 
 import pytest
 import torch
@@ -205,3 +205,58 @@ def test_decode_sm90_window_matches_triton(kv_dtype: str) -> None:
         fast = paged_decode_attention_sm90(*args, num_splits=splits, window=1000, softcap=30.0, **sc)
         ref = paged_decode_attention(*args, num_splits=splits, window=1000, softcap=30.0, **sc)
         assert rel_err(fast, ref) < 4e-3, (splits, rel_err(fast, ref))
+
+
+# ------------------------------------------------------------------ attention sinks (gpt-oss)
+GPT_OSS = (64, 8, 64)  # gpt-oss's heads: 64 query heads (8 per KV head) of 64 dims
+
+
+def sinks_like(num_heads: int, value: float | None = None) -> torch.Tensor:
+    """bf16 sinks (the model dtype) of both signs about the scores' spread, or all ``value``."""
+    if value is not None:
+        return torch.full((num_heads,), value, device="cuda", dtype=torch.bfloat16)
+    return (2 * torch.randn(num_heads, device="cuda")).bfloat16()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3"], ids=["bf16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("window", [0, 128])
+@pytest.mark.parametrize("splits", [None, 1, 7, 64], ids=["heuristic", "1", "7", "64"])
+def test_decode_sm90_sinks(kv_dtype: str | None, window: int, splits: int | None) -> None:
+    """Sinks (split 0 alone counts them; 64 splits leave empty ones), alone and with gpt-oss's 128-key window, over
+    16- and 8-bit caches, against the float64 reference."""
+    check_window(WINDOW_CTX_LENS, *GPT_OSS, 16, torch.bfloat16, "cuda", window=window, num_splits=splits,
+                 kv_dtype=kv_dtype, sinks=sinks_like(64), stale="nan" if window else None)
+
+
+@pytest.mark.parametrize("value", [8.0, float("-inf")], ids=["plus8", "minus-inf"])
+@pytest.mark.parametrize("kv_dtype", [None, "int8"], ids=["bf16", "int8"])
+def test_decode_sm90_sink_extremes(value: float, kv_dtype: str | None) -> None:
+    """A sink of +8 outweighs every score (the output shrinks, still exact); a -inf sink is no sink."""
+    for splits in (1, 5):
+        torch.manual_seed(11)
+        got = check_window(WINDOW_CTX_LENS, *GPT_OSS, 16, torch.bfloat16, "cuda", window=128, num_splits=splits,
+                           kv_dtype=kv_dtype, sinks=sinks_like(64, value))
+        torch.manual_seed(11)
+        plain = check_window(WINDOW_CTX_LENS, *GPT_OSS, 16, torch.bfloat16, "cuda", window=128, num_splits=splits,
+                             kv_dtype=kv_dtype)
+        if value > 0:
+            assert got.float().norm() < 0.5 * plain.float().norm()
+        else:
+            assert rel_err(got, plain) < 1e-3, rel_err(got, plain)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_decode_sm90_sinks_match_triton(kv_dtype: str) -> None:
+    """Against the Triton kernel with sinks, with and without a window, split and not: both count each sink once and
+    round P alike, so they agree far inside the tolerance against float64."""
+    ctx_lens = [4096, 3000, 77, 1]
+    kc, vc, table, sc = caches(ctx_lens, kv_dtype)
+    lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(ctx_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    sinks = sinks_like(32)
+    for splits in (1, 16):
+        for window in (0, 128):
+            args = (q, kc, vc, table, lens, 128 ** -0.5)
+            fast = paged_decode_attention_sm90(*args, num_splits=splits, window=window, sinks=sinks, **sc)
+            ref = paged_decode_attention(*args, num_splits=splits, window=window, sinks=sinks, **sc)
+            assert rel_err(fast, ref) < 4e-3, (splits, window, rel_err(fast, ref))

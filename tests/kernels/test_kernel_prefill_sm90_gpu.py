@@ -2,7 +2,7 @@
 stands in for, on an sm_90 GPU (`pytest -m gpu`): page sizes, GQA ratios, head dims, 16-bit dtypes,
 every 8-bit cache format, chunks that start mid-sequence and lengths that are not multiples of the
 128-row tiles; sliding windows (chunked prefill mid-sequence, 8-bit caches, the table entries of blocks
-wholly before each chunk's first window stale) and logit soft-capping."""
+wholly before each chunk's first window stale), logit soft-capping and attention sinks (gpt-oss)."""
 
 import pytest
 import torch
@@ -197,3 +197,67 @@ def test_prefill_sm90_window_matches_triton(kv_dtype: str) -> None:
     fast = paged_prefill_attention_sm90(*args, window=1000, softcap=30.0, **sc)
     ref = paged_prefill_attention(*args, window=1000, softcap=30.0, **sc)
     assert rel_err(fast, ref) < 4e-3, rel_err(fast, ref)
+
+
+# ------------------------------------------------------------------ attention sinks (gpt-oss)
+GPT_OSS = (64, 8, 64)  # gpt-oss's heads: 64 query heads (8 per KV head) of 64 dims
+
+
+def sinks_like(num_heads: int, value: float | None = None) -> torch.Tensor:
+    """bf16 sinks (the model dtype) of both signs about the scores' spread, or all ``value``."""
+    if value is not None:
+        return torch.full((num_heads,), value, device="cuda", dtype=torch.bfloat16)
+    return (2 * torch.randn(num_heads, device="cuda")).bfloat16()
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8", "fp8_e4m3"], ids=["bf16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("window", [0, 5, 128])
+def test_prefill_sm90_sinks(kv_dtype: str | None, window: int) -> None:
+    """Sinks alone and with windows (gpt-oss's 128 keys; 5, where a row sees no key of its block's first tiles), on
+    Q_LENS's whole prompts, chunks mid-sequence and an overhanging tile, over 16- and 8-bit caches."""
+    check_window(Q_LENS, CTX_LENS, *GPT_OSS, 16, torch.bfloat16, "cuda", window=window, kv_dtype=kv_dtype,
+                 sinks=sinks_like(64), stale="nan" if window else None)
+
+
+@pytest.mark.parametrize("window", [0, 5, 128])
+def test_prefill_sm90_sinks_chunked(window: int) -> None:
+    """Chunked prefill: 512-row chunks at positions 1024, 2560 and 3584 of their prompts, a 100-row chunk, a row."""
+    q_lens, ctx_lens = [512, 512, 512, 100, 1, 300], [1536, 3072, 4096, 700, 2049, 300]
+    check_window(q_lens, ctx_lens, *GPT_OSS, 16, torch.bfloat16, "cuda", window=window, sinks=sinks_like(64),
+                 stale="nan" if window else None)
+
+
+@pytest.mark.parametrize("value", [8.0, float("-inf")], ids=["plus8", "minus-inf"])
+@pytest.mark.parametrize("window", [0, 5])
+def test_prefill_sm90_sink_extremes(value: float, window: int) -> None:
+    """A sink of +8 outweighs every score (the output shrinks, still exact); a -inf sink is no sink, also where a
+    window hides every key of a tile from some rows (the running max must stay finite there)."""
+    torch.manual_seed(13)
+    got = check_window(Q_LENS, CTX_LENS, *GPT_OSS, 16, torch.bfloat16, "cuda", window=window,
+                       sinks=sinks_like(64, value))
+    torch.manual_seed(13)
+    plain = check_window(Q_LENS, CTX_LENS, *GPT_OSS, 16, torch.bfloat16, "cuda", window=window)
+    if value > 0:
+        assert got.float().norm() < 0.5 * plain.float().norm()
+    else:
+        assert rel_err(got, plain) < 1e-3, rel_err(got, plain)
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_prefill_sm90_sinks_match_triton(kv_dtype: str) -> None:
+    """Against the Triton kernel with sinks, with and without a window, on long prompts: both start each row's max at
+    its sink and add its term last, so they agree far inside the tolerance against float64."""
+    q_lens, ctx_lens = [4096, 1000], [4096, 3000]
+    kf, vf, table = make_paged_kv(ctx_lens, 8, 128, 16, torch.float32, "cuda")
+    kc, vc, sc = kf.bfloat16(), vf.bfloat16(), {}
+    if kv_dtype != "auto":
+        kc, vc, ks, vs = quantize_paged_kv(kf, vf, kv_dtype)
+        sc = dict(k_scale=ks, v_scale=vs)
+    qsl, lens = batch(q_lens, ctx_lens)
+    q = torch.randn(sum(q_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+    sinks = sinks_like(32)
+    for window in (0, 128):
+        args = (q, kc, vc, table, qsl, lens, max(q_lens), 128 ** -0.5)
+        fast = paged_prefill_attention_sm90(*args, window=window, sinks=sinks, **sc)
+        ref = paged_prefill_attention(*args, window=window, sinks=sinks, **sc)
+        assert rel_err(fast, ref) < 4e-3, (window, rel_err(fast, ref))

@@ -3,7 +3,7 @@ interpreter, so this is what the CPU can check): Gluon's API moves between Trito
 failure would otherwise surface only on a Hopper GPU. The compiled code must use the machinery the kernels are
 built around: TMA bulk copies, warpgroup MMA, register reallocation between partitions, and shared memory
 within the 227 KB a block may take (the decode kernel: half of it, so that two programs share an SM). Sliding
-windows and soft-capping are compile-time variants of each kernel: they are built here too.
+windows, soft-capping and attention sinks are compile-time variants of each kernel: they are built here too.
 
 Each build runs in a child process without TRITON_INTERPRET: under the interpreter Triton's own helpers that
 Gluon calls become interpreted functions, which the Gluon compiler refuses.
@@ -37,7 +37,16 @@ def _compile(fn, sig: dict, consts: dict, maxnreg: int | None = None):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def build_prefill(head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0):
+def _sinks(sig: dict, consts: dict, sinks: bool) -> None:
+    """The sinks' pointer (bf16, the model dtype) in the signature, or None among the constexprs."""
+    if sinks:
+        sig["SINKS"] = "*bf16"
+    else:
+        consts["SINKS"] = None
+    consts["HAS_SINKS"] = sinks
+
+
+def build_prefill(head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0, sinks: bool = False):
     from minfer.kernels.attention import prefill_attention_sm90 as sm90
 
     gl = sm90.gl
@@ -54,11 +63,12 @@ def build_prefill(head_dim: int, page: int, kv: str, window: int = 0, softcap: f
                   CODE_STAGES=sm90.CODE_STAGES, QUANT=quant, CONVERT_Q=quant, CONVERT_ROWS=sm90.CONVERT_ROWS,
                   CONSUMER_REGS_Q=sm90.QUANT_REGS[0], PRODUCER_REGS_Q=sm90.QUANT_REGS[1],
                   CONVERTER_REGS_Q=sm90.QUANT_REGS[2], WINDOW=window, SOFTCAP=softcap, num_warps=4)
+    _sinks(sig, consts, sinks)
     return _compile(sm90._prefill_sm90_kernel, sig, consts)
 
 
-def build_decode(head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0, group: int = 4,
-                 direct: bool = False):
+def build_decode(head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0, sinks: bool = False,
+                 group: int = 4, direct: bool = False):
     from minfer.kernels.attention import decode_attention_sm90 as sm90
     from minfer.kernels.attention import decode_attention_sm90_8bit as sm90_8bit
 
@@ -82,14 +92,16 @@ def build_decode(head_dim: int, page: int, kv: str, window: int = 0, softcap: fl
         kernel, maxnreg = sm90_8bit._decode_sm90_8bit_kernel, sm90_8bit.MAX_REGS
     sig.update(BT="*i32", CL="*i32", O="*bf16", MID_O="*fp32", MID_LSE="*fp32", scale_log2e="fp32", stride_qb="i32",
                stride_qh="i32", stride_btb="i32", stride_ob="i32", stride_oh="i32", num_splits="i32")
+    _sinks(sig, consts, sinks)
     return _compile(kernel, sig, consts, maxnreg)
 
 
-def build(kernel: str, head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0) -> dict:
-    """Compile a kernel for (head_dim, page, cache format, window, cap) and report what its code holds."""
+def build(kernel: str, head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0,
+          sinks: bool = False) -> dict:
+    """Compile a kernel for (head_dim, page, cache format, window, cap, sinks) and report what its code holds."""
     import triton  # noqa: F401 - before minfer.kernels, which turns the interpreter on where no GPU is present
 
-    compiled = (build_prefill if kernel == "prefill" else build_decode)(head_dim, page, kv, window, softcap)
+    compiled = (build_prefill if kernel == "prefill" else build_decode)(head_dim, page, kv, window, softcap, sinks)
     ptx = compiled.asm["ptx"]
     return dict(shared=compiled.metadata.shared, sm90a=".target sm_90a" in ptx, wgmma="wgmma.mma_async" in ptx,
                 tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, local=".local" in ptx,
@@ -150,6 +162,24 @@ def test_the_cap_is_compiled_in_only_when_set(kernel: str) -> None:
     assert capped["exp2"] > plain["exp2"] == windowed["exp2"], (plain, capped, windowed)
 
 
+# Sinks (gpt-oss) with a window over a 16-bit cache, and with a window and a cap (which real models do not combine)
+# over an 8-bit one (the 8-bit decode kernel, prefill's converter): variants of builds above, compiled once.
+SINK_BUILDS = [(128, 16, "bf16", 37, 0.0), (128, 16, "int8", 21, 50.0)]
+
+
+@pytest.mark.parametrize("kernel", ["prefill", "decode"])
+@pytest.mark.parametrize("head_dim,page,kv,window,softcap", SINK_BUILDS)
+def test_the_sink_variants_build(kernel: str, head_dim: int, page: int, kv: str, window: int, softcap: float) -> None:
+    """Each kernel's sink variant builds with the machinery of the others, within the same shared memory, and costs
+    exp2s beyond the plain build's: the sink's term per row (a flag whose ``if`` never compiled in would pass every
+    other check)."""
+    got = _child(kernel, str(head_dim), str(page), kv, str(window), str(softcap), "1")
+    assert got["sm90a"] and got["wgmma"] and got["tma"] and got["setmaxnreg"], got
+    plain = _child(kernel, str(head_dim), str(page), kv, str(window), str(softcap))
+    assert got["shared"] == plain["shared"] and got["exp2"] > plain["exp2"], (got, plain)
+
+
 if __name__ == "__main__":
     print(json.dumps(build(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
-                           *(int(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 5 else ())))
+                           *(int(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 5 else (),
+                           *(sys.argv[7] == "1",) if len(sys.argv) > 7 else ())))

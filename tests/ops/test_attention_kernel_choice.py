@@ -71,6 +71,16 @@ def test_the_fallback_computes_the_same() -> None:
     assert torch.equal(sm90_decode.paged_decode_attention_sm90(*args), paged_decode_attention(*args))
 
 
+def test_the_fallback_keeps_the_sinks() -> None:
+    """Attention sinks (gpt-oss) reach the Triton kernel through the fallback too: a bug there would drop them."""
+    sinks = 2 * torch.randn(4, device=DEV)
+    for hopper, triton_kernel, args in ((sm90.paged_prefill_attention_sm90, paged_prefill_attention, small_batch),
+                                        (sm90_decode.paged_decode_attention_sm90, paged_decode_attention, decode_batch)):
+        args = args(32, torch.float32)
+        got = hopper(*args, sinks=sinks)
+        assert torch.equal(got, triton_kernel(*args, sinks=sinks)) and not torch.equal(got, triton_kernel(*args))
+
+
 class Unbuildable:
     """A kernel whose launch fails as a Gluon API missing from the installed Triton would."""
 

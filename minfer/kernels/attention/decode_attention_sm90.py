@@ -17,9 +17,9 @@ head of the GQA group; partial outputs of split programs are merged by that modu
   while the tensor cores still run the P·V product.
 - **8-bit caches** go to ``decode_attention_sm90_8bit.py``, the same frame with the codes converted in the
   consumer's registers (the entry point below chooses).
-- **Windows and soft-capping** (``gluon_sm90``): with a window the splits cut [max(0, ctx - window), ctx) instead
-  of the context (``split_range``), so the copy warp never looks up a page the window has left; the cap runs on
-  each score tile before the mask.
+- **Windows, soft-capping and sinks** (``gluon_sm90``): with a window the splits cut [max(0, ctx - window), ctx)
+  instead of the context (``split_range``), so the copy warp never looks up a page the window has left; the cap runs
+  on each score tile before the mask; split 0 counts the sinks (``decode_max_start``).
 
 Keys past a split's range are read (page 0 for table entries past the context) and masked by position, so
 the cache must hold finite values there, which the engine's zeroed cache does.
@@ -40,9 +40,9 @@ from ..quant.quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, barrier_ring, fence_async_shared, gl, invalidate_ring, issue_tile, log2_scores, mbarrier,
-        online_softmax, partition_barrier, split_range, warpgroup_mma, warpgroup_mma_wait, write_decode_output,
-        write_empty_split,
+        TensorDescriptor, barrier_ring, decode_max_start, fence_async_shared, gl, invalidate_ring, issue_tile,
+        log2_scores, mbarrier, online_softmax, partition_barrier, split_range, warpgroup_mma, warpgroup_mma_wait,
+        write_decode_output, write_empty_split,
     )
 
 BLOCK_N = 64  # keys per tile: the MMA's 64 rows
@@ -76,14 +76,14 @@ if gluon is not None:
         return s
 
     @gluon.jit
-    def _consumer(Q, q_smem, k_smem, v_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e,
+    def _consumer(Q, q_smem, k_smem, v_smem, p_smem, ready, empty, O, MID_O, MID_LSE, SINKS, scale_log2e,
                   b, kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
                   GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, HALVES: gl.constexpr,
                   STAGES: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr, WINDOW: gl.constexpr,
-                  SOFTCAP: gl.constexpr):
+                  SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr):
         """The warpgroup that computes: q into shared memory, the online softmax over the tiles delivered to
-        ``ready`` (keys before ``lo`` masked with a ``WINDOW``, scores capped with a ``SOFTCAP``), then the output
-        (``DIRECT``) or the split's normalised partial and log2-sum-exp2."""
+        ``ready`` (keys before ``lo`` masked with a ``WINDOW``, scores capped with a ``SOFTCAP``, split 0 counting
+        the ``SINKS``), then the output (``DIRECT``) or the split's normalised partial and log2-sum-exp2."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, NPAD, 16])
         key_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -103,7 +103,7 @@ if gluon is not None:
         fence_async_shared()
         partition_barrier()
 
-        m_i = gl.full([NPAD], float("-inf"), gl.float32, head_layout)
+        m_i, sink = decode_max_start(SINKS, kvh, split, head_layout, GROUP, NPAD, HAS_SINKS)
         l_keys = gl.zeros([BLOCK_N, NPAD], gl.float32, s_layout)
         o0 = gl.zeros([_HALF, NPAD], gl.float32, s_layout)
         o1 = gl.zeros([_HALF, NPAD], gl.float32, s_layout)
@@ -150,8 +150,8 @@ if gluon is not None:
             o0 = warpgroup_mma_wait(0, deps=[o0])
 
         d = gl.expand_dims(gl.arange(0, _HALF, layout=dim_layout), 1)
-        write_decode_output(o0, o1, d, d + _HALF, m_i, l_keys, O, MID_O, MID_LSE, b, kvh, split, num_splits, stride_ob,
-                            stride_oh, head_layout, GROUP, NPAD, HEAD_DIM, HALVES == 2, DIRECT)
+        write_decode_output(o0, o1, d, d + _HALF, m_i, l_keys, sink, O, MID_O, MID_LSE, b, kvh, split, num_splits,
+                            stride_ob, stride_oh, head_layout, GROUP, NPAD, HEAD_DIM, HALVES == 2, DIRECT, HAS_SINKS)
 
     @gluon.jit
     def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, bt_row, start, end, n_tiles, kv_col,
@@ -167,10 +167,10 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["stride_btb", "num_splits"])  # both change from step to step
     def _decode_sm90_kernel(
         Q, k_desc, v_desc, BT, CL, O, MID_O, MID_LSE, scale_log2e,
-        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits,
+        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits, SINKS,
         GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, WINDOW: gl.constexpr,
-        SOFTCAP: gl.constexpr, num_warps: gl.constexpr,
+        SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr, num_warps: gl.constexpr,
     ):
         HALVES: gl.constexpr = HEAD_DIM // _HALF
         ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per TMA copy
@@ -188,9 +188,10 @@ if gluon is not None:
             v_smem = gl.allocate_shared_memory(dtype, [STAGES * HALVES, BLOCK_N, _HALF], layout16)
             ready, empty = barrier_ring(STAGES, 1)
             gl.warp_specialize([
-                (_consumer, (Q, q_smem, k_smem, v_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e, b,
-                             kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh, stride_ob,
-                             stride_oh, GROUP, NPAD, HEAD_DIM, HALVES, STAGES, BLOCK_N, DIRECT, WINDOW, SOFTCAP)),
+                (_consumer, (Q, q_smem, k_smem, v_smem, p_smem, ready, empty, O, MID_O, MID_LSE, SINKS, scale_log2e,
+                             b, kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh, stride_ob,
+                             stride_oh, GROUP, NPAD, HEAD_DIM, HALVES, STAGES, BLOCK_N, DIRECT, WINDOW, SOFTCAP,
+                             HAS_SINKS)),
                 (_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, BT + b.to(gl.int64) * stride_btb, start,
                              end, n_tiles, kvh * HEAD_DIM, PAGE, HALVES, STAGES, BLOCK_N)),
             ], [1], [PRODUCER_REGS])
@@ -221,17 +222,19 @@ def paged_decode_attention_sm90(
     num_splits: int | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention`` (same arguments and result) on sm_90 with a 16-bit q over 16-bit or 8-bit
     caches; other inputs go to the Triton kernel. ``window`` (0: none): the query at ``context_lens[b] - 1``
     sees its last ``window`` keys, and only their pages' table entries are read; ``softcap`` (0: none): scores
-    s become ``softcap * tanh(s / softcap)``."""
+    s become ``softcap * tanh(s / softcap)``; ``sinks`` ``[Hq]`` (None: none): a logit per head in the softmax's
+    denominator, with no value."""
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens)
-    check_window_softcap(window, softcap)
+    check_window_softcap(window, softcap, sinks, q)
     fallback = lambda: paged_decode_attention(  # noqa: E731
         q, k_cache, v_cache, block_tables, context_lens, scale, out, k_scale=k_scale, v_scale=v_scale,
-        num_splits=num_splits, window=window, softcap=softcap)
+        num_splits=num_splits, window=window, softcap=softcap, sinks=sinks)
     if not sm90_decode_applies(q, k_cache):
         return fallback()
     batch, num_heads, head_dim = q.shape
@@ -253,7 +256,8 @@ def paged_decode_attention_sm90(
     common = (block_tables, context_lens, out, mid_o, mid_lse, score_scale(scale, softcap), q.stride(0), q.stride(1),
               block_tables.stride(0), out.stride(0), out.stride(1), num_splits)
     params = dict(GROUP=group, NPAD=8 if group <= 8 else 16, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=BLOCK_N,
-                  DIRECT=direct, WINDOW=int(window), SOFTCAP=float(softcap), num_warps=4)
+                  DIRECT=direct, WINDOW=int(window), SOFTCAP=float(softcap), SINKS=sinks, HAS_SINKS=sinks is not None,
+                  num_warps=4)
     if quant:
         kernel = sm90_8bit._decode_sm90_8bit_kernel
         args = (q, *sm90_8bit.descriptors(k_cache, v_cache, k_scale, v_scale), *common)
@@ -269,7 +273,7 @@ def paged_decode_attention_sm90(
         sole = batch * num_kv_heads * num_splits <= num_sms(q.device)
         params.update(STAGES=SOLE_STAGES if sole else STAGES, maxnreg=MAX_REGS)
     grid = (num_kv_heads, batch, num_splits)
-    if not _guard.launch(build_kind(quant, window, softcap), lambda: kernel[grid](*args, **params)):
+    if not _guard.launch(build_kind(quant, window, softcap, sinks is not None), lambda: kernel[grid](*args, **params)):
         return fallback()
     if not direct:
         merge_partials(mid_o, mid_lse, out)

@@ -25,9 +25,9 @@ layout, and ``convert_layout(..., assert_trivial=True)`` proves at compile time 
 released as soon as its codes are in registers, before the products that use them.
 
 Codes convert exactly (``gluon_sm90.codes_to_f16``), so the products are float16 on exact values as in the
-Triton kernel; K's per-key scales (with ``scale * log2 e``) multiply the score rows, V's the P rows. Windows and
-soft-capping as in the 16-bit kernel: the split ranges (``gluon_sm90.split_range``) start at the window, and so
-do the copy warp's page and scale lookups.
+Triton kernel; K's per-key scales (with ``scale * log2 e``) multiply the score rows, V's the P rows. Windows,
+soft-capping and sinks as in the 16-bit kernel: the split ranges (``gluon_sm90.split_range``) start at the window,
+and so do the copy warp's page and scale lookups.
 
 H200, B=64 x 4k, llama-3.1-8b heads: int8 / fp8_e4m3 145-148 us, 88-89% of 4.22 TB/s, 1.75x the bf16 kernel.
 """
@@ -40,9 +40,9 @@ from .gluon_sm90 import gluon
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, _tma_load, barrier_ring, codes_to_f16, fence_async_shared, gl, invalidate_ring, log2_scores,
-        mbarrier, online_softmax, partition_barrier, reinterpret, split_range, warpgroup_mma, warpgroup_mma_wait,
-        write_decode_output, write_empty_split,
+        TensorDescriptor, _tma_load, barrier_ring, codes_to_f16, decode_max_start, fence_async_shared, gl,
+        invalidate_ring, log2_scores, mbarrier, online_softmax, partition_barrier, reinterpret, split_range,
+        warpgroup_mma, warpgroup_mma_wait, write_decode_output, write_empty_split,
     )
 
 BLOCK_N = 64  # keys per tile: the MMA's 64 rows
@@ -158,14 +158,14 @@ if gluon is not None:
         return p * gl.expand_dims(v_sc, 1), m_i, l_keys, alpha
 
     @gluon.jit
-    def _consumer(Q, q_smem, kc_smem, vc_smem, sc_smem, p_smem, ready, empty, O, MID_O, MID_LSE, scale_log2e,
+    def _consumer(Q, q_smem, kc_smem, vc_smem, sc_smem, p_smem, ready, empty, O, MID_O, MID_LSE, SINKS, scale_log2e,
                   b, kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh, stride_ob, stride_oh,
                   GROUP: gl.constexpr, NPAD: gl.constexpr, D: gl.constexpr, ROWS: gl.constexpr,
                   STAGES: gl.constexpr, BLOCK_N: gl.constexpr, CONVERT_Q: gl.constexpr, DIRECT: gl.constexpr,
-                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr):
+                  WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr):
         """The warpgroup that computes: q into shared memory (dims in ``k_dim_order``), the online softmax over
         the tiles delivered to ``ready`` (keys before ``lo`` masked with a ``WINDOW``, scores capped with a
-        ``SOFTCAP``), then the output (``DIRECT``) or the split's partial."""
+        ``SOFTCAP``, split 0 counting the ``SINKS``), then the output (``DIRECT``) or the split's partial."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, NPAD, 16])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
@@ -184,7 +184,7 @@ if gluon is not None:
         partition_barrier()
         qt = q_smem.permute((1, 0))
 
-        m_i = gl.full([NPAD], float("-inf"), gl.float32, head_layout)
+        m_i, sink = decode_max_start(SINKS, kvh, split, head_layout, GROUP, NPAD, HAS_SINKS)
         l_keys = gl.zeros([BLOCK_N, NPAD], gl.float32, s_layout)
         o0 = gl.zeros([64, NPAD], gl.float32, s_layout)
         o1 = gl.zeros([64, NPAD], gl.float32, s_layout)
@@ -236,8 +236,9 @@ if gluon is not None:
             o0, v0 = warpgroup_mma_wait(0, deps=[o0, v0])
 
         r = gl.expand_dims(gl.arange(0, 64, layout=key_layout), 1)
-        write_decode_output(o0, o1, v_dim(r, 0, D), v_dim(r, 1, D), m_i, l_keys, O, MID_O, MID_LSE, b, kvh, split,
-                            num_splits, stride_ob, stride_oh, head_layout, GROUP, NPAD, D, D == 128, DIRECT)
+        write_decode_output(o0, o1, v_dim(r, 0, D), v_dim(r, 1, D), m_i, l_keys, sink, O, MID_O, MID_LSE, b, kvh,
+                            split, num_splits, stride_ob, stride_oh, head_layout, GROUP, NPAD, D, D == 128, DIRECT,
+                            HAS_SINKS)
 
     @gluon.jit
     def _producer(kv_desc, vv_desc, ks_desc, vs_desc, kc_smem, vc_smem, sc_smem, ready, empty, bt_row, start, end,
@@ -272,10 +273,11 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["stride_btb", "num_splits"])  # both change from step to step
     def _decode_sm90_8bit_kernel(
         Q, kv_desc, vv_desc, ks_desc, vs_desc, BT, CL, O, MID_O, MID_LSE, scale_log2e,
-        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits,
+        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits, SINKS,
         GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
         NUM_KV_HEADS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONVERT_Q: gl.constexpr,
-        DIRECT: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, num_warps: gl.constexpr,
+        DIRECT: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per copy
         kvh = gl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
@@ -297,10 +299,10 @@ if gluon is not None:
             sc_pages = reinterpret(sc_smem, ks_desc.dtype, [2 * STAGES, COPIES, CHUNK],
                                    gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
             gl.warp_specialize([
-                (_consumer, (Q, q_smem, kc_smem, vc_smem, sc_pages, p_smem, ready, empty, O, MID_O, MID_LSE,
+                (_consumer, (Q, q_smem, kc_smem, vc_smem, sc_pages, p_smem, ready, empty, O, MID_O, MID_LSE, SINKS,
                              scale_log2e, b, kvh, split, num_splits, start, lo, end, n_tiles, stride_qb, stride_qh,
                              stride_ob, stride_oh, GROUP, NPAD, HEAD_DIM, ROWS, STAGES, BLOCK_N, CONVERT_Q,
-                             DIRECT, WINDOW, SOFTCAP)),
+                             DIRECT, WINDOW, SOFTCAP, HAS_SINKS)),
                 (_producer, (kv_desc, vv_desc, ks_desc, vs_desc, kc_smem, vc_smem, sc_smem, ready, empty,
                              BT + b.to(gl.int64) * stride_btb, start, end, n_tiles, kvh, NUM_KV_HEADS, HEAD_DIM,
                              PAGE, STAGES, BLOCK_N)),

@@ -1,7 +1,7 @@
 """What the Hopper (sm_90) attention kernels in Gluon share: the Gluon imports and the names that moved
 between Tritons, when the kernels apply, the build-once guard, and the device functions both kernels run:
 the copy warp's per-page TMA copies and the converter partition that turns 8-bit codes into float16 tiles, the
-decode kernels' split ranges, and the two score options every kernel takes:
+decode kernels' split ranges, and the three score options every kernel takes:
 
 - **Sliding windows** (``WINDOW``, a compile-time int, 0 = none): a query at position p sees keys k with
   ``p - WINDOW < k <= p``. A kernel's key loop starts at the TMA copy (a page, or a 64/128-key part of a larger
@@ -11,8 +11,11 @@ decode kernels' split ranges, and the two score options every kernel takes:
 - **Soft-capping** (``SOFTCAP``, a compile-time float, 0 = none; Gemma 2): the scaled score s becomes
   ``SOFTCAP * tanh(s / SOFTCAP)`` before masking and softmax. The kernels work in the log2 domain, so the
   host passes the score scale of ``soft_cap`` (``score_scale``) and the cap returns log2-domain scores.
+- **Sinks** (``HAS_SINKS``, with ``SINKS`` ``[Hq]``, None without; gpt-oss): a logit per query head in the softmax's
+  denominator, with no value. A row's running max starts at its head's sink (``running_max_start``; a decode's split
+  0 alone: the merge weighs it in once), and the sink's term joins the denominator at the end (``add_sink``).
 
-Both are compile-time so that a kernel without them compiles to the code it had before they existed.
+All three are compile-time so that a kernel without them compiles to the code it had before they existed.
 
 Gluon (``triton.experimental.gluon``, Triton >= 3.5) exposes what Triton's compiler does not do by itself:
 warp specialization, TMA bulk copies completing on mbarriers, warpgroup MMA. It has no interpreter, so the
@@ -73,18 +76,18 @@ def score_scale(scale: float, softcap: float) -> float:
     return scale * 2 * LOG2E / softcap if softcap else scale * LOG2E
 
 
-Kind = bool | tuple[bool, bool, bool]
+Kind = bool | tuple[bool, bool, bool, bool]
 
 
-def build_kind(quant: bool, window: int, softcap: float) -> Kind:
-    """What a ``BuildGuard`` keeps apart: whether the cache is 8-bit, and for a variant with a window or a cap,
-    ``(8-bit, windowed, capped)`` (each compiles its own code, so each may fail to build on its own)."""
-    return (quant, window > 0, softcap > 0) if window or softcap else quant
+def build_kind(quant: bool, window: int, softcap: float, sinks: bool = False) -> Kind:
+    """What a ``BuildGuard`` keeps apart: whether the cache is 8-bit, and for a variant with a window, a cap or
+    sinks, ``(8-bit, windowed, capped, sinks)`` (each compiles its own code, so each may fail to build on its own)."""
+    return (quant, window > 0, softcap > 0, sinks) if window or softcap or sinks else quant
 
 
 class BuildGuard:
     """Launches a Gluon kernel, and on the first launch of each kind (``build_kind``: the kernels compile
-    different code for 8-bit caches, windows and caps) catches a build failure: Gluon is experimental and its
+    different code for 8-bit caches, windows, caps and sinks) catches a build failure: Gluon is experimental and its
     API moves between Tritons, so a kernel that does not build logs one warning and the caller's Triton kernel
     serves that kind from then on."""
 
@@ -104,9 +107,9 @@ class BuildGuard:
             run()
         except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving on the Triton kernel
             self.failed.add(kind)
-            quant, windowed, capped = kind if isinstance(kind, tuple) else (kind, False, False)
+            quant, windowed, capped, sinks = kind if isinstance(kind, tuple) else (kind, False, False, False)
             variant = "8-bit" if quant else "16-bit"
-            variant += " caches" + ", a window" * windowed + ", soft-capping" * capped
+            variant += " caches" + ", a window" * windowed + ", soft-capping" * capped + ", sinks" * sinks
             logger.warning("the Hopper %s kernel (%s) failed to build on Triton %s; using the Triton kernel "
                            "instead: %s: %s", self.what, variant, triton.__version__, type(exc).__name__,
                            str(exc)[:300])
@@ -142,6 +145,27 @@ if gluon is not None:
         if SOFTCAP > 0:
             x = soft_cap(x, SOFTCAP)
         return x
+
+    @gluon.jit
+    def head_sinks(SINKS, heads, keep):
+        """The sinks of ``heads`` (where ``keep``; 0 elsewhere) in the log2 domain, as float32."""
+        return gl.load(SINKS + heads, mask=keep, other=0.0).to(gl.float32) * _LOG2E
+
+    @gluon.jit
+    def running_max_start(sink, start, HAS_SINKS: gl.constexpr):
+        """Where a running max starts: ``start`` (-inf, or a finite floor where a row may see no key of a tile),
+        raised to the row's ``sink`` with sinks (which is -inf where a split counts none)."""
+        if HAS_SINKS:
+            start = gl.maximum(start, sink)
+        return start
+
+    @gluon.jit
+    def add_sink(l_i, m_i, sink, HAS_SINKS: gl.constexpr):
+        """The denominator ``l_i`` with the sink's term, exp2(sink - m_i), at most 1 (m_i started at the sink): 0 for
+        a -inf sink, so a split that counts none adds nothing."""
+        if HAS_SINKS:
+            l_i = l_i + gl.exp2(sink - m_i)
+        return l_i
 
     @gluon.jit
     def issue_tile(k_desc, v_desc, k_smem, v_smem, bar, bt_row, slot, n0, end, kv_col,
@@ -290,13 +314,27 @@ if gluon is not None:
         return p, m_new, l_keys * gl.expand_dims(alpha, 0) + p, alpha
 
     @gluon.jit
-    def write_decode_output(o0, o1, d0, d1, m_i, l_keys, O, MID_O, MID_LSE, b, kvh, split, num_splits, stride_ob,
-                            stride_oh, head_layout: gl.constexpr, GROUP: gl.constexpr, NPAD: gl.constexpr,
-                            HEAD_DIM: gl.constexpr, TWO: gl.constexpr, DIRECT: gl.constexpr):
+    def decode_max_start(SINKS, kvh, split, head_layout: gl.constexpr, GROUP: gl.constexpr, NPAD: gl.constexpr,
+                         HAS_SINKS: gl.constexpr):
+        """(a decode split's running max at its start per head, the heads' sinks as the split counts them): -inf, and
+        with sinks split 0 counts them (the other splits -inf), so the merge weighs each in once."""
+        m_i = gl.full([NPAD], float("-inf"), gl.float32, head_layout)
+        sink = m_i
+        if HAS_SINKS:
+            n = gl.arange(0, NPAD, layout=head_layout)
+            sink = gl.where(split == 0, head_sinks(SINKS, kvh * GROUP + n, n < GROUP), float("-inf"))
+        return running_max_start(sink, m_i, HAS_SINKS), sink
+
+    @gluon.jit
+    def write_decode_output(o0, o1, d0, d1, m_i, l_keys, sink, O, MID_O, MID_LSE, b, kvh, split, num_splits,
+                            stride_ob, stride_oh, head_layout: gl.constexpr, GROUP: gl.constexpr, NPAD: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, TWO: gl.constexpr, DIRECT: gl.constexpr,
+                            HAS_SINKS: gl.constexpr):
         """A decode program's result from Oᵀ's accumulators ``o0`` (and ``o1`` if ``TWO``), whose rows hold head dims
         ``d0`` (``d1``) [rows, 1]: the output (``DIRECT``), or the split's normalised partial [B, Hq, num_splits, D]
-        and log2-sum-exp2 [B, Hq, num_splits], as the Triton kernel writes them for its merge."""
-        l_i = gl.sum(l_keys, axis=0)  # > 0: every split holds a key
+        and log2-sum-exp2 [B, Hq, num_splits], as the Triton kernel writes them for its merge; the denominator with
+        the ``sink`` the split counts (``decode_max_start``)."""
+        l_i = add_sink(gl.sum(l_keys, axis=0), m_i, sink, HAS_SINKS)  # > 0: every split holds a key
         inv_l = gl.expand_dims(1.0 / l_i, 0)
         n = gl.arange(0, NPAD, layout=head_layout)
         heads = kvh * GROUP + n

@@ -25,11 +25,11 @@ not do for that loop, this kernel does by hand:
   Triton kernel. A bf16 q becomes float16 in place once. The converter's throughput sets the pace
   (benchmarks/RESULTS.md has the figures).
 
-- **Windows and soft-capping** (``gluon_sm90``). A query block's key loop starts at the TMA copy holding its first
-  row's window start, not at key 0 (the copy warp never looks up a page every row's window has left, and windowed
-  attention costs O(window)); tiles that reach below some row's window are masked per element like the diagonal
-  ones, and a row may then see no key of a tile, so the running max starts finite. The cap runs on the scaled
-  scores before the mask.
+- **Windows, soft-capping and sinks** (``gluon_sm90``). A query block's key loop starts at the TMA copy holding its
+  first row's window start, not at key 0 (the copy warp never looks up a page every row's window has left, and
+  windowed attention costs O(window)); tiles that reach below some row's window are masked per element like the
+  diagonal ones, and a row may then see no key of a tile, so the running max starts finite. The cap runs on the
+  scaled scores before the mask. The running max starts at the head's sink, whose term joins the denominator last.
 
 Three K/V stages (3 × 64 KB, and 32 KB of Q, at head_dim 128) fill the 227 KB a block may use. Rows past the
 chunk (the tile overhangs into the next sequence's rows) compute harmlessly and are masked at the
@@ -49,8 +49,9 @@ from ..quant.quant import check_paged_attention
 
 if gluon is not None:
     from .gluon_sm90 import (
-        TensorDescriptor, _tma_load, barrier_ring, code_ring, converter, fence_async_shared, gl, invalidate_ring,
-        issue_tile, mbarrier, partition_barrier, reinterpret, soft_cap, warpgroup_mma, warpgroup_mma_wait,
+        TensorDescriptor, _tma_load, add_sink, barrier_ring, code_ring, converter, fence_async_shared, gl, head_sinks,
+        invalidate_ring, issue_tile, mbarrier, partition_barrier, reinterpret, running_max_start, soft_cap,
+        warpgroup_mma, warpgroup_mma_wait,
     )
 
 BLOCK_M = 128
@@ -123,8 +124,7 @@ if gluon is not None:
         mbarrier.expect(q_bar, 2 * SUB_M * HALVES * _HALF * q_desc.dtype.primitive_bitwidth // 8)
         for wg in gl.static_range(2):
             for hf in gl.static_range(HALVES):
-                _tma_load(q_desc, [q_row + wg * SUB_M, q_col + hf * _HALF], q_bar,
-                                                q_smem.index(wg * HALVES + hf))
+                _tma_load(q_desc, [q_row + wg * SUB_M, q_col + hf * _HALF], q_bar, q_smem.index(wg * HALVES + hf))
         for t in range(n_tiles):
             # Slot t % STAGES last held tile t - STAGES: wait until both consumers released it.
             mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1, pred=t >= STAGES)
@@ -173,10 +173,10 @@ if gluon is not None:
                   kv_start, n_tiles, low_tiles, full_tiles, out_row0, out_col, stride_ot,
                   WG: gl.constexpr, HALVES: gl.constexpr, STAGES: gl.constexpr, SUB_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, QUANT: gl.constexpr, CONVERT_Q: gl.constexpr, WINDOW: gl.constexpr,
-                  SOFTCAP: gl.constexpr):
+                  SOFTCAP: gl.constexpr, sink, HAS_SINKS: gl.constexpr):
         """One warpgroup's 64 query rows: the online-softmax loop over the key tiles delivered to ``ready``
         (by the copy warp; for 8-bit caches by the converter, with the scales in ``sc_smem``), tile j holding
-        keys ``kv_start + j * BLOCK_N`` on."""
+        keys ``kv_start + j * BLOCK_N`` on; the head's ``sink`` (log2 domain) with ``HAS_SINKS``."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -192,6 +192,7 @@ if gluon is not None:
             m_i = gl.full([SUB_M], -1.0e30, gl.float32, row_layout)
         else:
             m_i = gl.full([SUB_M], float("-inf"), gl.float32, row_layout)
+        m_i = running_max_start(sink, m_i, HAS_SINKS)
         l_i = gl.zeros([SUB_M], gl.float32, row_layout)
         o0 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
         o1 = gl.zeros([SUB_M, _HALF], gl.float32, o_layout)
@@ -241,7 +242,7 @@ if gluon is not None:
         else:
             o0, pa = warpgroup_mma_wait(0, deps=[o0, pa])
 
-        inv_l = gl.expand_dims(gl.convert_layout(1.0 / l_i, o_row_layout), 1)
+        inv_l = gl.expand_dims(gl.convert_layout(1.0 / add_sink(l_i, m_i, sink, HAS_SINKS), o_row_layout), 1)
         o_rows = row0 + gl.arange(0, SUB_M, layout=o_row_layout)
         cols = gl.arange(0, _HALF, layout=gl.SliceLayout(0, o_layout))
         ptr = (O + gl.expand_dims((out_row0 + o_rows).to(gl.int64) * stride_ot, 1) + out_col
@@ -253,12 +254,12 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["stride_btb"])  # the block-table width changes from step to step
     def _prefill_sm90_kernel(
-        q_desc, k_desc, v_desc, KS, VS, BT, QSL, CL, O, scale_log2e, stride_btb, stride_ot, stride_oh,
+        q_desc, k_desc, v_desc, KS, VS, BT, QSL, CL, O, scale_log2e, stride_btb, stride_ot, stride_oh, SINKS,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CODE_STAGES: gl.constexpr,
         QUANT: gl.constexpr, CONVERT_Q: gl.constexpr, CONVERT_ROWS: gl.constexpr, CONSUMER_REGS_Q: gl.constexpr,
         PRODUCER_REGS_Q: gl.constexpr, CONVERTER_REGS_Q: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-        num_warps: gl.constexpr,
+        HAS_SINKS: gl.constexpr, num_warps: gl.constexpr,
     ):
         HALVES: gl.constexpr = HEAD_DIM // _HALF
         SUB_M: gl.constexpr = BLOCK_M // 2  # rows per consumer warpgroup
@@ -284,6 +285,7 @@ if gluon is not None:
             full_tiles = (first_pos + 1 - kv_start) // BLOCK_N  # tiles every row sees whole up to the diagonal
             bt_row = BT + sq.to(gl.int64) * stride_btb
             kvh = h // GROUP
+            sink = head_sinks(SINKS, h, h < GROUP * NUM_KV_HEADS) if HAS_SINKS else scale_log2e  # else: never read
 
             q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * HALVES, SUB_M, _HALF], q_desc.layout)
             q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -299,11 +301,11 @@ if gluon is not None:
                     (_consumer, (q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e, m0,
                                  q_len, first_pos, ctx, kv_start, n_tiles, low_tiles, full_tiles, q_start,
                                  h * stride_oh, stride_ot, 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q, WINDOW,
-                                 SOFTCAP)),
+                                 SOFTCAP, sink, HAS_SINKS)),
                     (_consumer, (q_smem, k_smem, v_smem, sc_smem, q_bar, ready, empty, O, scale_log2e,
                                  m0 + SUB_M, q_len, first_pos + SUB_M, ctx, kv_start, n_tiles, low_tiles, full_tiles,
                                  q_start, h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT,
-                                 CONVERT_Q, WINDOW, SOFTCAP)),
+                                 CONVERT_Q, WINDOW, SOFTCAP, sink, HAS_SINKS)),
                     (_producer, (q_desc, k_desc, v_desc, q_smem, kc_smem, vc_smem, q_bar, copied, released,
                                  bt_row, q_start + m0, h * HEAD_DIM, ctx, kv_start, n_tiles, kvh * HEAD_DIM,
                                  PAGE, HALVES, CODE_STAGES, SUB_M, BLOCK_N)),
@@ -317,11 +319,11 @@ if gluon is not None:
                     (_consumer, (q_smem, k_smem, v_smem, q_smem, q_bar, ready, empty, O, scale_log2e, m0,
                                  q_len, first_pos, ctx, kv_start, n_tiles, low_tiles, full_tiles, q_start,
                                  h * stride_oh, stride_ot, 0, HALVES, STAGES, SUB_M, BLOCK_N, QUANT, CONVERT_Q, WINDOW,
-                                 SOFTCAP)),
+                                 SOFTCAP, sink, HAS_SINKS)),
                     (_consumer, (q_smem, k_smem, v_smem, q_smem, q_bar, ready, empty, O, scale_log2e,
                                  m0 + SUB_M, q_len, first_pos + SUB_M, ctx, kv_start, n_tiles, low_tiles, full_tiles,
                                  q_start, h * stride_oh, stride_ot, 1, HALVES, STAGES, SUB_M, BLOCK_N, QUANT,
-                                 CONVERT_Q, WINDOW, SOFTCAP)),
+                                 CONVERT_Q, WINDOW, SOFTCAP, sink, HAS_SINKS)),
                     (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, bt_row,
                                  q_start + m0, h * HEAD_DIM, ctx, kv_start, n_tiles, kvh * HEAD_DIM,
                                  PAGE, HALVES, STAGES, SUB_M, BLOCK_N)),
@@ -345,17 +347,19 @@ def paged_prefill_attention_sm90(
     v_scale: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_prefill_attention`` (same arguments and result) on sm_90 with a 16-bit q over bf16/fp16 or
     8-bit caches; other inputs go to the Triton kernel. ``window`` (0: none): row i of a chunk of q_len rows,
     at position ``context_lens[s] - q_len + i``, sees its last ``window`` keys, and only their pages' table
-    entries are read; ``softcap`` (0: none): scores s become ``softcap * tanh(s / softcap)``."""
+    entries are read; ``softcap`` (0: none): scores s become ``softcap * tanh(s / softcap)``; ``sinks`` ``[Hq]``
+    (None: none): a logit per head in the softmax's denominator, with no value."""
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens, query_start_loc=query_start_loc)
-    check_window_softcap(window, softcap)
+    check_window_softcap(window, softcap, sinks, q)
     fallback = lambda: paged_prefill_attention(  # noqa: E731
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, max_query_len, scale, out,
-        k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap)
+        k_scale=k_scale, v_scale=v_scale, window=window, softcap=softcap, sinks=sinks)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads = k_cache.shape[:3]
     tma_ready = q.stride(1) == head_dim and q.stride(0) % 8 == 0 and q.data_ptr() % 16 == 0  # TMA alignment
@@ -388,8 +392,9 @@ def paged_prefill_attention_sm90(
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=QUANT_STAGES if quant else STAGES, CODE_STAGES=CODE_STAGES,
         QUANT=quant, CONVERT_Q=quant and q.dtype == torch.bfloat16, CONVERT_ROWS=CONVERT_ROWS,
         CONSUMER_REGS_Q=QUANT_REGS[0], PRODUCER_REGS_Q=QUANT_REGS[1], CONVERTER_REGS_Q=QUANT_REGS[2],
-        WINDOW=int(window), SOFTCAP=float(softcap), num_warps=4,
+        WINDOW=int(window), SOFTCAP=float(softcap), SINKS=sinks, HAS_SINKS=sinks is not None, num_warps=4,
     )
-    if _guard.launch(build_kind(quant, window, softcap), lambda: _prefill_sm90_kernel[grid](*args, **params)):
+    kind = build_kind(quant, window, softcap, sinks is not None)
+    if _guard.launch(kind, lambda: _prefill_sm90_kernel[grid](*args, **params)):
         return out
     return fallback()
