@@ -42,57 +42,15 @@ Launch configs come from a small table by mean rows per expert (``MOE_CONFIGS``)
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .._utils import check_dtype, dot_mode, next_pow2
+from .._utils import dot_mode, next_pow2
+from .moe_args import MOE_CONFIGS, MoeConfig, check_moe_args, dot_scaled_default, max_blocks, moe_config  # noqa: F401 (re-exported)
 from .moe_mxfp4 import mxfp4_mainloop
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Tile of both grouped GEMMs: ``block_m`` rows of one expert (the padding unit), ``block_n`` output
-    columns (gate/up: ``block_n // 2`` gate columns and the same up columns, two dots), ``block_k`` deep;
-    ``group_m`` m-blocks swept together per n-tile (L2 reuse of a weight tile when an expert has several
-    blocks), warps, pipelining depth."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-# (largest mean rows per expert = T * top_k / E, config), first match wins. The key is rows per expert, not
-# tokens, because that is what sizes the m-tile: qwen3-30b-a3b (top 8 of 128) has 1 row per expert at
-# T=16, mixtral-8x7b (top 2 of 8) has 4. Chosen with ``benchmarks/bench_moe.py --sweep`` on the H200 (the
-# figures are in RESULTS.md): up to 16 rows an expert one 16-row block (a weight stream), then tiles that
-# grow toward compute-bound GEMM shapes.
-MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
-    (16, MoeConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)),
-    (64, MoeConfig(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
-    (float("inf"), MoeConfig(128, 256, 64, group_m=8, num_warps=8, num_stages=3)),
-)
-
-
-def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
-    """The launch config for ``num_tokens`` tokens routed to ``top_k`` of ``num_experts``: the first
-    ``MOE_CONFIGS`` bucket holding the mean rows per expert."""
-    rows = num_tokens * top_k / num_experts
-    return next(cfg for max_rows, cfg in MOE_CONFIGS if rows <= max_rows)
-
-
-def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on the m-blocks of the grouped GEMMs: ``sum_e ceil(count_e / block_m)`` over the experts
-    with rows, at most ``(T*top_k + min(E, T*top_k) * (block_m - 1)) // block_m``."""
-    rows = num_tokens * top_k
-    return (rows + min(num_experts, rows) * (block_m - 1)) // block_m
 
 
 class MoeRouting(NamedTuple):
@@ -308,53 +266,6 @@ def _moe_sum_kernel(C, OUT, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def _check_moe_args(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                    top_k: int, scale_gate_up: torch.Tensor | None, scale_down: torch.Tensor | None,
-                    bias_gate_up: torch.Tensor | None, bias_down: torch.Tensor | None) -> tuple[int, int, int, int]:
-    check_dtype("x", x)
-    if x.dim() != 2 or router_logits.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
-        raise ValueError(f"expected x [T, H], router_logits [T, E], w_gate_up [E, 2I, H], w_down [E, H, I], got "
-                         f"{list(x.shape)}, {list(router_logits.shape)}, {list(w_gate_up.shape)}, "
-                         f"{list(w_down.shape)}")
-    t, h = x.shape
-    e, two_i, _ = w_gate_up.shape
-    i = two_i // 2
-    mxfp4 = scale_gate_up is not None
-    pack = 2 if mxfp4 else 1  # MXFP4: two codes a byte along K
-    if (router_logits.shape != (t, e) or w_gate_up.shape != (e, 2 * i, h // pack)
-            or w_down.shape != (e, h, i // pack) or two_i % 2):
-        raise ValueError(f"inconsistent MoE shapes: x {list(x.shape)}, router_logits {list(router_logits.shape)}, "
-                         f"w_gate_up {list(w_gate_up.shape)}, w_down {list(w_down.shape)}"
-                         + (" (MXFP4: [E, 2I, H // 2], [E, H, I // 2] bytes)" if mxfp4 else ""))
-    if not 1 <= top_k <= e:
-        raise ValueError(f"top_k must be in [1, {e}], got {top_k}")
-    weights = [w_gate_up, w_down] + ([scale_gate_up, scale_down] if mxfp4 else [])
-    if mxfp4:
-        if h % 32 or i % 32:
-            raise ValueError(f"MXFP4 experts need H and I multiples of 32 (a scale per 32), got H {h}, I {i}")
-        if any(w is None or w.dtype != torch.uint8 for w in weights):
-            raise TypeError("MXFP4 experts: w_gate_up, w_down, scale_gate_up and scale_down must all be uint8")
-        if scale_gate_up.shape != (e, 2 * i, h // 32) or scale_down.shape != (e, h, i // 32):
-            raise ValueError(f"MXFP4 scales must be [E, 2I, H // 32] and [E, H, I // 32], got "
-                             f"{list(scale_gate_up.shape)} and {list(scale_down.shape)}")
-    elif scale_down is not None:
-        raise ValueError("scale_down without scale_gate_up: MXFP4 experts need both")
-    elif w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
-        raise TypeError(f"expert weights must be x's dtype {x.dtype}, got {w_gate_up.dtype} and {w_down.dtype}")
-    for name, bias, shape in (("bias_gate_up", bias_gate_up, (e, 2 * i)), ("bias_down", bias_down, (e, h))):
-        if bias is not None and (bias.shape != shape or not bias.is_floating_point()):
-            raise ValueError(f"{name} must be a float [{', '.join(map(str, shape))}], got {bias.dtype} "
-                             f"{list(bias.shape)}")
-        weights += [bias] if bias is not None else []
-    if not router_logits.is_floating_point():
-        raise TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
-    if not x.is_contiguous() or not all(w.is_contiguous() for w in weights):
-        raise ValueError("x and the experts' weights, scales and biases must be contiguous")
-    if router_logits.stride(1) != 1:
-        raise ValueError(f"router_logits must have a contiguous last dimension, got strides {router_logits.stride()}")
-    return t, h, e, i
-
-
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype | None = None,
               topk_softmax: bool = False) -> MoeRouting:
     """Route ``router_logits [T, E]``: each token's top_k experts (ties to the lower index) and their weights, by
@@ -374,12 +285,6 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, weight
                                 RENORM=renormalize, E_PAD=e_pad, TOPK_SOFTMAX=topk_softmax,
                                 num_warps=4 if e_pad > 256 else 1)
     return MoeRouting(ids, wts, counts, rows)
-
-
-def dot_scaled_default() -> bool:
-    """Whether MXFP4 products take ``tl.dot_scaled`` rather than the register expansion: ``MINFER_MOE_DOT_SCALED=1``
-    (untimed; see ``moe_mxfp4.py``), off by default."""
-    return os.environ.get("MINFER_MOE_DOT_SCALED", "0") == "1"
 
 
 def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -408,7 +313,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     Only the experts some token chose are read: at batch 1, top_k experts' weights. No host sync, grids
     from shapes only (CUDA-graph capturable). ``config`` overrides the ``MOE_CONFIGS`` table (sweeps, tests).
     """
-    t, h, e, i = _check_moe_args(x, router_logits, w_gate_up, w_down, top_k, scale_gate_up, scale_down,
+    t, h, e, i = check_moe_args(x, router_logits, w_gate_up, w_down, top_k, scale_gate_up, scale_down,
                                  bias_gate_up, bias_down)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
@@ -426,7 +331,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_PAD=e_pad,
                   UPCAST=upcast, PRECISION=precision, MXFP4=mxfp4, DOT_SCALED=dot_scaled,
                   A_FORMAT="fp16" if x.dtype == torch.float16 else "bf16", num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+                  num_stages=cfg.num_stages if x.element_size() < 4 else min(cfg.num_stages, 2))
+    # (float32 tiles take twice the shared memory: the largest tile's 3 stages need 288 KiB, past sm_90's 227)
     # Absent scales and biases: x stands in for the pointer, never read (the variant reads none).
     s_gu, s_d = (scale_gate_up, scale_down) if mxfp4 else (x, x)
     b_gu = x if bias_gate_up is None else bias_gate_up
