@@ -48,7 +48,7 @@ from minfer.kernels.gemm.gemv import gemv, gemv_rms_norm, gemv_silu_mul  # noqa:
 from minfer.kernels.gemm.gemv_ref import gemv_ref  # noqa: E402
 from minfer.kernels.gemm.gemv_config import RMS_NORM, SILU_MUL, GemvConfig  # noqa: E402
 from minfer.kernels.gemm.gemv_config import default_config as default_gemv_config  # noqa: E402
-from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
+from minfer.benchmark.bounds import HBM_BYTES_PER_S  # noqa: E402
 from minfer.kernels.attention.prefill_attention import PrefillConfig  # noqa: E402
 from minfer.kernels.attention import decode_attention_sm90 as sm90_decode  # noqa: E402
 from minfer.kernels.attention import prefill_attention_sm90 as sm90_prefill  # noqa: E402

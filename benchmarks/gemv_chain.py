@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from batch1 import median_replay_us  # noqa: E402  (this folder)
-from minfer.benchmark.offline import HBM_BYTES_PER_S  # noqa: E402
+from minfer.benchmark.bounds import HBM_BYTES_PER_S  # noqa: E402
 from minfer.benchmark.shapes import SHAPES  # noqa: E402
 from minfer.kernels._utils import next_pow2  # noqa: E402
 from minfer.kernels.gemm import gemv as gm  # noqa: E402

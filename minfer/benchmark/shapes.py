@@ -99,6 +99,15 @@ _GPT_OSS = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidde
                     "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
 SHAPES["gpt-oss-20b"] = dict(_GPT_OSS, num_hidden_layers=24, num_local_experts=32)
 SHAPES["gpt-oss-120b"] = dict(_GPT_OSS, num_hidden_layers=36, num_local_experts=128)
+# Qwen3.5 dense: transformers 5's Qwen3_5TextConfig defaults: 3 Gated DeltaNet layers to 1 gated full attention
+SHAPES["qwen3.5-9b"] = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", hidden_size=4096,
+                            num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                            intermediate_size=12288, vocab_size=248320, tie_word_embeddings=False,
+                            max_position_embeddings=32768, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+                            linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                            linear_num_value_heads=32, full_attention_interval=4,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                             "partial_rotary_factor": 0.25}, eos_token_id=248044)
 # The released Gemma 3 checkpoints (4B and up) are multimodal: the same language model under ``text_config`` of a
 # ``Gemma3ForConditionalGeneration`` (random text weights only: minfer serves the text model).
 for _size in ("12b", "27b"):

@@ -86,7 +86,8 @@ def test_a_cpu_run_past_the_limit_is_refused_before_anything_is_written(monkeypa
 
 
 def test_the_estimate_is_the_sum_bound_at_the_rates_given():
-    from minfer.benchmark.offline import DecodeCost, estimate_seconds, throughput_bounds
+    from minfer.benchmark.bounds import DecodeCost, throughput_bounds
+    from minfer.benchmark.offline import estimate_seconds
     from minfer.model.registry import model_config
 
     cfg = model_config(shapes.shape_config("qwen3-0.6b"))
@@ -150,7 +151,7 @@ def test_windowed_layers_read_at_most_their_window_in_the_bound():
     window wider than every context bounds exactly as one without."""
     from dataclasses import replace
 
-    from minfer.benchmark.offline import DecodeCost, _decode_context, _prefill_context, throughput_bounds
+    from minfer.benchmark.bounds import DecodeCost, _decode_context, _prefill_context, throughput_bounds
 
     assert _decode_context(100, 50, 0) == 100 * 50 + 50 * 49 / 2
     assert _decode_context(100, 50, 120) == sum(min(100 + t, 120) for t in range(50))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.benchmark.offline import DecodeCost, batch1_bound
+from minfer.benchmark.bounds import DecodeCost, batch1_bound
 from minfer.benchmark.shapes import shape_config, write_random_checkpoint
 from minfer.model.registry import model_config
 

@@ -9,7 +9,8 @@ import pytest
 
 from minfer import LLM, SamplingParams
 from minfer.benchmark import shapes
-from minfer.benchmark.offline import DecodeCost, batch1_bound, run_batch1, throughput_bounds
+from minfer.benchmark.bounds import DecodeCost, batch1_bound, throughput_bounds
+from minfer.benchmark.offline import run_batch1
 from minfer.benchmark.workload import WORKLOAD_A_BOUND, WORKLOAD_A_SUM_BOUND, workload_a
 from minfer.cli import main as cli_main
 from minfer.config import ModelConfig
