@@ -83,6 +83,12 @@ ARCHS: dict[str, dict] = {
                     num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.5,
                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0,
                                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128}),
+    # Qwen3.5: two Gated DeltaNet layers (two key heads shared by four value heads, a 4-tap conv), then a gated
+    # full-attention layer with (1 + w) q/k norms and a quarter of its 32 head dims rotated
+    "qwen3_5": dict(arch="Qwen3_5ForCausalLM", model_type="qwen3_5_text", tie=False, num_hidden_layers=3,
+                    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "linear_attention", "full_attention"]),
 }
 
 

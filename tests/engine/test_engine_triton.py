@@ -15,6 +15,8 @@ NEW = 6
     ("qwen3", dict(num_kv_blocks=64, max_num_batched_tokens=6, max_num_seqs=4)),  # chunks + decodes mixed
     ("qwen2", dict(num_kv_blocks=4)),  # preemption + recompute through the prefix cache
     ("qwen2", dict(num_kv_blocks=64, max_num_seqs=1)),  # one sequence at a time: batch-1 matrix-vector kernel, bias
+    # Gated DeltaNet's conv and delta-rule kernels: chunks of 6 (state carried across them) beside decodes
+    ("qwen3_5", dict(num_kv_blocks=64, max_num_batched_tokens=6, max_num_seqs=4)),
 ])
 def test_triton_backend_matches_hf(checkpoints, arch, kwargs):
     llm = LLM(str(checkpoints[arch]), attention_backend="triton", **kwargs)

@@ -53,7 +53,8 @@ def test_tp2_matches_tp1_and_hf(checkpoints, arch, scenario):
         assert stats["tensor_parallel_size"] == 2
         if scenario == "default":  # the same prompts again: their blocks come from the prefix cache
             assert_same_outputs(_run(llm, prompts[-2:]), two[-2:])
-            assert llm.get_stats()["prefix_cache_hit_tokens"] >= 2 * 32
+            hits = llm.get_stats()["prefix_cache_hit_tokens"]  # none for a recurrent model (state_cache.py)
+            assert hits == 0 if llm.llm_engine.runner.state_layers else hits >= 2 * 32
         else:
             assert stats["num_preemptions"] > 0
         assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
