@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .._utils import dot_mode, next_pow2
-from .moe_args import MOE_CONFIGS, MoeConfig, check_moe_args, dot_scaled_default, max_blocks, moe_config  # noqa: F401 (re-exported)
+from .moe_args import MOE_CONFIGS, MoeConfig, check_moe_args, max_blocks, moe_config  # noqa: F401 (re-exported)
 from .moe_mxfp4 import mxfp4_mainloop
 
 
@@ -292,7 +292,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
               topk_softmax: bool = False, bias_gate_up: torch.Tensor | None = None,
               bias_down: torch.Tensor | None = None, scale_gate_up: torch.Tensor | None = None,
               scale_down: torch.Tensor | None = None, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0,
-              dot_scaled: bool | None = None) -> torch.Tensor:
+              dot_scaled: bool = False) -> torch.Tensor:
     """A sparse MoE block after its router -> ``[T, H]`` in x's dtype: ``sum_k weight_k * down_e(act(gate_e(x),
     up_e(x)))`` over each token's top_k experts e.
 
@@ -300,8 +300,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     ``w_gate_up [E, 2I, H]`` (gate rows, then up rows) and ``w_down [E, H, I]`` in x's dtype, all contiguous; or
     MXFP4 (``scale_gate_up`` / ``scale_down`` given): uint8 codes ``[E, 2I, H // 2]`` / ``[E, H, I // 2]`` and e8m0
     scales ``[E, 2I, H // 32]`` / ``[E, H, I // 32]``, expanded to x's dtype in registers
-    (``moe_mxfp4.py``; ``dot_scaled``: through ``tl.dot_scaled`` instead, for 16-bit x; None:
-    :func:`dot_scaled_default`).
+    (``moe_mxfp4.py``; ``dot_scaled``: through ``tl.dot_scaled`` instead, for 16-bit x: benchmarks only, its
+    results were wrong at the 16- and 64-row tiles on the H200 with Triton 3.6, RESULTS.md).
     Optional biases ``bias_gate_up [E, 2I]`` / ``bias_down [E, H]``. ``act``: ``silu(gate) * up``, or with
     ``swiglu_limit`` > 0 gpt-oss's clamped SwiGLU (``moe_ref.swiglu_ref``). Routing as HF's routers
     (:func:`moe_route`; ``topk_softmax``: gpt-oss's), weights rounded to ``weights_dtype``: by default
@@ -323,7 +323,7 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     if cfg.block_n % 32 or cfg.block_m < 16 or cfg.block_k < (32 if mxfp4 else 16) or (mxfp4 and cfg.block_k % 32):
         raise ValueError(f"block_n must be a multiple of 32, block_m at least 16 and block_k at least 16 (MXFP4: a "
                          f"multiple of 32), got {cfg}")
-    dot_scaled = mxfp4 and x.dtype != torch.float32 and (dot_scaled_default() if dot_scaled is None else dot_scaled)
+    dot_scaled = mxfp4 and x.dtype != torch.float32 and bool(dot_scaled)
     routing = moe_route(router_logits, top_k, renormalize, weights_dtype, topk_softmax)
     upcast, precision = dot_mode(x.dtype)
     e_pad = next_pow2(e)

@@ -2,7 +2,6 @@
 refuses what it cannot run)."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -49,12 +48,6 @@ def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> i
     with rows, at most ``(T*top_k + min(E, T*top_k) * (block_m - 1)) // block_m``."""
     rows = num_tokens * top_k
     return (rows + min(num_experts, rows) * (block_m - 1)) // block_m
-
-
-def dot_scaled_default() -> bool:
-    """Whether MXFP4 products take ``tl.dot_scaled`` rather than the register expansion: ``MINFER_MOE_DOT_SCALED=1``
-    (untimed; see ``moe_mxfp4.py``), off by default."""
-    return os.environ.get("MINFER_MOE_DOT_SCALED", "0") == "1"
 
 
 def check_moe_args(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

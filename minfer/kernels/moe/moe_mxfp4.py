@@ -14,8 +14,10 @@ exact, the same bits as the reference's dequantized weight). Scale bytes up to 2
 that the factor's bit pattern overflows (no trained weight is that large; byte 255 is e8m0's NaN).
 
 ``tl.dot_scaled`` (Triton's own MX product: built for sm_90 it upcasts the e2m1 operand to bfloat16 itself,
-``fp4_to_fp`` on packed registers, then wgmma) is the alternative, a compile-time variant (``DOT_SCALED``) for 16-bit activations, off by default: it is
-held to the reference under the interpreter and builds for sm_90, but has not been timed against the expansion.
+``fp4_to_fp`` on packed registers, then wgmma) is the alternative, a compile-time variant (``DOT_SCALED``) for
+16-bit activations that only benchmarks ask for: held to the reference under the interpreter, on the H200 with
+Triton 3.6 it was 2.3-3x faster than the expansion at 1k-4k tokens but wrong (relative error 1.3) at the 16- and
+64-row tiles of decode (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
