@@ -3,6 +3,9 @@
 # network). Set before sourcing: DEADLINE_DEFAULT (seconds, 560 if unset), PY (python3 if unset).
 #   left   prints the seconds left of DEADLINE
 #   cap N  a part's timeout: N seconds at most, never past the deadline (5 at least)
+#   bench NAME ARGS...  one `minfer bench --load-format dummy` run (BENCH_CAP seconds at most, default 200) into
+#          $OUT/NAME.json and .log, its key lines printed
+#   bench_table FILE   the runs' JSON under $OUT as one markdown table, printed and written to $OUT/FILE
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/minfer-out}"; mkdir -p "$OUT"
@@ -19,3 +22,31 @@ else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   WHEELS=0
 fi
+
+bench() {
+  local name=$1; shift
+  echo "== $name ($(left) s left)"
+  timeout "$(cap "${BENCH_CAP:-200}")" "$PY" -m minfer.cli -v bench --load-format dummy --quiet \
+    --output-json "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 \
+    || echo "   exit $? (124: cut by the time limit); $(grep -E 'Error' "$OUT/$name.log" | tail -2)"
+  grep -E "state cache|KV cache:|hybrid KV|\"output_tok_s|decode_tok_s|share_of_bound" "$OUT/$name.log" | head -6
+}
+
+bench_table() {
+  "$PY" - "$OUT" "$1" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+lines = ["| run | output tok/s | wall s | share of bound | preemptions |", "|---|---|---|---|---|"]
+for f in sorted(out.glob("*.json")):
+    r = json.loads(f.read_text())
+    if "batch1" in r:
+        b = r["batch1"]
+        lines.append(f"| {f.stem} | {b['decode_tok_s']:,.1f} | | {100 * b['share_of_bound']:.1f}% of {b['bound_tok_s']:,.0f} | |")
+    elif "output_tok_s" in r:
+        lines.append(f"| {f.stem} | {r['output_tok_s']:,.0f} | {r['seconds']:.1f} | {100 * r.get('share_of_bound', 0):.1f}% "
+                     f"| {r['num_preemptions']} |")
+(out / sys.argv[2]).write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+}

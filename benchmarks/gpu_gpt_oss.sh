@@ -16,13 +16,6 @@ source "$(dirname "$0")/device_call.sh"
 PARTS="${PARTS:-tests kernels bench}"
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 
-bench() {  # name, then minfer bench arguments
-  local name=$1; shift
-  echo "== $name ($(left) s left)"
-  timeout "$(cap 170)" python3 -m minfer.cli -v bench --load-format dummy --quiet --output-json "$OUT/$name.json" "$@" \
-    > "$OUT/$name.log" 2>&1 || echo "   exit $? (124: cut by the time limit); $(grep -E 'Error' "$OUT/$name.log" | tail -2)"
-  grep -E "KV cache:|hybrid KV|\"output_tok_s|decode_tok_s|share_of_bound" "$OUT/$name.log" | head -6
-}
 
 case " $PARTS " in *" tests "*)
   echo "== gpu tests ($(left) s left)"
@@ -43,20 +36,5 @@ case " $PARTS " in *" kernels "*)
     > "$OUT/bench_moe.log" 2>&1 || echo "   exit $?; $(tail -2 "$OUT/bench_moe.log")"  # writes $OUT/moe.md
   cat "$OUT/moe.md" 2>/dev/null ;;
 esac
-python3 - "$OUT" <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-lines = ["| run | output tok/s | wall s | share of bound | preemptions |", "|---|---|---|---|---|"]
-for f in sorted(out.glob("*.json")):
-    r = json.loads(f.read_text())
-    if "batch1" in r:
-        b = r["batch1"]
-        lines.append(f"| {f.stem} | {b['decode_tok_s']:,.1f} | | {100 * b['share_of_bound']:.1f}% of {b['bound_tok_s']:,.0f} | |")
-    elif "output_tok_s" in r:
-        lines.append(f"| {f.stem} | {r['output_tok_s']:,.0f} | {r['seconds']:.1f} | {100 * r.get('share_of_bound', 0):.1f}% "
-                     f"| {r['num_preemptions']} |")
-(out / "gpt_oss.md").write_text("\n".join(lines) + "\n")
-print("\n".join(lines))
-PY
+bench_table gpt_oss.md
 echo "done in $(( SECONDS - START )) s"

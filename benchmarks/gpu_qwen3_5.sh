@@ -14,13 +14,6 @@ source "$(dirname "$0")/device_call.sh"
 PARTS="${PARTS:-tests bench kernels}"
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 
-bench() {  # name, then minfer bench arguments
-  local name=$1; shift
-  echo "== $name ($(left) s left)"
-  timeout "$(cap 150)" python3 -m minfer.cli -v bench --load-format dummy --quiet --output-json "$OUT/$name.json" "$@" \
-    > "$OUT/$name.log" 2>&1 || echo "   exit $? (124: cut by the time limit); $(grep -E 'Error' "$OUT/$name.log" | tail -2)"
-  grep -E "state cache|KV cache:|\"output_tok_s|decode_tok_s|share_of_bound" "$OUT/$name.log" | head -6
-}
 
 case " $PARTS " in *" tests "*)
   echo "== gpu tests ($(left) s left)"
@@ -38,4 +31,5 @@ case " $PARTS " in *" kernels "*)
     || echo "   exit $?; $(tail -2 "$OUT/bench_gated_delta.log")"
   cat "$OUT/gated_delta.md" 2>/dev/null ;;
 esac
+bench_table qwen3_5.md
 echo "done in $(( SECONDS - START )) s"
