@@ -80,8 +80,9 @@ class LLM:
 
     def _generate(self, prompts: PromptType | Sequence[PromptType],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
-                  reasoning: bool = False) -> list[RequestOutput]:
-        """``generate``; ``reasoning``: structured outputs wait for the end of the reasoning (``grammar_gate``)."""
+                  reasoning: str | None = None) -> list[RequestOutput]:
+        """``generate``; ``reasoning``: the reasoning parser's name, whose end of reasoning structured outputs wait
+        for (``grammar_gate``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -98,8 +99,8 @@ class LLM:
                 ids.append(str(self._counter))
                 self._counter += 1
                 request = engine.processor.process(ids[-1], prompt, p)
-                if reasoning and p.structured_outputs is not None:
-                    request.grammar_after = grammar_gate(engine.tokenizer, request.prompt_token_ids)
+                if reasoning is not None and p.structured_outputs is not None:
+                    request.grammar_after = grammar_gate(engine.tokenizer, request.prompt_token_ids, reasoning)
                 engine.add_processed_request(request)
         except Exception:
             for rid in ids:  # one bad prompt rejects the call and leaves nothing queued
@@ -135,7 +136,7 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        outputs = self._generate(prompts, sampling_params, use_tqdm, reasoning=parser is not None)
+        outputs = self._generate(prompts, sampling_params, use_tqdm, reasoning=reasoning_parser)
         if parser is not None:
             for completion in (c for out in outputs for c in out.outputs):
                 reasoning, content = parse_whole(parser(), completion.text)

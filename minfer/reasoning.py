@@ -24,7 +24,7 @@ content, as in vLLM. The text after ``</think>`` is the content as written (lead
 """
 from __future__ import annotations
 
-from minfer.harmony import HarmonyScanner, Joined, Piece
+from minfer.harmony import CHANNEL, MESSAGE, HarmonyScanner, Joined, Piece
 
 START, END = "<think>", "</think>"
 
@@ -148,16 +148,30 @@ def parse_whole(parser: ReasoningParser, text: str) -> tuple[str | None, str | N
     return (reasoning + more_reasoning) or None, (content + more_content) or None
 
 
-def grammar_gate(tokenizer: object, prompt_ids: list[int]) -> int | None:
-    """The token after which a reasoning request's structured output applies (vLLM's rule): ``</think>``'s id
-    while the prompt leaves the reasoning open (no ``</think>`` after its last ``<think>``, or neither yet: the
-    model is to reason first), None when the prompt already closed it (thinking disabled by the template) or
-    the tags are not single tokens of this tokenizer (then the grammar applies from the first token)."""
-    ids = [tokenizer.convert_tokens_to_ids(tag) for tag in (START, END)]  # type: ignore[attr-defined]
+def grammar_gate(tokenizer: object, prompt_ids: list[int], parser: str = "qwen3") -> tuple[int, ...] | None:
+    """The tokens after which a reasoning request's structured output applies (vLLM's rule), or None when it
+    applies from the first token.
+
+    ``<think>`` parsers: ``</think>``'s id while the prompt leaves the reasoning open (no ``</think>`` after its
+    last ``<think>``, or neither yet: the model is to reason first); None when the prompt already closed it
+    (thinking disabled by the template) or the tags are not single tokens of this tokenizer. ``gpt_oss``: the
+    final channel's header, ``<|channel|>final<|message|>`` (harmony's reasoning ends with no token of its own:
+    the answer starts after that header); None when the prompt itself ends with it."""
     unk = getattr(tokenizer, "unk_token_id", None)
-    if any(not isinstance(i, int) or i == unk for i in ids):
+
+    def single(tag: str) -> int | None:
+        i = tokenizer.convert_tokens_to_ids(tag)  # type: ignore[attr-defined]
+        return i if isinstance(i, int) and i != unk else None
+
+    if parser == "gpt_oss":
+        channel, message = single(CHANNEL), single(MESSAGE)
+        if channel is None or message is None:
+            return None
+        gate = (channel, *tokenizer.encode("final", add_special_tokens=False), message)  # type: ignore[attr-defined]
+        return None if tuple(prompt_ids[-len(gate):]) == gate else gate
+    start, end = single(START), single(END)
+    if start is None or end is None:
         return None
-    start, end = ids
     last_start = max((i for i, t in enumerate(prompt_ids) if t == start), default=-1)
     closed = any(t == end for t in prompt_ids[last_start + 1:])
-    return None if closed else end
+    return None if closed else (end,)

@@ -268,9 +268,10 @@ class LLMEngine:
             token = out.token_ids[i]
             stop = accept(seq, seq.fill_pending(token), token, out.logprobs[i] if out.logprobs is not None else None)
             if seq.grammar is not None:
-                if seq.grammar_after is not None:  # still reasoning: unconstrained until its end token
-                    if token == seq.grammar_after:
-                        seq.grammar_after = None
+                if seq.grammar_after is not None:  # still reasoning: unconstrained until its end marker
+                    gate, n = seq.grammar_after, seq.gate_matched  # (a marker's first token starts no other)
+                    n = n + 1 if token == gate[n] else int(token == gate[0])
+                    seq.grammar_after, seq.gate_matched = (None, 0) if n == len(gate) else (gate, n)
                 elif advance(seq, token) and stop is None:
                     stop = "stop", None  # the grammar ended (its stop token need not be one of the request's)
             if stop is None:

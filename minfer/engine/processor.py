@@ -39,8 +39,8 @@ class EngineRequest:
     params: SamplingParams
     max_total_tokens: int  # prompt + output never exceed this
     arrival_time: float
-    # structured outputs apply only after this token (a reasoning model's end of thinking: reasoning.grammar_gate)
-    grammar_after: int | None = None
+    # structured outputs apply only after these tokens (a reasoning model's end of thinking: reasoning.grammar_gate)
+    grammar_after: tuple[int, ...] | None = None
 
 
 class Processor:

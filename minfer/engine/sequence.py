@@ -61,7 +61,10 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     grammar: Any = None  # structured outputs: this sample's xgrammar matcher (see engine/grammar.py)
-    grammar_after: int | None = None  # the matcher waits for this token (the end of reasoning), unconstrained
+    # the matcher waits, unconstrained, until the output has written these tokens in a row (the end of reasoning:
+    # reasoning.grammar_gate); ``gate_matched`` counts how many of them the output's last tokens match
+    grammar_after: tuple[int, ...] | None = None
+    gate_matched: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

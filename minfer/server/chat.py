@@ -168,7 +168,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         # the template places BOS itself: no special tokens are added unless the request asks for them
         request = process(p, cid, text, None, params, "messages", req.add_special_tokens)
         if ctx.reasoning_parser is not None and params.structured_outputs is not None:  # reasoning runs free
-            request.grammar_after = grammar_gate(p.tokenizer, request.prompt_token_ids)
+            request.grammar_after = grammar_gate(p.tokenizer, request.prompt_token_ids, ctx.reasoning_parser)
         return request
 
     request = await ctx.render(raw, prepare, own_template)

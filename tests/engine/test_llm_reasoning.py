@@ -45,8 +45,8 @@ def test_unterminated_reasoning_and_an_unknown_parser(llm: LLM) -> None:
     assert llm.get_stats()["num_waiting"] == 0  # refused before anything was queued
 
 
-def _gated_run(llm: LLM, params: SamplingParams, gate: int | None) -> list[int]:
-    """One request through the engine with its structured output waiting for token ``gate``."""
+def _gated_run(llm: LLM, params: SamplingParams, gate: tuple[int, ...] | None) -> list[int]:
+    """One request through the engine with its structured output waiting for the tokens ``gate``."""
     engine = llm.llm_engine
     request = engine.processor.process("gated", {"prompt_token_ids": [5, 17, 42, 9]}, params)
     request.grammar_after = gate
@@ -67,13 +67,17 @@ def test_structured_output_waits_for_the_end_of_reasoning(llm: LLM) -> None:
     choice = SamplingParams(max_tokens=20, temperature=0,
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     tok = llm.get_tokenizer()
-    gated = _gated_run(llm, choice, free_ids[0])
+    gated = _gated_run(llm, choice, (free_ids[0],))
     assert gated[0] == free_ids[0] and tok.decode(gated[1:], skip_special_tokens=True) in ("yes", "no")
     assert tok.decode(_gated_run(llm, choice, None), skip_special_tokens=True) in ("yes", "no")
+    # a marker of several tokens (harmony's final-channel header): the grammar waits for all of them in a row
+    two = _gated_run(llm, choice, (free_ids[0], free_ids[1]))
+    assert two[:2] == free_ids[:2] and tok.decode(two[2:], skip_special_tokens=True) in ("yes", "no")
     never = next(t for t in range(2, 300) if t not in free_ids)
     capped = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    assert _gated_run(llm, capped, never) == free_ids
+    assert _gated_run(llm, capped, (never,)) == free_ids
+    assert _gated_run(llm, capped, (free_ids[0], never)) == free_ids  # its first token alone opens nothing
 
 
 def test_grammar_gate_reads_the_prompt() -> None:
@@ -86,9 +90,14 @@ def test_grammar_gate_reads_the_prompt() -> None:
         def convert_tokens_to_ids(self, token: str) -> int:
             return self.ids.get(token, 0)
 
-    assert grammar_gate(Tok(), [1, 2, 3]) == 8  # the model is to think first
-    assert grammar_gate(Tok(), [1, 7, 3]) == 8  # the prompt opened the thinking (deepseek_r1)
+    assert grammar_gate(Tok(), [1, 2, 3]) == (8,)  # the model is to think first
+    assert grammar_gate(Tok(), [1, 7, 3]) == (8,)  # the prompt opened the thinking (deepseek_r1)
     assert grammar_gate(Tok(), [1, 7, 8, 3]) is None  # the template closed it (thinking disabled)
-    assert grammar_gate(Tok(), [7, 8, 5, 7, 2]) == 8  # a later turn opened it again
+    assert grammar_gate(Tok(), [7, 8, 5, 7, 2]) == (8,)  # a later turn opened it again
+    Tok.ids = {"<|channel|>": 20, "<|message|>": 21}
+    Tok.encode = lambda self, text, add_special_tokens: [30, 31] if text == "final" else []
+    assert grammar_gate(Tok(), [1, 2], "gpt_oss") == (20, 30, 31, 21)  # harmony: after the final channel's header
+    assert grammar_gate(Tok(), [1, 20, 30, 31, 21], "gpt_oss") is None  # the prompt opened the final channel
     Tok.ids = {}
     assert grammar_gate(Tok(), [1, 2]) is None  # no such single tokens: the grammar holds from the start
+    assert grammar_gate(Tok(), [1, 2], "gpt_oss") is None

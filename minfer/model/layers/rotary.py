@@ -62,7 +62,7 @@ def _yarn_inv_freq(wavelengths: torch.Tensor, head_dim: int, theta: float, facto
     if low == high:
         high += 0.001  # HF's guard against a zero-width ramp
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # each term rounded as HF rounds it (``wavelengths``: theta^(2i/d), the inverse frequencies' inverses)
+    keep = 1 - ramp  # each term rounded as HF rounds it (``wavelengths``: theta^(2i/d), the frequencies' inverses)
     return 1.0 / (factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
 
 

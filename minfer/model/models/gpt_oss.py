@@ -177,7 +177,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             hf, attention_bias=True, layer_types=types, sliding_window=int(hf.get("sliding_window") or 128),
             num_experts=experts, num_experts_per_tok=int(hf.get("num_experts_per_tok", hf.get("experts_per_token", 4))),
             moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=False, moe_layers=tuple(range(n)),
-            extra=dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702))))
+            extra=dict(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                       swiglu_alpha=float(hf.get("swiglu_alpha", 1.702))))
 
     @classmethod
     def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -190,7 +190,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def checkpoint_shapes(cls, config: ModelConfig) -> dict[str, tuple[int, ...]]:
         h, d, x = config.hidden_size, config.head_dim, config.extra
         q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
-        qk, vd = x["linear_num_key_heads"] * x["linear_key_head_dim"], x["linear_num_value_heads"] * x["linear_value_head_dim"]
+        qk = x["linear_num_key_heads"] * x["linear_key_head_dim"]
+        vd = x["linear_num_value_heads"] * x["linear_value_head_dim"]
         hv = x["linear_num_value_heads"]
         shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
         if not config.tie_word_embeddings:
