@@ -89,6 +89,13 @@ ARCHS: dict[str, dict] = {
                     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4,
                     layer_types=["linear_attention", "linear_attention", "full_attention"]),
+    # Qwen3.5-MoE: those layers, each with a sparse block of top-2 of 4 experts (renormalised softmax weights) and a
+    # shared expert scaled by its sigmoid gate
+    "qwen3_5_moe": dict(arch="Qwen3_5MoeForCausalLM", model_type="qwen3_5_moe_text", tie=False, num_hidden_layers=3,
+                        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                        layer_types=["linear_attention", "linear_attention", "full_attention"], num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
 }
 
 

@@ -5,7 +5,8 @@ holds a second full copy of the weights. Each tensor is opened as a memory-mappe
 reads only the rows or columns its tensor-parallel rank holds (``FusedLinear.load_shard``,
 ``VocabParallelEmbedding.load_shard``): no rank reads the whole model. A tensor that stacks a fused layer's
 matrices (Phi-3's ``qkv_proj``, the family's ``stacked_modules``) fills each shard in turn, each reading
-only this rank's rows of it. ``load_format="dummy"`` feeds random tensors drawn on the device
+only this rank's rows of it; so does a tensor that stacks every expert's matrices (``stacked_experts``), once per
+expert. ``load_format="dummy"`` feeds random tensors drawn on the device
 (``random_weights``) down the same path instead.
 """
 from __future__ import annotations
@@ -142,6 +143,9 @@ def _targets(model: nn.Module, name: str,
     if len(parts) >= 3 and parts[-3] == "experts" and parts[-1] in model.expert_matrices:  # an expert's matrix
         matrix = model.expert_matrices[parts[-1]] + ("" if attr == "weight" else f".{attr}")  # and its scales
         return [(".".join(parts[:-3]), matrix, int(parts[-2]))]
+    if parts[-1] == "experts" and attr in model.stacked_experts:  # every expert's matrices in one tensor
+        block = ".".join(parts[:-1])
+        return [(block, m, e) for m in model.stacked_experts[attr] for e in range(model.config.num_experts)]
     module_name = ".".join(parts)
     if parts[-1] in stacked:
         fused, sizes = stacked[parts[-1]]

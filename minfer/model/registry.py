@@ -18,9 +18,11 @@ from minfer.model.models.gemma4 import Gemma4ForCausalLM
 from minfer.model.models.gpt_oss import GptOssForCausalLM
 from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from minfer.model.models.mixtral import MixtralForCausalLM
-from minfer.model.models.multimodal import Gemma3ForConditionalGeneration, Gemma4ForConditionalGeneration
+from minfer.model.models.multimodal import (Gemma3ForConditionalGeneration, Gemma4ForConditionalGeneration,
+                                            Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration)
 from minfer.model.models.phi3 import Phi3ForCausalLM
 from minfer.model.models.qwen3_5 import Qwen3_5ForCausalLM
+from minfer.model.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 from minfer.model.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -30,6 +32,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
@@ -39,6 +42,8 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     # multimodal checkpoints: their language model (models/multimodal.py)
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 

@@ -4,11 +4,14 @@ summed with the router's weights.
 The experts' weights are stacked as the fused kernel reads them: ``w_gate_up`` ``[E, 2I, H]`` (each
 expert's gate rows, then its up rows) and ``w_down`` ``[E, H, I]``; the checkpoint's per-expert
 tensors load straight into their slices, file by file (the family maps its checkpoint names to
-'gate', 'up' and 'down'). Under tensor parallelism every expert's intermediate features are split across
-the ranks (gate/up by rows, down by columns, one all-reduce after the block), so every rank holds a slice
-of every expert and the routing is the same on all of them: the router is small and replicated.
-(Expert parallelism, whole experts per rank, would trade that all-reduce for two all-to-alls and load
-imbalance; not built.)
+'gate', 'up' and 'down'). A checkpoint that stacks every expert in one tensor (the family's ``stacked_experts``:
+Qwen3.5-MoE's ``experts.gate_up_proj`` ``[E, 2I, H]``, gate rows then up rows, and ``experts.down_proj``
+``[E, H, I]``) loads expert by expert from it the same way: gate is the first ``I`` rows of its stack, up the last.
+
+Under tensor parallelism every expert's intermediate features are split across the ranks (gate/up by rows,
+down by columns, one all-reduce after the block), so every rank holds a slice of every expert and the routing
+is the same on all of them: the router is small and replicated. (Expert parallelism, whole experts per rank,
+would trade that all-reduce for two all-to-alls and load imbalance; not built.)
 
 Experts stored in a checkpoint format load through its ``ExpertMethod`` into the model dtype, one expert
 matrix at a time: the fused MoE kernels multiply in the model dtype.
@@ -37,6 +40,7 @@ class SparseMoeBlock(nn.Module):
         self.num_experts, self.top_k, self.renormalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.weights_dtype = router_weights_dtype
         self.start, self.inter = tp.split(cfg.moe_intermediate_size)
+        self.full_inter = cfg.moe_intermediate_size
         e, h, i = cfg.num_experts, cfg.hidden_size, self.inter
         self.gate = nn.Module()  # the router: [E, H], whole on every rank
         self.gate.weight = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
@@ -52,8 +56,14 @@ class SparseMoeBlock(nn.Module):
 
     def load_shard(self, name: str, source: Any, expert: int) -> str | None:
         """Expert ``expert``'s ``name`` matrix ('gate', 'up' or 'down', or 'gate.weight_scale' ... for a
-        checkpoint format's tensors): this rank's slice of it."""
+        checkpoint format's tensors): this rank's slice of it. ``source`` is that matrix, or a stack of every
+        expert's (3-D)."""
         matrix, _, part = name.partition(".")
+        shape = tuple(source.get_shape() if hasattr(source, "get_shape") else source.shape)
+        if len(shape) == 3:
+            if self.method is not None or part:
+                raise ValueError("experts stacked in one tensor load in the model dtype only (no checkpoint format)")
+            return self._copy(matrix, expert, source, 0 if matrix != "up" else shape[1] - self.full_inter)
         if self.method is None:
             return self._copy(matrix, expert, source)
         whole = self.method.load((matrix, expert), part or "weight", source)
@@ -63,12 +73,16 @@ class SparseMoeBlock(nn.Module):
             return matrix
         return f"{matrix}.weight_scale" if part.startswith("weight_scale") else None  # '_inv' names alike
 
-    def _copy(self, matrix: str, expert: int, source: Any) -> str:
-        cols = slice(self.start, self.start + self.inter)
+    def _copy(self, matrix: str, expert: int, source: Any, stacked_row: int | None = None) -> str:
+        """``stacked_row``: None when ``source`` is one expert's matrix; for a stack of every expert's, the row
+        where the matrix starts in it."""
+        at = () if stacked_row is None else (expert,)  # a stack is indexed by the expert first
+        first = self.start + (stacked_row or 0)
         if matrix == "down":
-            tensor, target = source[:, cols], self.w_down.data[expert]
+            cols = slice(self.start, self.start + self.inter)
+            tensor, target = source[(*at, slice(None), cols)], self.w_down.data[expert]
         else:
-            tensor = source[cols]
+            tensor = source[(*at, slice(first, first + self.inter))]
             target = self.w_gate_up.data[expert].narrow(0, 0 if matrix == "gate" else self.inter, self.inter)
         if tensor.shape != target.shape:
             raise ValueError(f"checkpoint tensor shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")

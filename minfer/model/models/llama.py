@@ -114,6 +114,8 @@ class LlamaForCausalLM(nn.Module):
     # the layer layout the Triton ops' fused one-token forward (ops/one_token.py) reads: 'llama', 'gemma' or None
     fused_one_token: str | None = "llama"
     expert_matrices: dict[str, str] = {}  # an expert's checkpoint matrix names -> 'gate' / 'up' / 'down'
+    # a tensor stacking every expert's matrices (``<block>.experts.<name>``) -> the matrices it holds, in row order
+    stacked_experts: dict[str, tuple[str, ...]] = {}
 
     @classmethod
     def stacked_modules(cls, config: ModelConfig) -> dict[str, tuple[str, list[int]]]:
