@@ -191,7 +191,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)  # a weight holder
-        for fused, sizes in self.stacked_modules(cfg).values():
+        self.stack_checkpoint_rows()
+
+    def stack_checkpoint_rows(self) -> None:
+        """Point each fused layer that the checkpoint stores as one tensor (``stacked_modules``) at its rows."""
+        for fused, sizes in self.stacked_modules(self.config).values():
             for name, module in self.named_modules():
                 if name.rsplit(".", 1)[-1] == fused:
                     module.stack_checkpoint_rows(sizes)

@@ -170,10 +170,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops, offset=True)
         self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                         else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp))
-        for fused, sizes in self.stacked_modules(cfg).values():
-            for name, module in self.named_modules():
-                if name.rsplit(".", 1)[-1] == fused:
-                    module.stack_checkpoint_rows(sizes)
+        self.stack_checkpoint_rows()
 
     def make_mlp(self, cfg: ModelConfig, index: int, dtype: torch.dtype, ops: Ops, tp: TensorParallel,
                  quant: QuantConfig | None) -> nn.Module:
