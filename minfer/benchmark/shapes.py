@@ -108,6 +108,11 @@ SHAPES["qwen3.5-9b"] = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qw
                             linear_num_value_heads=32, full_attention_interval=4,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                              "partial_rotary_factor": 0.25}, eos_token_id=248044)
+# The released Qwen3.5 checkpoints are multimodal: the same language model under ``text_config`` (random text weights)
+SHAPES["qwen3.5-9b-mm"] = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
+                               tie_word_embeddings=False, text_config={
+                                   k: v for k, v in SHAPES["qwen3.5-9b"].items() if k != "architectures"}
+                               | {"model_type": "qwen3_5_text"})
 # The released Gemma 3 checkpoints (4B and up) are multimodal: the same language model under ``text_config`` of a
 # ``Gemma3ForConditionalGeneration`` (random text weights only: minfer serves the text model).
 for _size in ("12b", "27b"):

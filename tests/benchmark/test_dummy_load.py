@@ -21,8 +21,11 @@ from minfer.ops import TorchOps
 
 # each shape's layout (heads, tying, qk-norm, experts, sliding layers) at a few hundred KB
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
-             intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2)
-SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "gemma-3-12b-it", "gpt-oss-20b"]
+             intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+             # Qwen3.5: a linear layer then a full one (its default, every fourth, leaves two layers no attention)
+             full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+             linear_value_head_dim=16)
+SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "gemma-3-12b-it", "gpt-oss-20b", "qwen3.5-9b-mm"]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 

@@ -81,9 +81,15 @@ def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]
     return tokens, steps
 
 
-def test_text_model_matches_hf(multimodal):
+SCENARIOS = {"default": dict(num_kv_blocks=64),
+             "chunked": dict(num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=2),  # chunks beside a decode
+             "preempt": dict(num_kv_blocks=3, max_num_batched_tokens=6, max_num_seqs=4)}  # the longest just fits alone
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_text_model_matches_hf(multimodal, scenario):
     path, hf = multimodal
-    llm = LLM(str(path), num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=2)  # chunks beside a decode
+    llm = LLM(str(path), **SCENARIOS[scenario])
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
@@ -91,6 +97,9 @@ def test_text_model_matches_hf(multimodal):
         assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
         for tok, entry, logits in zip(out.outputs[0].token_ids, out.outputs[0].logprobs, ref_logits):
             assert abs(entry[tok] - float(logits.log_softmax(-1)[tok])) < 1e-4
+    stats = llm.get_stats()
+    assert stats["num_free_kv_blocks"] == stats["num_kv_blocks"]
+    assert (stats["num_preemptions"] > 0) == (scenario == "preempt")
 
 
 def test_no_tower_or_mtp_tensor_is_read(multimodal, monkeypatch):
