@@ -300,8 +300,8 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     ``w_gate_up [E, 2I, H]`` (gate rows, then up rows) and ``w_down [E, H, I]`` in x's dtype, all contiguous; or
     MXFP4 (``scale_gate_up`` / ``scale_down`` given): uint8 codes ``[E, 2I, H // 2]`` / ``[E, H, I // 2]`` and e8m0
     scales ``[E, 2I, H // 32]`` / ``[E, H, I // 32]``, expanded to x's dtype in registers
-    (``moe_mxfp4.py``; ``dot_scaled``: through ``tl.dot_scaled`` instead, for 16-bit x: benchmarks only, its
-    results were wrong at the 16- and 64-row tiles on the H200 with Triton 3.6, RESULTS.md).
+    (``moe_mxfp4.py``; ``dot_scaled``: through ``tl.dot_scaled`` instead, for 16-bit x: benchmarks only, see
+    ``moe_mxfp4.py``).
     Optional biases ``bias_gate_up [E, 2I]`` / ``bias_down [E, H]``. ``act``: ``silu(gate) * up``, or with
     ``swiglu_limit`` > 0 gpt-oss's clamped SwiGLU (``moe_ref.swiglu_ref``). Routing as HF's routers
     (:func:`moe_route`; ``topk_softmax``: gpt-oss's), weights rounded to ``weights_dtype``: by default

@@ -15,9 +15,8 @@ that the factor's bit pattern overflows (no trained weight is that large; byte 2
 
 ``tl.dot_scaled`` (Triton's own MX product: built for sm_90 it upcasts the e2m1 operand to bfloat16 itself,
 ``fp4_to_fp`` on packed registers, then wgmma) is the alternative, a compile-time variant (``DOT_SCALED``) for
-16-bit activations that only benchmarks ask for: held to the reference under the interpreter, on the H200 with
-Triton 3.6 it was 2.3-3x faster than the expansion at 1k-4k tokens but wrong (relative error 1.3) at the 16- and
-64-row tiles of decode (benchmarks/RESULTS.md).
+16-bit activations that only benchmarks ask for: held to the reference under the interpreter, but its results on
+the H200 (Triton 3.6) were wrong at decode's small tiles (benchmarks/RESULTS.md has the figures).
 """
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ class GptOssExperts(nn.Module):
         return attr
 
     def stacked(self, limit: float, alpha: float) -> MoeExperts:
-        """What the fused MoE op multiplies (rebuilt per call: it holds the parameters, not copies)."""
+        """What the fused MoE op multiplies: the parameters themselves, not copies."""
         return MoeExperts(self.w_gate_up, self.w_down, self.bias_gate_up, self.bias_down,
                           self.scale_gate_up if self.packed else None, self.scale_down if self.packed else None,
                           swiglu_limit=limit, swiglu_alpha=alpha)
@@ -147,11 +147,11 @@ class GptOssMoe(nn.Module):
                                           requires_grad=False)
         self.router.bias = nn.Parameter(torch.empty(cfg.num_experts, dtype=dtype), requires_grad=False)
         self.experts = GptOssExperts(cfg, dtype, tp, packed=method is not None)
+        self.moe_experts = self.experts.stacked(self.limit, self.alpha)  # the parameters load in place
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router.weight, self.router.bias)
-        y = self.ops.fused_moe(x, logits, self.experts.stacked(self.limit, self.alpha), self.top_k, False,
-                               topk_softmax=True)
+        y = self.ops.fused_moe(x, logits, self.moe_experts, self.top_k, False, topk_softmax=True)
         return self.tp.all_reduce(y)
 
 

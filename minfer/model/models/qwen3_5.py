@@ -55,14 +55,18 @@ class PartialRotary(nn.Module):
                                                     torch.zeros(max_position, head_dim // 2)], dim=-1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, H, D]`` rotated (a new tensor)."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` rotated (new tensors)."""
         r = self.rotary_dim
-        cos = torch.cat([self.cos[positions]] * 2, dim=-1).to(x.dtype).unsqueeze(1)
-        sin = torch.cat([self.sin[positions]] * 2, dim=-1).to(x.dtype).unsqueeze(1)
-        rot, rest = x[..., :r], x[..., r:]
-        half = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], dim=-1)
-        return torch.cat([rot * cos + half * sin, rest], dim=-1)
+        cos = torch.cat([self.cos[positions]] * 2, dim=-1).to(q.dtype).unsqueeze(1)
+        sin = torch.cat([self.sin[positions]] * 2, dim=-1).to(q.dtype).unsqueeze(1)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            rot, rest = x[..., :r], x[..., r:]
+            half = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], dim=-1)
+            return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+        return rotate(q), rotate(k)
 
 
 class GatedAttention(nn.Module):
@@ -90,8 +94,7 @@ class GatedAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * d).split([d, d], dim=-1)  # per head: its query, then its gate
-        q = self.rotary(positions, self.q_norm(q))
-        k = self.rotary(positions, self.k_norm(k.view(t, self.num_kv_heads, d)))
+        q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k.view(t, self.num_kv_heads, d)))
         o = self.attn(q, k, v.view(t, self.num_kv_heads, d), RopeInputs(positions, self.rotary.identity), meta)
         return self.o_proj(o.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
 
