@@ -82,7 +82,7 @@ def main() -> None:
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     kind = "prompt-carrying" if args.prompt_steps else "decode"
-    lines = [f"shape {args.shape}, backend {engine.runner.ops.name}, async_scheduling {engine.async_scheduling}, "
+    lines = [f"shape {args.shape}, backend {engine.runner.ops.name}, async_scheduling {engine.config.async_scheduling}, "
              f"{batch_size} running sequences, {args.steps} {kind} steps in {wall * 1e3:.1f} ms = "
              f"{wall / args.steps * 1e3:.2f} ms/step ({batch_size * args.steps / wall:.0f} tok/s)",
              f"GPU busy (sum of kernel time / wall): {device_us / 1e6 / wall:.1%}",
