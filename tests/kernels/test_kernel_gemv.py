@@ -1,6 +1,6 @@
 """Batch-1 matrix-vector kernel (interpreter on CPU) against a float32 reference and torch's linear, and its fused
-SwiGLU / GeGLU and residual-add + RMSNorm (Llama's and Gemma's float32-weight rounding) prologues against the
-unfused kernels they replace."""
+SwiGLU / GeGLU, residual-add + RMSNorm (Llama's and Gemma's float32-weight rounding) and Qwen3.5's sigmoid-gate and
+gated-RMSNorm prologues against the unfused kernels they replace."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +9,13 @@ from kernel_testlib import EXACT_BF16, REL_TOL, rel_err
 
 from minfer.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from minfer.kernels.gemm import gemv as gemv_module
-from minfer.kernels.gemm.gemv import gemv, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_silu_mul
-from minfer.kernels.gemm.gemv_ref import gemv_gelu_tanh_mul_ref, gemv_ref, gemv_rms_norm_ref, gemv_silu_mul_ref
+from minfer.kernels.gemm.gemv import (gemv, gemv_gated_rms_norm, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_sigmoid_gate,
+                                     gemv_silu_mul)
+from minfer.kernels.gemm.gemv_ref import (gemv_gated_rms_norm_ref, gemv_gelu_tanh_mul_ref, gemv_ref, gemv_rms_norm_ref,
+                                         gemv_sigmoid_gate_ref, gemv_silu_mul_ref)
 from minfer.kernels.gemm.gemv_config import GemvConfig
+from minfer.kernels.linear_attention.gated_delta_ref import gated_rms_norm_ref
+from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
 
@@ -227,3 +231,79 @@ def test_gemv_rms_norm_with_a_float32_weight_rounds_as_gemma(with_residual, dtyp
     y_unfused, res_unfused = _unfused_rms(x, res, nw, eps, w, None, config)
     assert torch.equal(new_res, res_unfused) and torch.equal(y, y_unfused)
     _assert_near_ref(y, gemv_rms_norm_ref(x, res, nw, eps, w)[0], "gemv_rms_norm (float32 weight) vs reference")
+
+
+# (heads, head size, config): two heads a chunk over two chunks; three heads in a 64-wide chunk (the masked path)
+GATED_SHAPES = [(4, 16, GemvConfig(8, 32, 4)), (3, 16, GemvConfig(4, 64, 4)), (4, 16, None)]
+
+
+@pytest.mark.parametrize("heads,dim,config", GATED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_gated_rms_norm_matches_unfused(heads, dim, config, dtype):
+    """The Gated DeltaNet's norm before out_proj: bit-identical to the gated-norm kernel followed by the product;
+    the gate is a strided view of the fused z|b|a projection, as the layer passes it."""
+    n, k = 40, heads * dim
+    x = torch.randn(1, k, dtype=dtype)
+    zba = torch.randn(1, k + 2 * heads, dtype=dtype) * 2
+    z = zba[:, :k].view(1, heads, dim)
+    nw = 1 + 0.2 * torch.randn(dim, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    got = gemv_gated_rms_norm(x, z, nw, 1e-6, w, config)
+    assert got.shape == (1, n) and got.dtype == dtype
+    assert torch.equal(got, gemv(gated_rms_norm(x.view(1, heads, dim), z, nw, 1e-6).view(1, k), w, config=config))
+    _assert_near_ref(got, gemv_gated_rms_norm_ref(x, z, nw, 1e-6, w), "gemv_gated_rms_norm vs reference")
+
+
+@pytest.mark.parametrize("heads,dim,config", GATED_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_sigmoid_gate_matches_reference(heads, dim, config, dtype):
+    """Qwen3.5's output gate before o_proj, read per head from beside each query head in the fused qkv output."""
+    n, k = 40, heads * dim
+    o = torch.randn(1, k, dtype=dtype)
+    qkv = torch.randn(1, 2 * k + 32, dtype=dtype) * 2
+    gate = qkv[:, :2 * k].view(1, heads, 2 * dim)[..., dim:]
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    b = torch.randn(n, dtype=dtype)
+    got = gemv_sigmoid_gate(o, gate, w, b, config)
+    assert got.shape == (1, n) and got.dtype == dtype
+    _assert_near_ref(got, gemv_sigmoid_gate_ref(o, gate, w, b), "gemv_sigmoid_gate vs reference")
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, gemv(o * torch.sigmoid(gate).reshape(1, k), w, b, config), rtol=1e-6,
+                                   atol=1e-6)
+
+
+def test_gemv_gated_reject_bad_shapes_and_out():
+    w, nw = torch.randn(4, 32), torch.randn(16)
+    with pytest.raises(ValueError, match="gate"):
+        gemv_sigmoid_gate(torch.randn(1, 32), torch.randn(1, 3, 16), w)
+    with pytest.raises(ValueError, match="power of two"):
+        gemv_gated_rms_norm(torch.randn(1, 36), torch.randn(1, 3, 12), torch.randn(12), 1e-6, torch.randn(4, 36))
+    with pytest.raises(ValueError, match="whole heads"):
+        gemv_gated_rms_norm(torch.randn(1, 32), torch.randn(1, 2, 16), nw, 1e-6, w, GemvConfig(4, 8, 4))
+    x, out = torch.randn(1, 32), torch.full((1, 4), float("nan"))
+    assert gemv(x, w, out=out) is out and torch.equal(out, gemv(x, w))
+    with pytest.raises(ValueError, match="out"):
+        gemv(x, w, out=torch.empty(1, 5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 4096)])  # Qwen3.5-9B's out_proj / o_proj (32 x 128, 16 x 256)
+def test_gemv_qwen3_5_gated_prologues_on_gpu_match_unfused(n, k):
+    """Both gated prologues at Qwen3.5-9B's shapes, bf16, against the unfused launches (the gated-norm kernel, or
+    torch's sigmoid and product, then the plain product), equal to the rounding of the float32 summation order;
+    the gated-norm kernel against HF's torch arithmetic."""
+    torch.manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(1, k, device="cuda", dtype=dt)
+    w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
+    zba = torch.randn(1, k + 64, device="cuda", dtype=dt) * 2
+    z = zba[:, :k].view(1, 32, 128)
+    nw = 1 + 0.2 * torch.randn(128, device="cuda", dtype=dt)
+    unfused = gemv(gated_rms_norm(x.view(1, 32, 128), z, nw, 1e-6).view(1, k), w)
+    torch.testing.assert_close(gemv_gated_rms_norm(x, z, nw, 1e-6, w), unfused, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(gated_rms_norm(x.view(1, 32, 128), z, nw, 1e-6),
+                               gated_rms_norm_ref(x.view(1, 32, 128), z, nw, 1e-6), rtol=1e-2, atol=1e-2)
+    qkv = torch.randn(1, 2 * k + 2048, device="cuda", dtype=dt) * 2
+    gate = qkv[:, :2 * k].view(1, 16, 512)[..., 256:]
+    unfused = gemv((x.view(1, 16, 256) * torch.sigmoid(gate)).reshape(1, k), w)
+    torch.testing.assert_close(gemv_sigmoid_gate(x, gate, w), unfused, rtol=1e-2, atol=1e-2)

@@ -11,9 +11,12 @@ take 552 us in one CUDA graph under PDL, 83% of HBM bandwidth (``benchmarks/gemv
 
 Optional prologues fold the elementwise op before a projection into it, saving that op's launch
 (~2 us each at batch 1, three per layer): :func:`gemv_silu_mul` (SwiGLU before down_proj), its GeGLU twin
-:func:`gemv_gelu_tanh_mul` (Gemma), and :func:`gemv_rms_norm` (residual add + RMSNorm before qkv and gate_up;
-a float32 norm weight rounds as Gemma's ``1 + w`` norms). They are constexpr branches of the one kernel, so
-the plain :func:`gemv` compiles to what it was. The torch references are in ``gemv_ref.py``.
+:func:`gemv_gelu_tanh_mul` (Gemma), :func:`gemv_rms_norm` (residual add + RMSNorm before qkv and gate_up;
+a float32 norm weight rounds as Gemma's ``1 + w`` norms), and Qwen3.5's two gated inputs,
+:func:`gemv_sigmoid_gate` (the gated attention's output gate before o_proj) and :func:`gemv_gated_rms_norm` (the
+Gated DeltaNet's per-head gated norm before out_proj). They are constexpr branches of the one kernel
+(``gemv_prologue.py``), so the plain :func:`gemv` compiles to what it was. The torch references are in
+``gemv_ref.py``.
 
 Each also takes an FP8 (e4m3) weight with its float32 ``weight_scale`` (the formats of ``fp8_gemm.py``): ``[N]``
 per output row ("channel") or row-expanded ``[N, ceil(K/128)]`` per 128x128 block ("block"). The weight is
@@ -34,101 +37,14 @@ import triton.language as tl
 from .._utils import check_dtype, next_pow2
 from ..pdl import launch_options, use_pdl, wait_for_previous
 from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, num_groups
-from .gemv_config import (BLOCK, CHANNEL, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SILU_MUL, GemvConfig, default_config,
-                          default_fp8_config)
+from .gemv_config import (BLOCK, CHANNEL, GATED_RMS_NORM, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SIGMOID_GATE, SILU_MUL,
+                          GemvConfig, default_config, default_fp8_config)
+from .gemv_prologue import input_chunk, sum_squares
 
 
 # Widest single block the RMS prologue sums in one tl.sum (like rmsnorm.py's one next_pow2(K) block); wider
 # rows are summed block by block, which changes the float32 summation order. Module-level so tests can shrink it.
 RMS_MAX_BLOCK = 8192
-
-
-@triton.jit
-def _sum_squares(X, R, K, HAS_RESIDUAL: tl.constexpr, RMS_BLOCK: tl.constexpr, EVEN_R: tl.constexpr,
-                 ONE_BLOCK: tl.constexpr):
-    """float32 sum over the row of ``r * r``, ``r = x (+ residual)`` rounded to x's dtype as the norm rounds it."""
-    cols = tl.arange(0, RMS_BLOCK)
-    if ONE_BLOCK:  # the whole row in one block, one tl.sum: the shape of the rmsnorm kernel's reduction
-        if EVEN_R:
-            x = tl.load(X + cols)
-        else:
-            x = tl.load(X + cols, mask=cols < K, other=0.0)
-        if HAS_RESIDUAL:
-            if EVEN_R:
-                res = tl.load(R + cols)
-            else:
-                res = tl.load(R + cols, mask=cols < K, other=0.0)
-            x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-        xf = x.to(tl.float32)
-        ss = tl.sum(xf * xf, axis=0)
-    else:
-        ss = 0.0
-        for r0 in range(0, K, RMS_BLOCK):
-            if EVEN_R:
-                x = tl.load(X + r0 + cols)
-            else:
-                x = tl.load(X + r0 + cols, mask=r0 + cols < K, other=0.0)
-            if HAS_RESIDUAL:
-                if EVEN_R:
-                    res = tl.load(R + r0 + cols)
-                else:
-                    res = tl.load(R + r0 + cols, mask=r0 + cols < K, other=0.0)
-                x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-            xf = x.to(tl.float32)
-            ss += tl.sum(xf * xf, axis=0)
-    return ss
-
-
-@triton.jit
-def _input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, PROLOGUE: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, MASKED: tl.constexpr, F32_NORM: tl.constexpr):
-    """The input vector's elements at ``offs`` (zero past K when MASKED), rounded to x's dtype as the unfused
-    kernels round them; under the RMS prologue, ``write_residual`` also stores ``x + residual`` to R_OUT."""
-    mask = offs < K
-    if PROLOGUE == 1 or PROLOGUE == 3:  # silu/gelu_and_mul (activation.py): the activation in float32, rounded,
-        if MASKED:                       # then the product, rounded
-            gate = tl.load(X + offs, mask=mask, other=0.0)
-            up = tl.load(X + K + offs, mask=mask, other=0.0)
-        else:
-            gate = tl.load(X + offs)
-            up = tl.load(X + K + offs)
-        g = gate.to(tl.float32)
-        if PROLOGUE == 1:
-            act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        else:  # tanh-approximated GELU, activation.py's arithmetic
-            u = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            act = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))).to(gate.dtype)
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    elif PROLOGUE == 2:  # fused_add_rms_norm / rms_norm (rmsnorm.py), same roundings
-        if MASKED:
-            x = tl.load(X + offs, mask=mask, other=0.0)
-            w = tl.load(NW + offs, mask=mask, other=0.0)
-        else:
-            x = tl.load(X + offs)
-            w = tl.load(NW + offs)
-        dtype = x.dtype
-        if HAS_RESIDUAL:
-            if MASKED:
-                res = tl.load(R + offs, mask=mask, other=0.0)
-            else:
-                res = tl.load(R + offs)
-            x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
-            if write_residual:
-                if MASKED:
-                    tl.store(R_OUT + offs, x, mask=mask)
-                else:
-                    tl.store(R_OUT + offs, x)
-        if F32_NORM:  # a float32 weight (Gemma's 1 + w): one rounding, as rmsnorm.py's norm_row
-            x = (w * (x.to(tl.float32) * inv_rms)).to(dtype)
-        else:
-            normed = (x.to(tl.float32) * inv_rms).to(dtype)
-            x = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-    else:
-        if MASKED:
-            x = tl.load(X + offs, mask=mask, other=0.0)
-        else:
-            x = tl.load(X + offs)
-    return x
 
 
 @triton.jit
@@ -171,7 +87,7 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
                  HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True,
                  ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False, WS=None, stride_ws=0, n_groups=1,
                  SCALE: tl.constexpr = 0, NSUB: tl.constexpr = 1, SUB: tl.constexpr = 1,
-                 GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False):
+                 GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
@@ -181,20 +97,20 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
         wait_for_previous(PDL)
     inv_rms = 1.0
     if PROLOGUE == 2:  # every program needs the whole row's mean square before its first chunk
-        ss = _sum_squares(X, R, K, HAS_RESIDUAL, RMS_BLOCK, EVEN_R, ONE_BLOCK)
+        ss = sum_squares(X, R, K, HAS_RESIDUAL, RMS_BLOCK, EVEN_R, ONE_BLOCK)
         inv_rms = tl.rsqrt(ss / K + eps)
     write_residual = pid == 0
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     first = 0
     if PDL:  # the first chunk with the prefetched tile
-        x = _input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL, not EVEN_K,
-                         F32_NORM)
+        x = input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE, HAS_RESIDUAL,
+                        not EVEN_K, F32_NORM, HEAD, BLOCK_K)
         acc += _products(w_first, x, WS, rows, 0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
         first = BLOCK_K
     for k0 in range(first, K, BLOCK_K):
-        x = _input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, PROLOGUE, HAS_RESIDUAL,
-                         not EVEN_K, F32_NORM)
+        x = input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
+                        HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
         w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
         acc += _products(w, x, WS, rows, k0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
@@ -229,18 +145,20 @@ def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, weight_scale:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
             prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             new_residual: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None,
-            scale: int = NO_SCALE) -> torch.Tensor:
+            scale: int = NO_SCALE, gate: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch; ``gate`` ``[1, H, D]`` (its heads at any stride) is the gated prologues' second input, ``out``
+    a [1, N] buffer to write (default: a new one)."""
     n, k = weight.shape
     cfg = config or (default_config(n, k, prologue) if scale == NO_SCALE else default_fp8_config(n, k, prologue, scale))
     sub = min(cfg.block_k, FP8_GROUP)
     if scale == BLOCK and (cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"block-scaled weights need a power-of-two block_k, got {cfg.block_k}")
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
     pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, y,
-        residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        residual if residual is not None else gate if gate is not None else x, norm_weight if norm_weight is not None else x,
         new_residual if new_residual is not None else y, n, k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
@@ -248,6 +166,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         WS=weight_scale if weight_scale is not None else y, stride_ws=weight_scale.stride(0) if scale == BLOCK else 0,
         n_groups=num_groups(k), SCALE=scale, NSUB=cfg.block_k // sub, SUB=sub, GROUP=FP8_GROUP,
         F32_NORM=norm_weight is not None and norm_weight.dtype == torch.float32,
+        stride_r=gate.stride(1) if gate is not None else 0, HEAD=gate.shape[2] if gate is not None else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(pdl),
     )
@@ -255,8 +174,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [1, K] times ``weight`` [N, K] transposed (+ ``bias`` [N]) -> [1, N] in x's dtype.
+         config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [1, K] times ``weight`` [N, K] transposed (+ ``bias`` [N]) -> [1, N] in x's dtype (into ``out``, a
+    contiguous [1, N] of x's dtype, when given: a CUDA graph's logits buffer).
 
     Products accumulate in float32 and round once, like a GEMM; only the summation order differs. An e4m3
     ``weight`` comes with ``weight_scale`` (``[N]`` or ``[N, ceil(K/128)]`` float32, see the module docstring).
@@ -267,7 +188,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     scale = _check_weight(weight, bias, weight_scale)
-    return _launch(x, weight, bias, config, weight_scale=weight_scale, scale=scale)
+    if out is not None and (out.shape != (1, weight.shape[0]) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [1, {weight.shape[0]}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    return _launch(x, weight, bias, config, weight_scale=weight_scale, scale=scale, out=out)
 
 
 def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
@@ -355,3 +278,58 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                 new_residual=new_residual if residual is not None else None, eps=eps, weight_scale=weight_scale,
                 scale=scale)
     return y, new_residual
+
+
+def _check_head_gate(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> None:
+    """x [1, H*D] contiguous, gate [1, H, D] (heads at any stride, each head's D contiguous), weight [N, H*D]."""
+    check_dtype("x", x)
+    check_dtype("gate", gate)
+    if (x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or gate.dim() != 3
+            or gate.shape[0] != 1 or gate.shape[1] * gate.shape[2] != x.shape[1] or gate.stride(2) != 1):
+        raise ValueError(f"expected x [1, H*D], gate [1, H, D] (contiguous heads) and weight [N, H*D], got "
+                         f"{tuple(x.shape)}, {tuple(gate.shape)} (strides {gate.stride()}) and {tuple(weight.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+
+
+def gemv_sigmoid_gate(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemv(x * sigmoid(gate), weight, bias)`` in one launch: ``x`` [1, H*D] (the attention output), ``gate``
+    [1, H, D] -> [1, N].
+
+    Why: Qwen3.5's gated attention multiplies its output by a sigmoid gate that its q projection computed beside
+    each query head (``gate`` is a strided view of the fused qkv output); unfused that is two launches before
+    ``o_proj``. The roundings are HF's (``attn_output * torch.sigmoid(gate)`` in the model dtype): the sigmoid
+    rounded, then the product.
+    """
+    _check_head_gate(x, gate, weight)
+    scale = _check_weight(weight, bias, weight_scale)
+    return _launch(x, weight, bias, config, prologue=SIGMOID_GATE, weight_scale=weight_scale, scale=scale, gate=gate)
+
+
+def gemv_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, config: GemvConfig | None = None, *,
+                        weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemv(gated_rms_norm(x, gate, norm_weight, eps), weight)`` in one launch: ``x`` [1, H*D] (the delta
+    rule's output, H value heads of D), ``gate`` [1, H, D] (the z projection), ``norm_weight`` [D] -> [1, N].
+
+    Why: the Gated DeltaNet normalises each value head's output and multiplies it by ``silu(z)`` before
+    ``out_proj``; in torch that is a dozen launches over a few KB. The norm is per head, so a column chunk (a
+    multiple of D, which must be a power of two) normalises its own heads: no pass over the row first, unlike
+    :func:`gemv_rms_norm`. HF's roundings (``Qwen3_5RMSNormGated``): the normed head rounded to x's dtype, times
+    the weight rounded, times ``silu(gate)`` in float32, rounded once more.
+    """
+    _check_head_gate(x, gate, weight)
+    check_dtype("norm_weight", norm_weight)
+    d = gate.shape[2]
+    if d & (d - 1) or norm_weight.shape != (d,) or not norm_weight.is_contiguous():
+        raise ValueError(f"the head size must be a power of two and norm_weight a contiguous [{d}], got "
+                         f"{tuple(norm_weight.shape)}")
+    scale = _check_weight(weight, None, weight_scale)
+    n, k = weight.shape
+    cfg = config or (default_config(n, k, GATED_RMS_NORM) if scale == NO_SCALE
+                     else default_fp8_config(n, k, GATED_RMS_NORM, scale))
+    if cfg.block_k % d:
+        raise ValueError(f"block_k {cfg.block_k} must hold whole heads of {d}")
+    return _launch(x, weight, None, cfg, prologue=GATED_RMS_NORM, norm_weight=norm_weight, eps=eps,
+                   weight_scale=weight_scale, scale=scale, gate=gate)

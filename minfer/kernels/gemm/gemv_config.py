@@ -25,9 +25,10 @@ class GemvConfig:
     num_stages: int = 3  # software-pipelining depth of the K loop (Triton's default)
 
 
-# What feeds the dot product (the kernel's PROLOGUE): x itself, silu(gate) * up, rms_norm(x + residual), or
-# gelu_tanh(gate) * up (Gemma's GeGLU).
-PLAIN, SILU_MUL, RMS_NORM, GELU_MUL = 0, 1, 2, 3
+# What feeds the dot product (the kernel's PROLOGUE, gemv_prologue.py): x itself, silu(gate) * up,
+# rms_norm(x + residual), gelu_tanh(gate) * up (Gemma's GeGLU), x * sigmoid(gate) (Qwen3.5's gated attention), or a
+# per-head rms_norm(x) * silu(gate) (Qwen3.5's Gated DeltaNet).
+PLAIN, SILU_MUL, RMS_NORM, GELU_MUL, SIGMOID_GATE, GATED_RMS_NORM = 0, 1, 2, 3, 4, 5
 # How the weight is scaled (the kernel's SCALE): not at all (a float weight), per row, per row and 128 columns.
 NO_SCALE, CHANNEL, BLOCK = 0, 1, 2
 
@@ -38,8 +39,9 @@ def default_config(n: int, k: int, prologue: int = PLAIN) -> GemvConfig:
     by 2048 columns on eight warps under the SwiGLU prologue, whose exp and division per element want more warps
     in flight. Chosen in the decode chain, not per kernel (``benchmarks/gemv_chain.py``: 16 layers of llama-3.2-1b
     projections in one CUDA graph under PDL, H200: 552 us). ``n`` is unused by this rule; a per-shape rule
-    would take it."""
-    if prologue in (SILU_MUL, GELU_MUL):  # (GeGLU: SwiGLU's config, not tuned apart)
+    would take it. Qwen3.5's two gated prologues (an exp and a division per element, like SwiGLU's) take SwiGLU's
+    config, not tuned apart."""
+    if prologue in (SILU_MUL, GELU_MUL, SIGMOID_GATE, GATED_RMS_NORM):  # (GeGLU: SwiGLU's config, not tuned apart)
         return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
     return GemvConfig(block_k=min(1024 if prologue == RMS_NORM else 2048, next_pow2(k)))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+from ..linear_attention.gated_delta_ref import gated_rms_norm_ref
 from ..quant.fp8_ref import dequantize_fp8
 from ..rmsnorm import fused_add_rms_norm_ref, rms_norm_ref
 
@@ -43,3 +44,17 @@ def gemv_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
         new_residual = residual.clone()
         xn = fused_add_rms_norm_ref(x, new_residual, norm_weight, eps)
     return gemv_ref(xn.to(x.dtype), weight, bias, weight_scale=weight_scale), new_residual
+
+
+def gemv_sigmoid_gate_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of :func:`gemv_sigmoid_gate`: HF's ``x * torch.sigmoid(gate)`` in x's dtype, then the product."""
+    return gemv_ref((x.view(gate.shape) * torch.sigmoid(gate)).reshape(x.shape), weight, bias,
+                    weight_scale=weight_scale)
+
+
+def gemv_gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference of :func:`gemv_gated_rms_norm`: HF's gated RMSNorm per head, then the product."""
+    normed = gated_rms_norm_ref(x.view(gate.shape), gate, norm_weight, eps)
+    return gemv_ref(normed.reshape(x.shape), weight, weight_scale=weight_scale)

@@ -27,6 +27,23 @@ def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def gdn_gates_ref(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                  dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's log decay and write strength from the layer's two small projections, HF's order:
+    ``g = -exp(A_log) · softplus(a + dt_bias)`` in float32 and ``β = sigmoid(b)`` in b's dtype. a, b [T, Hv]
+    (model dtype), A_log, dt_bias [Hv]; returns (g float32 [T, Hv], beta [T, Hv])."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, then times ``silu(gate)``, with HF's roundings (``Qwen3_5RMSNormGated``):
+    the normed value rounded to x's dtype before the weight, the gate applied in float32, one last rounding."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = weight * h.to(x.dtype)
+    return (h * F.silu(gate.float())).to(x.dtype)
+
+
 def _token_sequences(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Each token's sequence index (int64 [T]); an empty sequence owns no token."""
     qsl = query_start_loc.long()
