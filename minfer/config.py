@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minfer.structured_outputs import DEFAULT_LIMITS, StructuredOutputsLimits
+from minfer.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -269,12 +270,26 @@ class EngineConfig:
     structured_outputs_max_regex_length: int = _knob(DEFAULT_LIMITS.max_regex_length, "structured outputs: most "
                                                      "characters in a regex, a schema's pattern or "
                                                      "patternProperties key")
+    speculative_config: SpeculativeConfig | None = _knob(
+        None, "speculative decoding, vLLM's dictionary as JSON: method ngram (num_speculative_tokens, "
+        "prompt_lookup_min, prompt_lookup_max), draft_model or eagle3 (model, num_speculative_tokens); "
+        f"disable_by_batch_size (default {DEFAULT_DISABLE_BY_BATCH_SIZE}): no speculation in a step of that many "
+        "sequences or more")
     structured_outputs_compile_timeout: float = _knob(30.0, "structured outputs: seconds a grammar may take to "
                                                       "compile (in its compiler process, which is killed past "
                                                       "them); the request then fails naming this flag")
 
     def __post_init__(self) -> None:
         self.structured_outputs_limits()  # checks them
+        self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and spec.method != "ngram":
+            tp = spec.draft_tensor_parallel_size
+            if tp is not None and tp != self.tensor_parallel_size:
+                raise ValueError(f"speculative_config.draft_tensor_parallel_size ({tp}) must equal "
+                                 f"tensor_parallel_size ({self.tensor_parallel_size})")
+            if self.tensor_parallel_size > 1:
+                raise ValueError(f"speculative_config.method {spec.method!r} runs at tensor_parallel_size 1 only "
+                                 "for now ('ngram' works at any size)")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("device", self.device, DEVICES)

@@ -44,6 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
             if "%(default)" not in action.help:  # some Python versions append it themselves
                 action.help += f" (default: {'on' if f.default else 'off'})"
             continue
+        if kind not in (int, float, str):
+            kind = str  # a structured value (speculative_config) arrives as JSON; EngineConfig parses it
         choices = f.metadata.get("choices")
         metavar = "{" + ",".join(choices) + "}" if choices else kind.__name__.upper()
         default = "" if f.default is None else f" (default: {f.default})"

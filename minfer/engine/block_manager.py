@@ -180,6 +180,16 @@ class BlockManager:
                     block.hash, block.key = h, key
                     self.cached[g][h] = block_id
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the blocks past those of the first ``num_tokens`` tokens: a speculative step allocates slots
+        for every drafted token, and those of rejected drafts hold nothing (new lists: see Sequence)."""
+        keep = cdiv(num_tokens, self.block_size)
+        for g, table in enumerate(seq.block_tables):
+            if len(table) > keep:
+                for block_id in reversed(table[keep:]):
+                    self._deref(block_id)
+                seq.block_tables[g] = table[:keep]
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references. Its last blocks are queued for reuse first: a shared prefix
         tends to sit at the front of a sequence and is the part most worth keeping."""

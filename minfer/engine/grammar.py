@@ -18,7 +18,8 @@ The flow of one constrained request:
 
 A matcher accepts exactly the tokens that end up in its sequence's ``token_ids``: tokens are accepted when
 a step completes, and a token dropped in flight (its sequence stopped a step earlier) is never accepted,
-so preemption (recompute keeps the tokens) and async scheduling need no rollback.
+so preemption (recompute keeps the tokens) and async scheduling need no rollback. The one rollback: a
+speculative step's masks walk the matcher through the drafted tokens and back (``BitmaskFiller._fill_drafted``).
 """
 from __future__ import annotations
 
@@ -174,27 +175,75 @@ class BitmaskFiller:
         self._uploaded = torch.cuda.Event() if cuda else None
         self._batch = xgrammar.BatchGrammarMatcher()
 
-    def fill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[len(seqs), ceil(vocab / 32)] int32 on the device (bit j of word w: token 32 w + j allowed)."""
+    def fill(self, seqs: list[Sequence], speculative: bool = False) -> torch.Tensor:
+        """[rows, ceil(vocab / 32)] int32 on the device (bit j of word w: token 32 w + j allowed), a row per sequence;
+        ``speculative``: 1 + k rows per sequence of k drafted tokens, row j allowing what its grammar allows after
+        the first j drafts (``_fill_drafted``)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
-        bitmask = self._host[:len(seqs)]
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar_after is None
-                and not s.is_finished and not s.grammar.is_terminated()]
-        if len(rows) == len(seqs):  # every row constrained: xgrammar writes them all
-            self._batch.batch_fill_next_token_bitmask([s.grammar for s in seqs], bitmask)
+        if speculative:
+            bitmask = self._fill_drafted(seqs)
         else:
-            # numpy, not torch: a torch fill of this size runs on the intra-op thread pool, whose threads
-            # then spin beside xgrammar's and slow its fill many times over (RESULTS.md, structured outputs)
-            bitmask.numpy()[:] = -1
-            if rows:
-                self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask, rows)
+            bitmask = self._host[:len(seqs)]
+            rows = [i for i, s in enumerate(seqs) if _constrained(s)]
+            if len(rows) == len(seqs):  # every row constrained: xgrammar writes them all
+                self._batch.batch_fill_next_token_bitmask([s.grammar for s in seqs], bitmask)
+            else:
+                # numpy, not torch: a torch fill of this size runs on the intra-op thread pool, whose threads
+                # then spin beside xgrammar's and slow its fill many times over (RESULTS.md, structured outputs)
+                bitmask.numpy()[:] = -1
+                if rows:
+                    self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in rows], bitmask, rows)
         if self._uploaded is None:
             return bitmask.clone()  # the CPU: the buffer is reused, the mask must not change under the sampler
-        on_device = self._device[:len(seqs)]
+        on_device = self._device[:len(bitmask)]
         on_device.copy_(bitmask, non_blocking=True)
         self._uploaded.record()
         return on_device
+
+    def _fill_drafted(self, seqs: list[Sequence]) -> torch.Tensor:
+        """A speculative step's rows: each constrained sequence's matcher takes its drafts one by one, a row filled
+        before each and after the last, then rolls back (the matcher takes the accepted tokens when the step
+        completes). A draft the grammar refuses ends the walk: the rows after it are never read, since the
+        verifier rejects that draft (its row's mask refuses it)."""
+        bitmask = self._host[:sum(len(s.spec_token_ids) + 1 for s in seqs)]
+        bitmask.numpy()[:] = -1
+        row = 0
+        for seq in seqs:
+            if _constrained(seq):
+                matcher, taken = seq.grammar, 0
+                for token in seq.spec_token_ids:
+                    if matcher.is_terminated():
+                        break  # a drafted stop token ended it: the sequence stops there
+                    matcher.fill_next_token_bitmask(bitmask, row + taken)
+                    if not matcher.accept_token(token):
+                        break
+                    taken += 1
+                else:
+                    if not matcher.is_terminated():
+                        matcher.fill_next_token_bitmask(bitmask, row + taken)
+                if taken:
+                    matcher.rollback(taken)
+            row += len(seq.spec_token_ids) + 1
+        return bitmask
+
+
+def _constrained(seq: Sequence) -> bool:
+    """Whether ``seq``'s next token is masked: it has a live grammar and has passed its gate."""
+    return (seq.grammar is not None and seq.grammar_after is None and not seq.is_finished
+            and not seq.grammar.is_terminated())
+
+
+def advance_grammar(seq: Sequence, token: int) -> bool:
+    """A completed token into a constrained sample: while it still reasons (``grammar_after``), only the count of
+    its end marker's tokens matched so far moves (a marker's first token starts no other); after, its matcher.
+    True when the grammar has ended."""
+    if seq.grammar_after is not None:
+        gate, n = seq.grammar_after, seq.gate_matched
+        n = n + 1 if token == gate[n] else int(token == gate[0])
+        seq.grammar_after, seq.gate_matched = (None, 0) if n == len(gate) else (gate, n)
+        return False
+    return advance(seq, token)
 
 
 def advance(seq: Sequence, token: int) -> bool:

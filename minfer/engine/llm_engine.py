@@ -28,13 +28,16 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from minfer.config import EngineConfig
 from minfer.engine.block_manager import BlockManager
-from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance, compile_histogram, new_matcher
+from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance_grammar, compile_histogram, new_matcher
 from minfer.engine.model_runner import LaunchedStep, ModelRunner
 from minfer.engine.step_arrays import StepArrays
 from minfer.engine.output_processor import OutputProcessor
 from minfer.engine.processor import EngineRequest, Processor, PromptType
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
 from minfer.engine.sequence import Sequence, SequenceStatus
+from minfer.engine.spec.draft_probs import DraftProbs
+from minfer.engine.spec.complete import complete_speculative
+from minfer.engine.spec.factory import make_draft, make_speculator
 from minfer.engine.tp_workers import start_tensor_parallel
 from minfer.model.loader import resolve_model_path
 from minfer.model.registry import load_model_config
@@ -61,8 +64,10 @@ class LLMEngine:
         parallel = start_tensor_parallel(config, self.model_config, self.model_dir, self.max_model_len)
         self.workers = parallel.workers
         try:
+            draft = make_draft(config, self.model_config, self.max_model_len,
+                               parallel.device or config.resolved_device())
             self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len,
-                                      parallel.tp, parallel.channel, parallel.device)
+                                      parallel.tp, parallel.channel, parallel.device, draft)
         except Exception as exc:
             if self.workers is None:
                 raise
@@ -82,6 +87,7 @@ class LLMEngine:
                                           config.enable_prefix_caching and not recurrent, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    fork_samples=not recurrent)
+        self.speculator = make_speculator(config, self.runner, draft)
         self.requests: dict[str, list[Sequence]] = {}  # live requests' samples
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0
@@ -143,7 +149,9 @@ class LLMEngine:
                 raise ValueError("structured_outputs need a tokenizer, but skip_tokenizer_init=True")
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                              self.config.structured_outputs_compile_timeout)
-            self._bitmask = BitmaskFiller(self.model_config.vocab_size, self.config.max_num_seqs, self.runner.device)
+            spec = self.speculator.num_speculative_tokens if self.speculator is not None else 0
+            self._bitmask = BitmaskFiller(self.model_config.vocab_size, self.config.max_num_seqs * (1 + spec),
+                                          self.runner.device)
         self._constrained.add(request.request_id)
         self._compiling[request.request_id] = (self._grammars.submit(params.structured_outputs), seqs)
 
@@ -207,27 +215,33 @@ class LLMEngine:
         if self.step_errors:
             self.step_errors = {}
         outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
-        if self._inflight is not None and self._penalized and any(
-                s.params.has_penalties for s in self.scheduler.running):
-            outputs += self._complete(self._inflight)  # penalties read every token: no overlap
+        spec = self.speculator is not None and self.speculator.active(len(self.scheduler.running))
+        if self._inflight is not None and (spec or self._penalized and any(
+                s.params.has_penalties for s in self.scheduler.running)):
+            outputs += self._complete(self._inflight)  # drafts and penalties read every token: no overlap
             self._inflight = None
+        draft_probs = None
         if self._ready is not None:  # scheduled and prepared while the previous step's forward ran
             batch, arrays = self._ready
             self._ready = None
         else:
-            batch, arrays = self.scheduler.schedule(), None
+            batch, arrays = self.scheduler.schedule(self.speculator.num_speculative_tokens if spec else 0), None
             self.runner.free_rows(batch.freed_seq_ids)  # also when nothing is launched: rows must not leak
-        launched = self._launch(batch, arrays) if batch.seqs else None
+            if self.speculator is not None:
+                self.speculator.forget(batch.freed_seq_ids)
+            if spec and batch.seqs:
+                draft_probs = self.speculator.propose(batch)
+        launched = self._launch(batch, arrays, draft_probs) if batch.seqs else None
         if self._inflight is not None:
             outputs += self._complete(self._inflight)
         if launched is not None and launched.deferred is not None:  # every matcher is now up to date
-            if self.config.async_scheduling and not self._penalized:
+            if self.config.async_scheduling and not self._penalized and not spec:
                 self._prepare_next()
-            self.runner.sample(launched, self._bitmask.fill(launched.sampled))
+            self.runner.sample(launched, self._bitmask.fill(launched.sampled, batch.speculative))
         elif launched is None and self._inflight is None and self._compiling:
             wait([f for f, _ in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
         self._inflight = launched
-        if launched is not None and not self.config.async_scheduling:
+        if launched is not None and (spec or not self.config.async_scheduling):
             outputs += self._complete(launched)
             self._inflight = None
         return outputs
@@ -240,15 +254,16 @@ class LLMEngine:
         self.runner.free_rows(batch.freed_seq_ids)
         self._ready = (batch, self.runner.prepare(batch) if batch.seqs else None)
 
-    def _launch(self, batch: SchedulerOutput, arrays: StepArrays | None = None) -> LaunchedStep:
+    def _launch(self, batch: SchedulerOutput, arrays: StepArrays | None = None,
+                draft_probs: DraftProbs | None = None) -> LaunchedStep:
         """Queue the step on the device, then advance its sequences as if it had run (``arrays``: its inputs,
-        when ``_prepare_next`` built them)."""
+        when ``_prepare_next`` built them; ``draft_probs``: a draft model's distributions of its drafts)."""
         if self.block_manager.pending_copies:  # copy-on-write of blocks shared by forked samples
             self.runner.copy_blocks(self.block_manager.pending_copies)
             self.block_manager.pending_copies = []
         prev = self._inflight.sample if self._inflight is not None else None
         launched = self.runner.launch(batch, prev.token_ids if prev is not None else None,
-                                      bool(self._constrained), arrays)
+                                      bool(self._constrained), arrays, draft_probs)
         for seq, (first, entries) in launched.prompt_logprobs.items():
             self.output_processor.add_prompt_logprobs(seq, first, entries)
         self.scheduler.on_launched(batch, launched.sampled)
@@ -257,9 +272,12 @@ class LLMEngine:
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's draws, fill in the pending tokens, apply stops, build outputs.
         Sequences that finished meanwhile (aborted, or stopped by the step before) are skipped."""
-        out = step.sample.result() if step.sample is not None else None
         touched: dict[str, None] = {}
         stopped: set[str] = set()  # requests that may have finished: one of their sequences just did
+        if step.batch.speculative:
+            complete_speculative(step, self.output_processor, self.scheduler, self.speculator, touched, stopped)
+            return self._outputs(step, touched, stopped)
+        out = step.sample.result() if step.sample is not None else None
         accept, finish = self.output_processor.accept, self.scheduler.finish
         cache_full_blocks, FINISHED = self.block_manager.cache_full_blocks, SequenceStatus.FINISHED
         for i, seq in enumerate(step.sampled):  # plain attributes, no properties: runs for every sequence
@@ -267,19 +285,18 @@ class LLMEngine:
                 continue
             token = out.token_ids[i]
             stop = accept(seq, seq.fill_pending(token), token, out.logprobs[i] if out.logprobs is not None else None)
-            if seq.grammar is not None:
-                if seq.grammar_after is not None:  # still reasoning: unconstrained until its end marker
-                    gate, n = seq.grammar_after, seq.gate_matched  # (a marker's first token starts no other)
-                    n = n + 1 if token == gate[n] else int(token == gate[0])
-                    seq.grammar_after, seq.gate_matched = (None, 0) if n == len(gate) else (gate, n)
-                elif advance(seq, token) and stop is None:
-                    stop = "stop", None  # the grammar ended (its stop token need not be one of the request's)
+            if seq.grammar is not None and advance_grammar(seq, token) and stop is None:
+                stop = "stop", None  # the grammar ended (its stop token need not be one of the request's)
             if stop is None:
                 cache_full_blocks(seq)  # a block its token completed
             else:
                 finish(seq, *stop)
                 stopped.add(seq.request_id)
             touched[seq.request_id] = None
+        return self._outputs(step, touched, stopped)
+
+    def _outputs(self, step: LaunchedStep, touched: dict[str, None], stopped: set[str]) -> list[RequestOutput]:
+        """The outputs of the requests a completed step touched; finished ones leave the engine."""
         outputs = self.output_processor.make_outputs(touched, stopped, step.batch.scheduled_at, time.time())
         for output in outputs:
             if output.finished:
@@ -354,6 +371,7 @@ class LLMEngine:
             "num_constrained_running": sum(s.grammar is not None for s in sched.running) if self._constrained else 0,
             "num_grammars_compiling": len(self._compiling),
             "grammar_compile_seconds": self._grammars.stats() if self._grammars is not None else compile_histogram(),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
 
 

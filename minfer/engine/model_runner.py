@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,13 +31,19 @@ from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.input_batch import InputBatch, SamplingMetadata
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
 from minfer.engine.kv_sizing import count_kv_blocks, profile_lengths
-from minfer.engine.sampler import DeviceSample, Sampler
+from minfer.engine.sampler import DeviceSample, Sampler, SpecSample
+from minfer.engine.prompt_logprobs import prompt_logprob_chunks, prompt_logprobs
+from minfer.engine.spec.draft_probs import DraftProbs, ragged_arange
+from minfer.engine.spec.verify import SpecInputs, verify_inputs
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.engine.sequence import Sequence
 from minfer.engine.state_cache import allocate_state_cache, slot_bytes, state_layers
 from minfer.engine.step_arrays import StepArrays, synthetic_step
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
+
+if TYPE_CHECKING:
+    from minfer.engine.spec.draft_model import DraftModel
 
 logger = logging.getLogger("minfer")
 
@@ -48,17 +55,20 @@ class LaunchedStep:
 
     batch: SchedulerOutput
     sampled: list[Sequence]
-    sample: DeviceSample | None
+    sample: DeviceSample | SpecSample | None
     prompt_logprobs: dict[Sequence, tuple[int, list[dict[int, float]]]]  # (first position, entries)
-    deferred: tuple[torch.Tensor, SamplingMetadata] | None = None  # logits and metadata not yet sampled
+    # logits, metadata and a speculative step's drafts, not yet sampled
+    deferred: tuple[torch.Tensor, SamplingMetadata, SpecInputs | None] | None = None
 
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int,
                  tp: TensorParallel = SINGLE, channel: StepChannel | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, draft: "DraftModel | None" = None) -> None:
         """``tp``, ``channel`` and ``device``: this rank's group, the step channel and its GPU under
-        tensor parallelism (every rank constructs its runner at the same time: start-up runs collectives)."""
+        tensor parallelism (every rank constructs its runner at the same time: start-up runs collectives).
+        ``draft``: speculative decoding's draft model, loaded already: its cache takes as many blocks as the
+        target's, so the block count divides the budget by both blocks' bytes."""
         self.model_config = model_config
         self.config = config
         self.tp, self.channel = tp, channel
@@ -87,7 +97,8 @@ class ModelRunner:
             logger.info("state cache: %d slots of %.2f MiB (%d recurrent layers)", slots,
                         slot_bytes(self.state_layers) / 2**20, len(self.state_layers))
         started = time.perf_counter()
-        blocks = count_kv_blocks(config, self.block_bytes, max_model_len, self.device, model_config.vocab_size,
+        pair_bytes = self.block_bytes + (draft.block_bytes if draft is not None else 0)
+        blocks = count_kv_blocks(config, pair_bytes, max_model_len, self.device, model_config.vocab_size,
                                  self._profile_peak)
         self.num_kv_blocks = self._rank_min(blocks)  # the smallest budget fits every rank
         logger.info("start-up: memory profile took %.2f s", time.perf_counter() - started)
@@ -197,18 +208,26 @@ class ModelRunner:
     def prepare(self, batch: SchedulerOutput) -> StepArrays:
         """Flatten the step on the host: per-token ids, positions and slots, per-sequence tables.
         Per-sequence facts are read with one plain list comprehension each (no properties, no
-        generators): at 256 sequences this loop over Python objects is most of the cost."""
+        generators): at 256 sequences this loop over Python objects is most of the cost. A speculative
+        step's sequences append their drafted tokens after their last known one; every row from the last
+        known token on gives logits (the target's distribution at each drafted position and after the last)."""
         seqs, nd = batch.seqs, batch.num_decodes
         rows = self.input_batch.rows(seqs)
         q_list = [s.num_scheduled_tokens for s in seqs]
         start_list = [s.num_computed_tokens for s in seqs]
         token_lists = [s.token_ids for s in seqs]
         ids_list = [t[c] for t, c in zip(token_lists[:nd], start_list)]  # decodes: one token each
-        for t, c, q in zip(token_lists[nd:], start_list[nd:], q_list[nd:]):  # prompt chunks
+        for s, t, c, q in zip(seqs[nd:], token_lists[nd:], start_list[nd:], q_list[nd:]):  # prompt chunks
             ids_list += t[c:c + q]
+            if s.spec_token_ids:
+                ids_list += s.spec_token_ids
         q_lens = np.array(q_list, dtype=np.int64)
         starts = np.array(start_list, dtype=np.int64)
         num_tokens = np.array([len(t) for t in token_lists], dtype=np.int64)
+        spec_lens = None
+        if batch.speculative:
+            spec_lens = np.array([len(s.spec_token_ids) for s in seqs], dtype=np.int64)
+            num_tokens += spec_lens
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         ids = np.array(ids_list, dtype=np.int64)
@@ -223,8 +242,12 @@ class ModelRunner:
         fill_src = ib.sample_row[rows[pending]]
         fill_dst = cu[pending] + num_tokens[pending] - 1 - starts[pending]  # always its sequence's last token
         samples = ends == num_tokens
+        logit_rows = cu[1:][samples] - 1
+        if spec_lens is not None:  # each sampling sequence's last 1 + k rows
+            k = spec_lens[samples]
+            logit_rows = np.repeat(logit_rows - k, k + 1) + ragged_arange(k + 1)
         return StepArrays(ids, positions, slots, tables, ends.astype(np.int32), q_lens, cu,
-                          cu[1:][samples] - 1, nd, fill_dst, fill_src, rows, num_tokens, samples)
+                          logit_rows, nd, fill_dst, fill_src, rows, num_tokens, samples, spec_lens)
 
     def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Copy ``arrays`` to the device as ``dtype`` in one transfer, through pinned memory on CUDA
@@ -262,24 +285,27 @@ class ModelRunner:
 
     @torch.no_grad()
     def launch(self, batch: SchedulerOutput, prev_tokens: torch.Tensor | None,
-               defer_sampling: bool = False, arrays: StepArrays | None = None) -> LaunchedStep:
+               defer_sampling: bool = False, arrays: StepArrays | None = None,
+               draft_probs: DraftProbs | None = None) -> LaunchedStep:
         """Queue one forward over the step's tokens (a graph replay for pure decodes) and the draws of
         the sequences that reach their end; ``prev_tokens`` are the previous step's sampled ids, the
         source of this step's pending input tokens. Waits for the device only for prompt logprobs.
         ``defer_sampling``: when a sampling row is constrained (structured outputs), queue the forward
         only and leave ``deferred`` set: ``sample`` queues the draws later, with the token masks filled
         while the forward runs (a constrained sequence still mid-prompt samples nothing and does not
-        defer). ``arrays``: ``prepare(batch)``, when the engine built the step's inputs ahead."""
+        defer). ``arrays``: ``prepare(batch)``, when the engine built the step's inputs ahead.
+        ``draft_probs``: a draft model's distributions of a speculative step's drafted tokens (None: n-gram
+        drafts, or all greedy)."""
         a = self.prepare(batch) if arrays is None else arrays
         if len(a.fill_dst) and prev_tokens is None:
             raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
-        chunks = self._prompt_logprob_chunks(batch)
+        chunks = prompt_logprob_chunks(batch)
         if self.channel is not None:
             rows = np.array([(lo, hi) for _, _, lo, hi in chunks], dtype=np.int64).reshape(-1, 2)
             self.channel.send(Command.STEP, a.message(rows))
         hidden, logits, rows = self._forward_step(a, prev_tokens)
         seqs = batch.seqs
-        every = len(a.logit_rows) == len(seqs)
+        every = len(a.logit_rows) == len(seqs) and a.spec_lens is None
         which = slice(None) if every else a.samples
         sampled = list(seqs) if every else [s for s, m in zip(seqs, a.samples.tolist()) if m]
         step = LaunchedStep(batch, sampled, None, {})
@@ -287,22 +313,35 @@ class ModelRunner:
             if logits is None:
                 logits = self.model.compute_logits(hidden[rows], float32=False)
             sample_rows = a.batch_rows[which]
-            meta = self.input_batch.sampling_metadata(
-                sample_rows, a.num_tokens[which] - self.input_batch.prompt_lens[sample_rows], sampled)
+            counts = a.num_tokens[which] - self.input_batch.prompt_lens[sample_rows]
+            if a.spec_lens is None:
+                meta = self.input_batch.sampling_metadata(sample_rows, counts, sampled)
+                step.deferred = (logits, meta, None)
+            else:
+                k = a.spec_lens[which]
+                draft_ids, = self._upload(torch.int64, np.array([t for s in sampled for t in s.spec_token_ids],
+                                                                 dtype=np.int64))
+                step.deferred = verify_inputs(self.input_batch, logits, sampled, sample_rows, counts, k, draft_ids,
+                                              draft_probs)
             self.input_batch.sample_row[sample_rows] = np.arange(len(sampled))
-            step.deferred = (logits, meta)
             if not (defer_sampling and any(s.grammar is not None for s in sampled)):
                 self.sample(step)
-        step.prompt_logprobs = self._prompt_logprobs(chunks, hidden) if chunks else {}
+        step.prompt_logprobs = prompt_logprobs(self.model, self.sampler, chunks, hidden) if chunks else {}
         return step
 
     @torch.no_grad()
     def sample(self, step: LaunchedStep, bitmask: torch.Tensor | None = None) -> None:
         """Queue the draws of a launched step (``bitmask``: structured outputs' allowed tokens per row)."""
-        logits, meta = step.deferred
+        logits, meta, spec = step.deferred
         step.deferred = None
-        sample = step.sample = self.sampler(logits, meta, bitmask)
-        self.tp.broadcast(sample.token_ids)  # the followers' next pending input tokens
+        if spec is None:
+            sample = step.sample = self.sampler(logits, meta, bitmask)
+            self.tp.broadcast(sample.token_ids)  # the followers' next pending input tokens
+        else:
+            sample = step.sample = self.sampler.verify(logits, meta, spec.spec_lens, spec.draft_ids,
+                                                       spec.draft_probs, bitmask)
+            # the followers wait for one id per logits row; a speculative step leaves them no pending token
+            self.tp.broadcast(torch.zeros(len(logits), dtype=torch.int64, device=self.device))
         sample.start_copy()
 
     def _forward_step(self, a: StepArrays, prev_tokens: torch.Tensor | None
@@ -352,34 +391,3 @@ class ModelRunner:
         for lo, hi in prompt_logprob_rows.tolist():
             self.model.compute_logits(hidden[lo:hi])
         return tokens
-
-    @staticmethod
-    def _prompt_logprob_chunks(batch: SchedulerOutput) -> list[tuple[Sequence, int, int, int]]:
-        """(sequence, first position, hidden row range) of each slice of prompt rows whose logits
-        prompt logprobs need: row at position p predicts token p+1; slices of 1024 bound memory."""
-        if all(s.params.prompt_logprobs is None for s in batch.seqs):  # the common step: one pass, nothing to plan
-            return []
-        chunks = []
-        row = 0
-        for seq in batch.seqs:
-            start, n = seq.num_computed_tokens, seq.num_scheduled_tokens
-            if seq.params.prompt_logprobs is not None and seq.index == 0:
-                last = min(start + n, seq.num_prompt_tokens - 1)  # positions [start, last) predict prompt tokens
-                for lo in range(start, last, 1024):
-                    hi = min(lo + 1024, last)
-                    chunks.append((seq, lo, row + lo - start, row + hi - start))
-            row += n
-        return chunks
-
-    def _prompt_logprobs(self, chunks: list[tuple[Sequence, int, int, int]], hidden: torch.Tensor
-                         ) -> dict[Sequence, tuple[int, list[dict[int, float]]]]:
-        """Logprobs of the prompt tokens that ``chunks`` (``_prompt_logprob_chunks``) cover, as (first
-        position, entries) per sequence."""
-        result: dict[Sequence, tuple[int, list[dict[int, float]]]] = {}
-        for seq, lo, row_lo, row_hi in chunks:
-            logprobs = self.model.compute_logits(hidden[row_lo:row_hi]).log_softmax(-1)
-            targets = torch.tensor(seq.token_ids[lo + 1:lo + 1 + row_hi - row_lo], device=self.device)
-            entries = self.sampler.gather_logprobs(logprobs, targets, [seq.params.prompt_logprobs] * (row_hi - row_lo))
-            first, old = result.get(seq, (lo, []))
-            result[seq] = (first, old + entries)
-        return result

@@ -10,6 +10,11 @@ later (often mostly from the prefix cache). No step ever fails for lack of memor
 A request of ``n`` samples enters as ``n`` sequences: sample 0 computes the prompt, and once its
 prompt is in the cache the others fork from it (sharing its blocks, copy on write) and recompute only
 the last prompt token for their own first draw.
+
+With speculative decoding, ``schedule(num_spec=k)`` reserves up to k more tokens of budget and KV slots for each
+decoding sequence; the speculator then drafts them (``Sequence.spec_token_ids``) and gives back what it did not
+draft (``SchedulerOutput.settle_drafts``). Such a step's sequences count only their last known token as computed when
+it launches; the accepted drafts join when it completes (``LLMEngine._complete_spec``).
 """
 from __future__ import annotations
 
@@ -31,6 +36,24 @@ class SchedulerOutput:
     num_tokens: int
     scheduled_at: float = 0.0  # time.time()
     freed_seq_ids: list[int] = field(default_factory=list)  # finished or preempted since the last step
+    speculative: bool = False  # decoding sequences may carry drafted tokens; the step completes before the next
+
+    def order(self) -> None:
+        """Decodes first, longest context first: the decode kernel's programs start in row order, so the long ones
+        start first and the short ones fill the gaps at the end (the longest-processing-time rule)."""
+        decodes = [s for s in self.seqs if s.num_scheduled_tokens == 1]
+        decodes.sort(key=_context_len, reverse=True)
+        self.seqs = decodes + [s for s in self.seqs if s.num_scheduled_tokens > 1]
+        self.num_decodes = len(decodes)
+
+    def settle_drafts(self) -> None:
+        """After drafting: each sequence keeps the reserved tokens it has drafts for (the budget it leaves unused
+        stays so for this step; its KV slots serve its next steps), and the step is ordered again."""
+        for seq in self.seqs:
+            if seq.num_computed_tokens + seq.num_scheduled_tokens > len(seq.token_ids):
+                seq.num_scheduled_tokens = len(seq.token_ids) - seq.num_computed_tokens + len(seq.spec_token_ids)
+        self.num_tokens = sum(s.num_scheduled_tokens for s in self.seqs)
+        self.order()
 
 
 def _context_len(seq: Sequence) -> int:
@@ -79,16 +102,19 @@ class Scheduler:
     def on_launched(self, batch: SchedulerOutput, sampled: list[Sequence]) -> None:
         """Advance the step's sequences as if it had run: computed tokens move forward, full blocks
         enter the prefix cache, each sampling sequence gets a pending token, and a finished prompt
-        releases its request's other samples."""
+        releases its request's other samples. A speculative step's tokens arrive when it completes
+        (drafted tokens are not computed until verified): no pending token."""
         cache_full_blocks, unforked = self.block_manager.cache_full_blocks, self.unforked
         for seq in batch.seqs:  # plain attributes, no properties: this loop runs for every sequence
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            start = seq.num_computed_tokens
+            end = start + seq.num_scheduled_tokens - len(seq.spec_token_ids)
             seq.num_computed_tokens, seq.num_scheduled_tokens = end, 0
             cache_full_blocks(seq)
             if unforked and start < len(seq.prompt_token_ids) <= end and seq.seq_id in unforked:
                 self._fork_samples(seq)
-        for seq in sampled:
-            seq.append_pending()
+        if not batch.speculative:
+            for seq in sampled:
+                seq.append_pending()
 
     def _fork_samples(self, seq: Sequence) -> None:
         for child in self.unforked.pop(seq.seq_id):
@@ -99,7 +125,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, num_spec: int = 0) -> SchedulerOutput:
+        """The next step; ``num_spec`` > 0: reserve that many drafted tokens for each decoding sequence (fewer near
+        its length limit or the end of the budget; none while a grammar waits for its gate)."""
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted = False
@@ -112,6 +140,8 @@ class Scheduler:
                 i += 1  # its last token is on the device and ends it ("length"): nothing left to compute
                 continue
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
+            if num_spec and num_new == 1 and not seq.num_pending and seq.grammar_after is None:
+                num_new += max(0, min(num_spec, seq.max_total_tokens - num_tokens - 1, budget - 1))
             while not allocate_slots(seq, num_new):
                 preempted = True
                 victim = self.running[-1]
@@ -143,15 +173,15 @@ class Scheduler:
             budget -= num_new
         # Decodes go longest context first: the decode kernel's programs start in row order, so the long
         # ones start first and the short ones fill the gaps at the end (the longest-processing-time rule).
-        decodes = [s for s in scheduled if s.num_scheduled_tokens == 1]
-        decodes.sort(key=_context_len, reverse=True)
-        chunks = [s for s in scheduled if s.num_scheduled_tokens > 1]
         freed, self._freed = self._freed, []
-        return SchedulerOutput(decodes + chunks, len(decodes), self.max_num_batched_tokens - budget, time.time(),
-                               freed)
+        batch = SchedulerOutput(scheduled, 0, self.max_num_batched_tokens - budget, time.time(), freed,
+                                speculative=num_spec > 0)
+        batch.order()
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.spec_token_ids = []
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0

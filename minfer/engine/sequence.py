@@ -65,6 +65,9 @@ class Sequence:
     # reasoning.grammar_gate); ``gate_matched`` counts how many of them the output's last tokens match
     grammar_after: tuple[int, ...] | None = None
     gate_matched: int = 0
+    # speculative decoding: the tokens drafted for this step, scheduled after the last known token and verified by
+    # the step's forward; never in ``token_ids`` (those that the target accepts are appended when the step completes)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -25,6 +25,7 @@ class StepArrays:
     batch_rows: np.ndarray | None = None  # each sequence's input-batch row
     num_tokens: np.ndarray | None = None  # each sequence's tokens, pending ones included
     samples: np.ndarray | None = None  # [S] bool: the sequence reaches its last token and samples
+    spec_lens: np.ndarray | None = None  # [S] int64: drafted tokens each sequence verifies (a speculative step)
 
     def message(self, prompt_logprob_rows: np.ndarray) -> list[np.ndarray]:
         """The arrays a follower needs to run the same forward (``StepChannel``), with the hidden-state

@@ -12,6 +12,7 @@ import pytest
 from minfer.cli import build_parser, main
 from minfer.config import EngineConfig
 from minfer.engine_args import engine_kwargs, flag_name
+from minfer.spec_config import SpeculativeConfig
 
 # Each engine command with the positional arguments it needs to parse.
 COMMANDS = {"generate": ["hello"], "bench": [], "serve": [], "bench-serve": [], "eval-ppl": ["a.txt"]}
@@ -29,7 +30,8 @@ def _sample(f: dataclasses.Field) -> tuple[str, object]:
         value = next(c for c in f.metadata["choices"] if c != f.default)
         return value, value
     kind = next((a for a in typing.get_args(HINTS[f.name]) if a is not type(None)), HINTS[f.name])
-    return {int: ("3", 3), float: ("0.5", 0.5), str: ("x", "x")}[kind]
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'  # JSON: EngineConfig parses it
+    return {int: ("3", 3), float: ("0.5", 0.5), str: ("x", "x"), SpeculativeConfig: (spec, spec)}[kind]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -50,6 +52,12 @@ def test_every_flag_reaches_its_field(command: str) -> None:
         else:
             text, value = _sample(f)
             assert getattr(_parse(command, flag_name(f.name), text), f.name) == value, f.name
+
+
+def test_speculative_config_flag_is_parsed_json() -> None:
+    args = _parse("generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    spec = EngineConfig(**engine_kwargs(args)).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 5)
 
 
 def test_old_spellings_still_work() -> None:

@@ -108,9 +108,9 @@ def test_a_constrained_prompt_mid_prefill_does_not_defer_the_step():
                              step.deferred is not None))
             return step
 
-        def record_fill(seqs):
+        def record_fill(seqs, *args):
             fills.append(len(launches))
-            return fill(seqs)
+            return fill(seqs, *args)
 
         engine.runner.launch, engine._bitmask.fill = record_launch, record_fill
         done = {}

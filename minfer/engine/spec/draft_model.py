@@ -1,0 +1,164 @@
+"""A draft model: a smaller registered model of the target's vocabulary, drafting k tokens a step autoregressively.
+
+Its KV cache mirrors the target's: as many blocks, addressed by the same block tables (those of the target's
+full-attention KV group), so it needs no block manager of its own, and a block the target frees frees the draft's
+too. Its weights load before the target's memory profile and its blocks' bytes join the target's in the block
+count (``ModelRunner``'s ``draft``), so both caches fit the memory budget.
+
+The draft holds KV for a prefix of each sequence. Drafting a step first feeds it what the sequence gained since
+(its prompt the first time; then the tokens after the last drafts it got right), sampling the first draft at the
+last of them, then runs k - 1 one-token steps. Those write the KV of drafts 1..k-1, which stays valid as far as
+the target accepted them: the next step's prefix is worked out from the tokens the sequence has by then
+(``_valid_prefix``). A preempted or finished sequence's entry is forgotten (its blocks go), so a sequence always
+writes its own blocks; a prompt's blocks shared through the prefix cache or a fork are rewritten with the same
+tokens at the same positions.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from minfer.config import EngineConfig, ModelConfig
+from minfer.distributed import SINGLE
+from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from minfer.engine.sequence import Sequence
+from minfer.engine.spec.draft_probs import DraftProbs
+from minfer.engine.step_arrays import StepArrays
+from minfer.model.loader import build_model, resolve_model_path
+from minfer.model.registry import load_model_config
+from minfer.ops import select_ops
+from minfer.spec_config import SpeculativeConfig
+
+logger = logging.getLogger("minfer")
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+class DraftModel:
+    def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig, max_model_len: int,
+                 device: torch.device) -> None:
+        """Load the draft's weights (before the target's memory profile: see the module docstring)."""
+        path = resolve_model_path(spec.model, None, config.download_dir, config.load_format)
+        self.model_config = mc = load_model_config(path)
+        if mc.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config.model {spec.model!r} has vocab_size {mc.vocab_size}, the target "
+                             f"{target.vocab_size}: a draft model must share the target's vocabulary")
+        if mc.max_position_embeddings < max_model_len:
+            raise ValueError(f"speculative_config.model {spec.model!r} has max_position_embeddings "
+                             f"{mc.max_position_embeddings} < max_model_len {max_model_len}: lower max_model_len")
+        self.device = device
+        self.dtype = config.resolved_dtype(mc)
+        self.block_size = config.block_size
+        self.ops = select_ops(config.attention_backend, device, config.block_size, mc.max_head_dim)
+        started = time.perf_counter()
+        self.model = build_model(path, mc, self.dtype, device, max_model_len, self.ops, SINGLE, None,
+                                 config.load_format)
+        if getattr(self.model, "state_layers", None):
+            raise ValueError(f"speculative_config.model {spec.model!r} has recurrent layers: it cannot draft")
+        logger.info("start-up: load the draft model took %.2f s", time.perf_counter() - started)
+        self.forward = self.ops.model_forward(self.model)
+        self.kv_spec = KVCacheSpec.for_layers(self.model.attention_layers(), config.block_size, self.dtype,
+                                              config.kv_cache_dtype, max_model_len, hybrid=False)
+        self.runner: Any = None  # the target's ModelRunner (its input batch, uploads, metadata and sampler)
+        self.group = 0  # the target's KV group whose block tables the draft reads
+        self.drafted: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (its length when drafting, the drafts)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv_spec.block_bytes
+
+    def attach(self, runner: Any) -> None:
+        """Allocate the draft's cache with the target's block count and read the target's block tables."""
+        windows = runner.kv_spec.windows
+        if 0 not in windows:
+            raise ValueError("speculative_config: a draft model needs a target with full-attention layers (its "
+                             f"KV groups' windows are {list(windows)})")
+        self.runner, self.group = runner, windows.index(0)
+        allocate_kv_cache(self.model.attention_layers(), self.kv_spec, runner.num_kv_blocks, self.device)
+
+    def forget(self, seq_ids: list[int]) -> None:
+        """Sequences finished or preempted: their blocks are gone, and with them the draft's KV."""
+        for seq_id in seq_ids:
+            self.drafted.pop(seq_id, None)
+
+    @torch.no_grad()
+    def propose(self, seqs: list[Sequence], room: list[int]) -> DraftProbs | None:
+        """Draft ``room[i]`` tokens for ``seqs[i]`` (``Sequence.spec_token_ids``); returns the distributions the
+        sampling rows' drafts were drawn from (None when every row is greedy)."""
+        runner = self.runner
+        for seq in seqs:
+            seq.spec_token_ids = []
+        rows = runner.input_batch.rows(seqs)  # the block-table copies, brought up to date
+        lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
+        starts = np.array([self._valid_prefix(s) for s in seqs], dtype=np.int64)
+        counts = lengths - runner.input_batch.prompt_lens[rows]  # output tokens before the first draft
+        order = np.argsort(lengths - starts > 1, kind="stable")  # one-token catch-ups are decodes: first
+        ids = np.concatenate([np.asarray(seqs[i].token_ids[starts[i]:], dtype=np.int64) for i in order])
+        tokens, probs = self._step([seqs[i] for i in order], rows[order], ids, starts[order],
+                                   lengths[order] - starts[order], counts[order])
+        back = torch.from_numpy(np.argsort(order)).to(self.device)
+        drawn = [tokens[back]]
+        prob_rows = [probs[back] if probs is not None else None]
+        room_arr = np.asarray(room)
+        active = np.arange(len(seqs))
+        for j in range(1, max(room)):  # one-token steps: draft j + 1 from draft j
+            keep = room_arr[active] > j
+            active, prev = active[keep], drawn[-1][torch.from_numpy(keep).to(self.device)]
+            tokens, probs = self._step([seqs[i] for i in active], rows[active], prev, lengths[active] - 1 + j,
+                                       np.ones(len(active), dtype=np.int64), counts[active] + j)
+            drawn.append(tokens)
+            prob_rows.append(probs)
+        host = torch.cat(drawn).tolist()  # the one wait: the target's step needs the drafts on the host
+        rows_of: dict[int, list[int]] = {}
+        active, base = np.arange(len(seqs)), 0
+        for j in range(len(drawn)):
+            if j:
+                active = active[room_arr[active] > j]
+            for r, i in enumerate(active.tolist()):
+                seqs[i].spec_token_ids.append(host[base + r])
+                rows_of.setdefault(seqs[i].seq_id, []).append(base + r)
+            base += len(active)
+        for seq, length in zip(seqs, lengths.tolist()):
+            self.drafted[seq.seq_id] = (length, list(seq.spec_token_ids))
+        if any(p is None for p in prob_rows):
+            return None
+        return DraftProbs(torch.cat(prob_rows), rows_of)
+
+    def _valid_prefix(self, seq: Sequence) -> int:
+        """How many of ``seq``'s first tokens have valid KV in the draft's cache: its known tokens when it last
+        drafted, and the drafts it wrote KV for (all but the last) as far as the target accepted them."""
+        last = self.drafted.get(seq.seq_id)
+        if last is None:
+            return 0
+        length, drafts = last
+        got = seq.token_ids[length:length + len(drafts)]
+        matched = 0
+        while matched < len(got) and got[matched] == drafts[matched]:
+            matched += 1
+        return min(length + min(matched, len(drafts) - 1), len(seq.token_ids) - 1)
+
+    def _step(self, seqs: list[Sequence], rows: np.ndarray, ids: np.ndarray | torch.Tensor, starts: np.ndarray,
+              q_lens: np.ndarray, counts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft forward over each sequence's ``q_lens`` tokens from position ``starts`` (one-token ones first),
+        drawing a token at each sequence's last: (tokens [S] on the device, their distributions or None)."""
+        runner, bs = self.runner, self.block_size
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
+        positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
+        ib = runner.input_batch
+        g = self.group
+        tables = ib.block_tables[g:g + 1, rows, :int(ib.num_blocks[g, rows].max())]
+        slots = tables[:, seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        a = StepArrays(ids if isinstance(ids, np.ndarray) else _NONE, positions, slots, tables,
+                       (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:] - 1, int((q_lens == 1).sum()),
+                       _NONE, _NONE, rows)
+        positions_d, logit_rows, slot_d = runner._upload(torch.int64, positions, a.logit_rows, slots[0])
+        ids_d = runner._upload(torch.int64, ids)[0] if isinstance(ids, np.ndarray) else ids
+        hidden = self.forward(ids_d, positions_d, runner._metadata(a, [slot_d]))
+        logits = self.model.compute_logits(hidden[logit_rows], float32=False)
+        meta = ib.sampling_metadata(rows, counts, seqs)
+        return runner.sampler.draft(logits, meta)

@@ -1,0 +1,39 @@
+"""The speculator an engine's ``speculative_config`` asks for (None without one), and its draft model, which loads
+before the target's memory profile."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minfer.config import EngineConfig, ModelConfig
+from minfer.engine.spec.speculator import Speculator
+
+if TYPE_CHECKING:
+    from minfer.engine.model_runner import ModelRunner
+    from minfer.engine.spec.draft_model import DraftModel
+
+
+def make_draft(config: EngineConfig, target: ModelConfig, max_model_len: int,
+               device: torch.device) -> "DraftModel | None":
+    """The draft model of method 'draft_model', its weights loaded; None for the other methods."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model":
+        return None
+    from minfer.engine.spec.draft_model import DraftModel
+
+    return DraftModel(spec, config, target, max_model_len, device)
+
+
+def make_speculator(config: EngineConfig, runner: "ModelRunner", draft: "DraftModel | None") -> Speculator | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if runner.state_layers:
+        raise ValueError("speculative_config: models with recurrent layers (state_layers) cannot speculate yet: "
+                         "a rejected draft would have to roll their state back")
+    if spec.method == "eagle3":
+        raise ValueError("speculative_config.method 'eagle3' is not built yet; use 'ngram' or 'draft_model'")
+    if draft is not None:
+        draft.attach(runner)
+    return Speculator(spec, draft)
