@@ -38,7 +38,7 @@ from minfer.engine.spec.verify import SpecInputs, verify_inputs
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.engine.sequence import Sequence
 from minfer.engine.state_cache import allocate_state_cache, slot_bytes, state_layers
-from minfer.engine.step_arrays import StepArrays, synthetic_step
+from minfer.engine.step_arrays import StepArrays, as_decode_rows, synthetic_step
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
 
@@ -243,11 +243,13 @@ class ModelRunner:
         fill_dst = cu[pending] + num_tokens[pending] - 1 - starts[pending]  # always its sequence's last token
         samples = ends == num_tokens
         logit_rows = cu[1:][samples] - 1
+        verify = False
         if spec_lens is not None:  # each sampling sequence's last 1 + k rows
             k = spec_lens[samples]
             logit_rows = np.repeat(logit_rows - k, k + 1) + ragged_arange(k + 1)
+            verify = bool((q_lens == 1 + spec_lens).all())  # no prompt chunk: the drafts run as decode rows
         return StepArrays(ids, positions, slots, tables, ends.astype(np.int32), q_lens, cu,
-                          logit_rows, nd, fill_dst, fill_src, rows, num_tokens, samples, spec_lens)
+                          logit_rows, nd, fill_dst, fill_src, rows, num_tokens, samples, spec_lens, verify)
 
     def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Copy ``arrays`` to the device as ``dtype`` in one transfer, through pinned memory on CUDA
@@ -349,6 +351,8 @@ class ModelRunner:
         """The step's forward, on every rank alike: (hidden states, the sampling rows' logits when the
         decode graph made them, else None, the sampling rows on the device when they were uploaded)."""
         rows = None
+        if a.verify:
+            a = as_decode_rows(a)
         if self.graphs is not None and a.num_decodes == len(a.q_lens) and self.graphs.can_run(len(a.q_lens),
                                                                                               a.tables.shape[2]):
             src_rows = np.full(len(a.ids), -1, dtype=np.int64)

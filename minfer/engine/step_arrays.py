@@ -26,20 +26,35 @@ class StepArrays:
     num_tokens: np.ndarray | None = None  # each sequence's tokens, pending ones included
     samples: np.ndarray | None = None  # [S] bool: the sequence reaches its last token and samples
     spec_lens: np.ndarray | None = None  # [S] int64: drafted tokens each sequence verifies (a speculative step)
+    verify: bool = False  # a speculative step without prompt chunks: it runs as one-token rows (``as_decode_rows``)
 
     def message(self, prompt_logprob_rows: np.ndarray) -> list[np.ndarray]:
         """The arrays a follower needs to run the same forward (``StepChannel``), with the hidden-state
         row ranges whose logits prompt logprobs read (``[k, 2]``)."""
         return [self.ids, self.positions, self.slots, self.tables, self.ctx_lens, self.q_lens, self.cu,
-                self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes]), prompt_logprob_rows,
-                self.batch_rows]
+                self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes, self.verify]),
+                prompt_logprob_rows, self.batch_rows]
 
     @classmethod
     def from_message(cls, arrays: list[np.ndarray]) -> tuple["StepArrays", np.ndarray]:
         """(The step, the prompt-logprob row ranges); the batch rows are the state slots of recurrent layers."""
         ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp, rows = arrays
         return cls(ids, positions, slots, tables.astype(np.int32), ctx_lens.astype(np.int32), q_lens, cu,
-                   logit_rows, int(nd[0]), fill_dst, fill_src, rows), plp
+                   logit_rows, int(nd[0]), fill_dst, fill_src, rows, verify=bool(nd[1])), plp
+
+
+def as_decode_rows(a: StepArrays) -> StepArrays:
+    """A verify step with every token a one-token row of its own: the token at position p attends over positions
+    [0, p] through its sequence's block table, which is causal attention over the drafts, since the step stores
+    every token's K/V before any row attends. So the decode path (its CUDA graphs, the bucket of the step's token
+    count) scores all the drafts in one replay, where the prefill path would run eagerly; each row reads its
+    sequence's context again, which costs little beside the weights at the batch sizes that speculate."""
+    seq_of_token = np.repeat(np.arange(len(a.q_lens)), a.q_lens)
+    n = len(a.ids)
+    return StepArrays(a.ids, a.positions, a.slots, np.ascontiguousarray(a.tables[:, seq_of_token]),
+                      (a.positions + 1).astype(np.int32), np.ones(n, dtype=np.int64), np.arange(n + 1),
+                      a.logit_rows, n, a.fill_dst, a.fill_src,
+                      a.batch_rows[seq_of_token] if a.batch_rows is not None else None)
 
 
 def synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray, groups: int = 1) -> StepArrays:

@@ -104,6 +104,24 @@ class _EngineStateCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
             family.add_metric(self.labels, value)
             yield family
+        if "spec_decode_num_drafts" in s:
+            yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (present when the engine speculates)."""
+        for name, doc, key in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "spec_decode_num_drafts"),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "spec_decode_num_draft_tokens"),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                 "spec_decode_num_accepted_tokens")):
+            family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
+            family.add_metric(self.labels, s[key])
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", labels=[*VLLM_LABELS, "position"])
+        for position, value in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+            family.add_metric([*self.labels, str(position)], value)
+        yield family
 
 
 def _snapshot_histogram(name: str, doc: str, snapshot: dict[str, Any] | None) -> HistogramMetricFamily:

@@ -76,3 +76,23 @@ def test_metrics_is_prometheus_text(client: httpx.Client) -> None:
     resp = client.get("/metrics")
     assert resp.headers["content-type"].startswith("text/plain")
     assert "# TYPE vllm:e2e_request_latency_seconds histogram" in resp.text
+
+
+def test_spec_decode_counters(tiny_model) -> None:
+    """With speculation on, vLLM's spec_decode counters are served, labelled per draft position, and move."""
+    server = LiveServer(tiny_model, speculative_config={
+        "method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3})
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=30) as client:
+            resp = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 12, "ignore_eos": True,
+                                                        "temperature": 0})
+            assert resp.status_code == 200
+            server.wait_idle()
+            scrape = _scrape(client)
+    finally:
+        server.stop()
+    drafted = _value(scrape, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _value(scrape, "vllm:spec_decode_num_accepted_tokens_total")
+    assert _value(scrape, "vllm:spec_decode_num_drafts_total") > 0 and 0 < accepted <= drafted
+    per_pos = [_value(scrape, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)]
+    assert sum(per_pos) == accepted
