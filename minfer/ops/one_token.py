@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minfer.kernels.gemm.gemv import gemv, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv import (gemv, gemv_gated_rms_norm, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_sigmoid_gate,
+                                     gemv_silu_mul)
 from minfer.ops.metadata import AttentionMetadata
 
 
@@ -40,14 +41,19 @@ class OneTokenForward:
             x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
                      weight_scale=_scale(attn.o_proj))
             x = attn.o_proj.reduce(x)  # the sum over tensor-parallel ranks (identity on one GPU)
-            if not hasattr(mlp, "gate_up_proj"):  # a sparse MoE block: its own forward reads only the chosen experts
-                x, residual = ln2(x, residual)
-                x = mlp(x)
-                continue
-            gate_up, residual = gemv_rms_norm(x, residual, ln2.weight, ln2.eps, mlp.gate_up_proj.weight,
-                                              weight_scale=_scale(mlp.gate_up_proj))
-            x = mlp.down_proj.reduce(gemv_silu_mul(gate_up, mlp.down_proj.weight, weight_scale=_scale(mlp.down_proj)))
+            x, residual = _mlp(ln2, mlp, x, residual)
         return x + residual  # the final norm runs in compute_logits, as in the model's forward
+
+
+def _mlp(ln: nn.Module, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The post-attention norm (with the residual add) in gate_up's prologue and SwiGLU in down's; a sparse MoE
+    block runs its own forward, which reads only the chosen experts. Returns (output, new residual)."""
+    if not hasattr(mlp, "gate_up_proj"):
+        x, residual = ln(x, residual)
+        return mlp(x), residual
+    gate_up, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, mlp.gate_up_proj.weight,
+                                      weight_scale=_scale(mlp.gate_up_proj))
+    return mlp.down_proj.reduce(gemv_silu_mul(gate_up, mlp.down_proj.weight, weight_scale=_scale(mlp.down_proj))), residual
 
 
 def _scale(linear: nn.Module) -> torch.Tensor | None:
@@ -85,7 +91,44 @@ class GemmaOneTokenForward:
         return x + residual  # the final norm runs in compute_logits, as in the model's forward
 
 
-LAYOUTS = {"llama": OneTokenForward, "gemma": GemmaOneTokenForward}  # a model's ``fused_one_token`` -> forward
+class Qwen3_5OneTokenForward:
+    """``OneTokenForward`` for Qwen3.5's hybrid decoder (``minfer.model.models.qwen3_5``; its MoE sibling too). A
+    Gated DeltaNet layer: the input norm in the prologues of both input projections (qkv, then z|b|a from the
+    residual the first wrote: the same normed row), the layer's conv and delta rule, its per-head gated norm in
+    out_proj's prologue. A gated-attention layer: the input norm in qkv's prologue, the layer's attention, the
+    sigmoid output gate in o_proj's prologue. Then the MLP as Llama's. The (1 + w) norm weights are float32, which
+    the prologue rounds as HF's Qwen3.5 norm. Seven launches a linear layer (the unfused forward takes about
+    thirty-five), six an attention layer besides attention's own."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.embed = model.embed
+        self.layers = [(layer.linear, layer.input_layernorm, layer.linear_attn if layer.linear else layer.self_attn,
+                        layer.post_attention_layernorm, layer.mlp) for layer in model.layers]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed(input_ids)
+        residual = None
+        for linear, ln, mixer, ln2, mlp in self.layers:
+            first = mixer.in_proj_qkv if linear else mixer.qkv_proj
+            qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, first.weight, first.bias,
+                                          weight_scale=_scale(first))
+            if linear:
+                zba, _ = gemv_rms_norm(residual, None, ln.weight, ln.eps, mixer.in_proj_zba.weight,
+                                       weight_scale=_scale(mixer.in_proj_zba))
+                o = mixer.delta_rule(qkv, zba, meta)
+                x = gemv_gated_rms_norm(o.view(1, -1), mixer.z(zba), mixer.norm.weight, mixer.eps,
+                                        mixer.out_proj.weight, weight_scale=_scale(mixer.out_proj))
+                x = mixer.out_proj.reduce(x)
+            else:
+                o = mixer.attention(qkv, positions, meta)
+                x = mixer.o_proj.reduce(gemv_sigmoid_gate(o, mixer.gate(qkv), mixer.o_proj.weight, mixer.o_proj.bias,
+                                                          weight_scale=_scale(mixer.o_proj)))
+            x, residual = _mlp(ln2, mlp, x, residual)
+        return x + residual  # the final norm runs in compute_logits, as in the model's forward
+
+
+# a model's ``fused_one_token`` -> forward
+LAYOUTS = {"llama": OneTokenForward, "gemma": GemmaOneTokenForward, "qwen3_5": Qwen3_5OneTokenForward}
 
 
 class OneTokenFusedForward:

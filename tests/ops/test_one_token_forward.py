@@ -1,5 +1,6 @@
 """The fused one-token forward (minfer/ops/one_token.py) against the model's plain forward on the
-Triton ops (interpreter on CPU), and both against the torch ops, on tiny models of each family."""
+Triton ops (interpreter on CPU), and both against the torch ops, on tiny models of each family (Qwen3.5's hybrid
+layers: their recurrent state in slot 0 of a state cache)."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from minfer.model.registry import load_model_config
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from minfer.engine.state_cache import allocate_state_cache, state_layers
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
 from minfer.ops import one_token
@@ -24,7 +26,8 @@ def _meta(slots: list[int], ctx: int, num_decodes: int) -> AttentionMetadata:
         block_size=BLOCK, prefill_query_start_loc=None if num_decodes else q,
         prefill_block_tables=None if num_decodes else [table], prefill_context_lens=None if num_decodes else lens,
         max_prefill_query_len=0 if num_decodes else len(slots), context_lens_host=[ctx],
-        query_lens_host=[len(slots)])
+        query_lens_host=[len(slots)], state_slots=torch.tensor([0], dtype=torch.int32),
+        has_state=torch.tensor([num_decodes > 0]), query_start_loc=q)
 
 
 def _decode_hidden(path, backend: str, fused: bool | None) -> torch.Tensor:
@@ -33,8 +36,9 @@ def _decode_hidden(path, backend: str, fused: bool | None) -> torch.Tensor:
     cfg = load_model_config(path)
     ops = select_ops(backend, torch.device("cpu"), BLOCK, cfg.head_dim)
     model = build_model(path, cfg, torch.float32, torch.device("cpu"), 64, ops)
-    allocate_kv_cache(model.attention_layers(), KVCacheSpec.for_model(cfg, BLOCK, torch.float32), 2,
-                      torch.device("cpu"))
+    layers = model.attention_layers()
+    allocate_kv_cache(layers, KVCacheSpec.for_layers(layers, BLOCK, torch.float32, hybrid=False), 2, torch.device("cpu"))
+    allocate_state_cache(state_layers(model), 1, torch.device("cpu"))
     n = len(PROMPT)
     with torch.no_grad():
         model(torch.tensor(PROMPT), torch.arange(n), _meta(list(range(n)), n, 0))
@@ -48,7 +52,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3"])  # plain, bias, q/k norms, Gemma's
+# plain, bias, q/k norms, Gemma's, Qwen3.5's hybrid layers
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_5"])
 def test_one_token_forward_matches_plain_forward_and_torch_ops(checkpoints, arch):
     fused = _decode_hidden(checkpoints[arch], "triton", True)
     plain = _decode_hidden(checkpoints[arch], "triton", False)
@@ -75,7 +80,8 @@ def test_step_forward_takes_the_fused_path_exactly_at_one_token(checkpoints, mon
 def test_gemma_takes_its_own_fused_layout_and_gemma4_none(checkpoints):
     """Gemma 2/3 decode through the Gemma layout's fused launches (GeGLU in down's prologue); Gemma 4's layers
     (per-layer inputs, shared KV) run the model's own forward."""
-    for arch, layout in (("gemma3", one_token.GemmaOneTokenForward), ("gemma4", None), ("llama3", one_token.OneTokenForward)):
+    for arch, layout in (("gemma3", one_token.GemmaOneTokenForward), ("gemma4", None), ("llama3", one_token.OneTokenForward),
+                         ("qwen3_5", one_token.Qwen3_5OneTokenForward)):
         cfg = load_model_config(checkpoints[arch])
         ops = select_ops("triton", torch.device("cpu"), BLOCK, cfg.max_head_dim)
         model = build_model(checkpoints[arch], cfg, torch.float32, torch.device("cpu"), 64, ops)

@@ -107,16 +107,30 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         d, t = self.dims, x.shape[0]
-        z, b, a = self.in_proj_zba(x).split([d.hv * d.Dv, d.hv, d.hv], dim=-1)
-        qkv = self.ops.causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight, self.conv_state, meta.query_start_loc,
+        zba = self.in_proj_zba(x)
+        o = self.delta_rule(self.in_proj_qkv(x), zba, meta)
+        o = gated_rms_norm(o, self.z(zba), self.norm.weight, self.eps)
+        return self.out_proj(o.reshape(t, d.hv * d.Dv))
+
+    def z(self, zba: torch.Tensor) -> torch.Tensor:
+        """The output norm's gate, a ``[T, Hv, Dv]`` view of the fused z|b|a projection."""
+        d = self.dims
+        return zba[:, :d.hv * d.Dv].view(zba.shape[0], d.hv, d.Dv)
+
+    def delta_rule(self, qkv: torch.Tensor, zba: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything between the input projections and the output norm: the causal conv, the gates, the gated delta
+        rule over the layer's state slots -> o ``[T, Hv, Dv]`` (the batch-1 forward, ``ops/one_token.py``, norms
+        it in out_proj's prologue)."""
+        d, t = self.dims, qkv.shape[0]
+        _, b, a = zba.split([d.hv * d.Dv, d.hv, d.hv], dim=-1)
+        qkv = self.ops.causal_conv1d(qkv, self.conv1d.weight, self.conv_state, meta.query_start_loc,
                                      meta.state_slots, meta.has_state)
         q, k, v = qkv.split(d.channels, dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # HF's order: float32 from here
-        o = self.ops.gated_delta_rule(q.reshape(t, d.hk, d.Dk), k.reshape(t, d.hk, d.Dk), v.reshape(t, d.hv, d.Dv),
-                                      g, beta, self.rec_state, meta.query_start_loc, meta.state_slots, meta.has_state)
-        o = gated_rms_norm(o, z.reshape(t, d.hv, d.Dv), self.norm.weight, self.eps)
-        return self.out_proj(o.reshape(t, d.hv * d.Dv))
+        return self.ops.gated_delta_rule(q.reshape(t, d.hk, d.Dk), k.reshape(t, d.hk, d.Dk), v.reshape(t, d.hv, d.Dv),
+                                         g, beta, self.rec_state, meta.query_start_loc, meta.state_slots,
+                                         meta.has_state)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -91,12 +91,26 @@ class GatedAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, d, ops)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, gate = qg.view(t, self.num_heads, 2 * d).split([d, d], dim=-1)  # per head: its query, then its gate
+        qkv = self.qkv_proj(x)
+        t = qkv.shape[0]
+        o = self.attention(qkv, positions, meta).view(t, self.num_heads, self.head_dim)
+        return self.o_proj((o * torch.sigmoid(self.gate(qkv))).reshape(t, self.q_size))
+
+    def gate(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The output gate, a ``[T, H, D]`` view of the fused qkv output: per head, q_proj yields its query, then
+        its gate."""
+        t, d = qkv.shape[0], self.head_dim
+        return qkv[:, :2 * self.q_size].view(t, self.num_heads, 2 * d)[..., d:]
+
+    def attention(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Everything between the qkv projection and the output gate: q/k norms, partial rotary, KV store,
+        attention -> ``[T, q_size]`` (the batch-1 forward, ``ops/one_token.py``, gates it in o_proj's prologue)."""
+        t, d = qkv.shape[0], self.head_dim
+        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = qg.view(t, self.num_heads, 2 * d)[..., :d]
         q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k.view(t, self.num_kv_heads, d)))
         o = self.attn(q, k, v.view(t, self.num_kv_heads, d), RopeInputs(positions, self.rotary.identity), meta)
-        return self.o_proj(o.reshape(t, self.q_size) * torch.sigmoid(gate.reshape(t, self.q_size)))
+        return o.reshape(t, self.q_size)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -126,7 +140,7 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
-    fused_one_token = None  # the batch-1 fused forward reads Llama's layer layout
+    fused_one_token = "qwen3_5"  # the batch-1 fused forward's layout for the hybrid layers (ops/one_token.py)
     packed_modules = {**LlamaForCausalLM.packed_modules,
                       "in_proj_z": ("in_proj_zba", 0), "in_proj_b": ("in_proj_zba", 1), "in_proj_a": ("in_proj_zba", 2),
                       "out_proj": ("out_proj", 0)}
