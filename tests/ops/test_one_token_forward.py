@@ -17,34 +17,37 @@ BLOCK = 16
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
 
 
-def _meta(slots: list[int], ctx: int, num_decodes: int) -> AttentionMetadata:
+def _meta(slots: list[int], ctx: int, num_decodes: int, device: str = "cpu") -> AttentionMetadata:
     """One sequence in block 0: a decode (one token) or a prompt chunk of ``len(slots)`` tokens."""
-    q = torch.tensor([0, len(slots)], dtype=torch.int32)
-    table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32)
+    q = torch.tensor([0, len(slots)], dtype=torch.int32, device=device)
+    table = torch.zeros(1, 2, dtype=torch.int32, device=device)
+    lens = torch.tensor([ctx], dtype=torch.int32, device=device)
     return AttentionMetadata(
-        slot_mapping=[torch.tensor(slots)], block_tables=[table], context_lens=lens, num_decodes=num_decodes,
-        block_size=BLOCK, prefill_query_start_loc=None if num_decodes else q,
+        slot_mapping=[torch.tensor(slots, device=device)], block_tables=[table], context_lens=lens,
+        num_decodes=num_decodes, block_size=BLOCK, prefill_query_start_loc=None if num_decodes else q,
         prefill_block_tables=None if num_decodes else [table], prefill_context_lens=None if num_decodes else lens,
         max_prefill_query_len=0 if num_decodes else len(slots), context_lens_host=[ctx],
-        query_lens_host=[len(slots)], state_slots=torch.tensor([0], dtype=torch.int32),
-        has_state=torch.tensor([num_decodes > 0]), query_start_loc=q)
+        query_lens_host=[len(slots)], state_slots=torch.tensor([0], dtype=torch.int32, device=device),
+        has_state=torch.tensor([num_decodes > 0], device=device), query_start_loc=q)
 
 
-def _decode_hidden(path, backend: str, fused: bool | None) -> torch.Tensor:
+def _decode_hidden(path, backend: str, fused: bool | None, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   load_format: str = "auto") -> torch.Tensor:
     """Prefill PROMPT with the plain forward, then one decode step: through the ops' step forward
     (``fused=None``), or explicitly the fused one-token forward / the plain model forward."""
     cfg = load_model_config(path)
-    ops = select_ops(backend, torch.device("cpu"), BLOCK, cfg.head_dim)
-    model = build_model(path, cfg, torch.float32, torch.device("cpu"), 64, ops)
+    ops = select_ops(backend, torch.device(device), BLOCK, cfg.head_dim)
+    model = build_model(path, cfg, dtype, torch.device(device), 64, ops, load_format=load_format)
     layers = model.attention_layers()
-    allocate_kv_cache(layers, KVCacheSpec.for_layers(layers, BLOCK, torch.float32, hybrid=False), 2, torch.device("cpu"))
-    allocate_state_cache(state_layers(model), 1, torch.device("cpu"))
+    allocate_kv_cache(layers, KVCacheSpec.for_layers(layers, BLOCK, dtype, hybrid=False), 2, torch.device(device))
+    allocate_state_cache(state_layers(model), 1, torch.device(device))
     n = len(PROMPT)
     with torch.no_grad():
-        model(torch.tensor(PROMPT), torch.arange(n), _meta(list(range(n)), n, 0))
+        model(torch.tensor(PROMPT, device=device), torch.arange(n, device=device), _meta(list(range(n)), n, 0, device))
         forward = ops.model_forward(model) if fused is None else \
             one_token.LAYOUTS[model.fused_one_token](model) if fused else model
-        hidden = forward(torch.tensor([11]), torch.tensor([n]), _meta([n], n + 1, 1))
+        hidden = forward(torch.tensor([11], device=device), torch.tensor([n], device=device),
+                         _meta([n], n + 1, 1, device))
         return model.compute_logits(hidden)
 
 
@@ -90,3 +93,19 @@ def test_gemma_takes_its_own_fused_layout_and_gemma4_none(checkpoints):
             assert forward is model
         else:
             assert type(forward.one_token) is layout
+
+
+@pytest.mark.gpu
+def test_qwen3_5_9b_layers_fused_one_token_forward_on_gpu(tmp_path):
+    """Four of Qwen3.5-9B's layers (three Gated DeltaNet, one gated attention; dummy weights) and its LM head: in
+    bfloat16, the fused one-token forward is as close to the float32 plain forward as the bfloat16 plain one (cuBLAS
+    GEMMs, the layers' own norms and gates) is."""
+    from minfer.benchmark.shapes import write_shape_config
+
+    path = write_shape_config("qwen3.5-9b", tmp_path, layers=4)
+    run = dict(device="cuda", load_format="dummy")
+    ref = _decode_hidden(path, "triton", False, dtype=torch.float32, **run)
+    fused = _decode_hidden(path, "triton", True, dtype=torch.bfloat16, **run)
+    plain = _decode_hidden(path, "triton", False, dtype=torch.bfloat16, **run)
+    errors = _rel(fused, ref), _rel(plain, ref)
+    assert errors[0] <= 1.25 * errors[1] + 1e-3 and errors[0] < 5e-2, errors
