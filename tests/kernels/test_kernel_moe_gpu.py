@@ -134,8 +134,8 @@ def test_cuda_graph_replays_with_new_inputs(weights, name, t):
 
 # ------------------------------------------------------------------------------------------------ gpt-oss
 # gpt-oss's MoE layers (bfloat16 activations, MXFP4 experts, biases, clamped SwiGLU, top-k-then-softmax routing):
-# name: (hidden H, expert intermediate I, experts E, top_k). Both the register expansion (the default) and the
-# tl.dot_scaled variant, held to the reference (the experts dequantized to bfloat16, HF's arithmetic after).
+# name: (hidden H, expert intermediate I, experts E, top_k). Held to the reference (the experts dequantized to
+# bfloat16, HF's arithmetic after).
 GPT_OSS = {"gpt-oss-20b": (2880, 2880, 32, 4), "gpt-oss-120b": (2880, 2880, 128, 4)}
 LIMIT, ALPHA = 7.0, 1.702
 
@@ -180,13 +180,12 @@ def gpt_oss_check(out: torch.Tensor, x: torch.Tensor, logits: torch.Tensor, expe
 
 @pytest.mark.parametrize("name", list(GPT_OSS))
 @pytest.mark.parametrize("t", TOKENS)
-@pytest.mark.parametrize("dot_scaled", [False, True], ids=["expand", "dot_scaled"])
-def test_gpt_oss_layer(gpt_oss_weights, name, t, dot_scaled):
+def test_gpt_oss_layer(gpt_oss_weights, name, t):
     h, _, e, top_k = GPT_OSS[name]
     experts = gpt_oss_weights(name)
     x, logits = torch.randn(t, h, device="cuda").to(DT), distinct_logits(t, e, DT, "cuda")
-    out = fused_moe(x, logits, top_k=top_k, renormalize=False, topk_softmax=True, dot_scaled=dot_scaled, **experts)
-    gpt_oss_check(out, x, logits, experts, top_k, f"{name} T={t} dot_scaled={dot_scaled}")
+    out = fused_moe(x, logits, top_k=top_k, renormalize=False, topk_softmax=True, **experts)
+    gpt_oss_check(out, x, logits, experts, top_k, f"{name} T={t}")
 
 
 @pytest.mark.parametrize("name", list(GPT_OSS))

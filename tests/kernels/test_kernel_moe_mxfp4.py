@@ -243,12 +243,6 @@ def test_mxfp4_configs_and_k_tails(config):
     check_kernel(*make_gpt_oss(5, 4, 96, 96, torch.float32, mxfp4=True), top_k=2, config=config)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mxfp4_dot_scaled_variant(dtype):
-    """The ``tl.dot_scaled`` variant (off by default) computes the same block."""
-    check_kernel(*make_gpt_oss(9, 4, 64, 96, dtype, mxfp4=True), top_k=2, dot_scaled=True)
-
-
 def test_plain_swiglu_with_mxfp4_weights():
     """MXFP4 without gpt-oss's extras: the softmax-then-top-k router, plain SwiGLU, no biases."""
     x, logits, w_gate_up, w_down, experts = make_gpt_oss(9, 4, 64, 32, torch.float32, mxfp4=True, spread=1.0)

@@ -5,7 +5,8 @@ at top-k 1), with no host sync and every grid sized from shapes alone, so a CUDA
 
 1. ``_moe_route_kernel``, one program per token: softmax of the logits in float32, the top-k by k rounds
    of argmax (largest first; an exact tie goes to the lower expert index), renormalisation, the weights
-   rounded to their dtype (gpt-oss, ``TOPK_SOFTMAX``: the top k of the logits, then a softmax over those k).
+   rounded to their dtype (gpt-oss, ``TOPK_SOFTMAX``: the top k of the logits, then a softmax over those k);
+   ``moe_common.route_row``, which the decode kernels share.
    Pick j is the token's slot j, as ``torch.topk`` orders them. Each pick takes its rank within its expert
    from one ``atomic_add`` on that expert's counter and stores its row (``token * top_k + slot``) at
    ``expert_rows[expert, rank]``: the grouping by expert happens here. A kernel rather than torch ops because
@@ -32,7 +33,9 @@ expert's row list has capacity T (a token picks an expert at most once) and its 
 implicit, so no sorted, padded copy is built. The padded rows number at most ``T*top_k + min(E, T*top_k) *
 (BLOCK_M - 1)`` (only experts with rows are padded); the grids take that bound, and blocks past the real
 total exit at once. An expert no token chose has no blocks: at batch 1 only the top_k chosen experts'
-weights are read (qwen3-30b-a3b: 8 of 128), which is what bounds a decode step.
+weights are read (qwen3-30b-a3b: 8 of 128), which is what bounds a decode step. Built for many tokens an
+expert, though: at a few tokens its 16-row tiles are mostly padding and its programs few, and the matrix-vector
+kernels of ``moe_decode.py`` take those steps (``moe_args.use_moe_decode``).
 
 MXFP4 experts (gpt-oss's checkpoints) stay packed: both GEMMs read the codes and scales and expand them to x's
 dtype in registers before each dot (``moe_mxfp4.py``), half a byte a weight instead of two. The variants (routing,
@@ -50,6 +53,7 @@ import triton.language as tl
 
 from .._utils import dot_mode, next_pow2
 from .moe_args import MOE_CONFIGS, MoeConfig, check_moe_args, max_blocks, moe_config  # noqa: F401 (re-exported)
+from .moe_common import down_epilogue, route_row, swiglu_epilogue
 from .moe_mxfp4 import mxfp4_mainloop
 
 
@@ -72,30 +76,8 @@ def _moe_route_kernel(L, IDS, WTS, COUNTS, ROWS, E, T, stride_l, TOP_K: tl.const
     t = tl.program_id(0)
     e = tl.arange(0, E_PAD)
     logits = tl.load(L + t.to(tl.int64) * stride_l + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    if TOPK_SOFTMAX:  # gpt-oss: the top k of the logits, then a softmax over those k
-        left = logits
-        slot = tl.full([E_PAD], -1, tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.min(tl.where((left == tl.max(left, axis=0)) & (slot < 0) & (e < E), e, E_PAD), axis=0)
-            slot = tl.where(e == best, j, slot)
-            left = tl.where(e == best, float("-inf"), left)
-        sel = slot >= 0
-        p = tl.where(sel, tl.exp(logits - tl.max(tl.where(sel, logits, float("-inf")), axis=0)), 0.0)
-        w = tl.math.div_rn(p, tl.sum(p, axis=0))
-    else:
-        p = tl.exp(logits - tl.max(logits, axis=0))
-        probs = tl.math.div_rn(p, tl.sum(p, axis=0))
-        # k rounds of argmax, largest first; a tie goes to the lower index. A taken (or padding) lane is -1.
-        left = tl.where(e < E, probs, -1.0)
-        slot = tl.full([E_PAD], -1, tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.min(tl.where(left == tl.max(left, axis=0), e, E_PAD), axis=0)
-            slot = tl.where(e == best, j, slot)
-            left = tl.where(e == best, -1.0, left)
-        sel = slot >= 0
-        w = tl.where(sel, probs, 0.0)
-        if RENORM:
-            w = tl.math.div_rn(w, tl.sum(w, axis=0))
+    slot, w = route_row(logits, e, E, TOP_K, RENORM, TOPK_SOFTMAX)
+    sel = slot >= 0
     row = t * TOP_K + slot
     tl.store(IDS + row, e, mask=sel)
     tl.store(WTS + row, w, mask=sel)  # rounded to the weights dtype here, as HF rounds them
@@ -132,8 +114,7 @@ def _moe_gate_up_kernel(X, W, S, B, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, st
                         stride_se, stride_sn, stride_be, stride_o, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_PAD: tl.constexpr,
                         EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, MXFP4: tl.constexpr,
-                        DOT_SCALED: tl.constexpr, A_FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
     """OUT[row, c] = act(x[token] · W[e, c] (+ B[e, c]), x[token] · W[e, I + c] (+ B[e, I + c])) for the rows of
     each expert block: SwiGLU, or gpt-oss's clamped one when LIMIT > 0."""
     HALF: tl.constexpr = BLOCK_N // 2
@@ -157,7 +138,7 @@ def _moe_gate_up_kernel(X, W, S, B, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, st
         acc_g, acc_u = mxfp4_mainloop(acc_g, acc_u, X + tokens.to(tl.int64) * stride_x, w_base + wcols * stride_wn,
                                       s_base + wcols * stride_sn, w_base + (wcols + I) * stride_wn,
                                       s_base + (wcols + I) * stride_sn, H, BLOCK_K, True, EVEN_K, dtype, UPCAST,
-                                      PRECISION, DOT_SCALED, A_FORMAT)
+                                      PRECISION)
     else:
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = X + tokens.to(tl.int64)[:, None] * stride_x + rk[None, :]
@@ -180,24 +161,13 @@ def _moe_gate_up_kernel(X, W, S, B, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, st
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-    # HF's roundings: gate and up projections to the dtype (each bias added in place: one more rounding), the
-    # activation's every op rounded (activation.py; swiglu_ref for gpt-oss's), the product rounded.
-    g = acc_g.to(dtype).to(tl.float32)
-    u = acc_u.to(dtype).to(tl.float32)
+    bias_g = 0.0
+    bias_u = 0.0
     if HAS_BIAS:
         b_base = B + expert.to(tl.int64) * stride_be
-        g = (g + tl.load(b_base + wcols).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        u = (u + tl.load(b_base + wcols + I).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-    if LIMIT > 0:
-        g = tl.minimum(g, LIMIT).to(dtype).to(tl.float32)
-        u = tl.maximum(tl.minimum(u, LIMIT), -LIMIT).to(dtype).to(tl.float32)
-        ga = (g * ALPHA).to(dtype).to(tl.float32)
-        sig = (1.0 / (1.0 + tl.exp(-ga))).to(dtype).to(tl.float32)
-        glu = (g * sig).to(dtype).to(tl.float32)
-        h = ((u + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
-    else:
-        act = (g / (1.0 + tl.exp(-g))).to(dtype)
-        h = (act.to(tl.float32) * u).to(dtype)
+        bias_g = tl.load(b_base + wcols).to(tl.float32)[None, :]
+        bias_u = tl.load(b_base + wcols + I).to(tl.float32)[None, :]
+    h = swiglu_epilogue(acc_g, acc_u, bias_g, bias_u, dtype, HAS_BIAS, LIMIT, ALPHA)  # HF's roundings
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(o_ptrs, h, mask=valid[:, None] & (cols < I)[None, :])
 
@@ -206,8 +176,7 @@ def _moe_gate_up_kernel(X, W, S, B, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, st
 def _moe_down_kernel(A, W, S, B, WTS, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, stride_a, stride_we, stride_wn,
                      stride_se, stride_sn, stride_be, stride_o, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, E_PAD: tl.constexpr, EVEN_K: tl.constexpr,
-                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr,
-                     A_FORMAT: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     UPCAST: tl.constexpr, PRECISION: tl.constexpr, MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr):
     """OUT[row, n] = weight[row] * (A[row] · W[e, n] (+ B[e, n])) for the rows of each expert block."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_pid_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     expert, rank0, rows_left = _expert_block(COUNTS, pid_m, E, BLOCK_M, E_PAD)
@@ -223,7 +192,7 @@ def _moe_down_kernel(A, W, S, B, WTS, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, 
         w_cols = W + expert.to(tl.int64) * stride_we + wcols * stride_wn
         s_cols = S + expert.to(tl.int64) * stride_se + wcols * stride_sn
         acc, _ = mxfp4_mainloop(acc, acc, A + rows.to(tl.int64) * stride_a, w_cols, s_cols, w_cols, s_cols, I, BLOCK_K,
-                                False, EVEN_K, A.dtype.element_ty, UPCAST, PRECISION, DOT_SCALED, A_FORMAT)
+                                False, EVEN_K, A.dtype.element_ty, UPCAST, PRECISION)
     else:
         rk = tl.arange(0, BLOCK_K)
         a_ptrs = A + rows.to(tl.int64)[:, None] * stride_a + rk[None, :]
@@ -241,14 +210,12 @@ def _moe_down_kernel(A, W, S, B, WTS, OUT, COUNTS, ROWS, E, T, H, I, num_pid_m, 
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-    # HF's roundings: the projection to A's dtype (the bias added in place: one more rounding), times the weight,
-    # rounded to OUT's dtype (x's, or float32 for float32 weights: torch's type promotion of ``proj_out * weight``).
-    wt = tl.load(WTS + rows).to(tl.float32)
-    y = acc.to(A.dtype.element_ty).to(tl.float32)
+    # HF's roundings, the weighted row rounded to OUT's dtype (x's, or float32 for float32 weights: torch's type
+    # promotion of ``proj_out * weight``)
+    bias = 0.0
     if HAS_BIAS:
-        bias = tl.load(B + expert.to(tl.int64) * stride_be + wcols).to(tl.float32)
-        y = (y + bias[None, :]).to(A.dtype.element_ty).to(tl.float32)
-    y = y * wt[:, None]
+        bias = tl.load(B + expert.to(tl.int64) * stride_be + wcols).to(tl.float32)[None, :]
+    y = down_epilogue(acc, bias, tl.load(WTS + rows).to(tl.float32)[:, None], A.dtype.element_ty, HAS_BIAS)
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(o_ptrs, y.to(OUT.dtype.element_ty), mask=valid[:, None] & (cols < H)[None, :])
 
@@ -291,17 +258,15 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
               renormalize: bool, config: MoeConfig | None = None, *, weights_dtype: torch.dtype | None = None,
               topk_softmax: bool = False, bias_gate_up: torch.Tensor | None = None,
               bias_down: torch.Tensor | None = None, scale_gate_up: torch.Tensor | None = None,
-              scale_down: torch.Tensor | None = None, swiglu_limit: float = 0.0, swiglu_alpha: float = 1.0,
-              dot_scaled: bool = False) -> torch.Tensor:
+              scale_down: torch.Tensor | None = None, swiglu_limit: float = 0.0,
+              swiglu_alpha: float = 1.0) -> torch.Tensor:
     """A sparse MoE block after its router -> ``[T, H]`` in x's dtype: ``sum_k weight_k * down_e(act(gate_e(x),
     up_e(x)))`` over each token's top_k experts e.
 
     ``x [T, H]`` float32/bfloat16/float16, ``router_logits [T, E]`` (any float dtype, softmax in float32),
     ``w_gate_up [E, 2I, H]`` (gate rows, then up rows) and ``w_down [E, H, I]`` in x's dtype, all contiguous; or
     MXFP4 (``scale_gate_up`` / ``scale_down`` given): uint8 codes ``[E, 2I, H // 2]`` / ``[E, H, I // 2]`` and e8m0
-    scales ``[E, 2I, H // 32]`` / ``[E, H, I // 32]``, expanded to x's dtype in registers
-    (``moe_mxfp4.py``; ``dot_scaled``: through ``tl.dot_scaled`` instead, for 16-bit x: benchmarks only, see
-    ``moe_mxfp4.py``).
+    scales ``[E, 2I, H // 32]`` / ``[E, H, I // 32]``, expanded to x's dtype in registers (``moe_mxfp4.py``).
     Optional biases ``bias_gate_up [E, 2I]`` / ``bias_down [E, H]``. ``act``: ``silu(gate) * up``, or with
     ``swiglu_limit`` > 0 gpt-oss's clamped SwiGLU (``moe_ref.swiglu_ref``). Routing as HF's routers
     (:func:`moe_route`; ``topk_softmax``: gpt-oss's), weights rounded to ``weights_dtype``: by default
@@ -323,14 +288,12 @@ def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Ten
     if cfg.block_n % 32 or cfg.block_m < 16 or cfg.block_k < (32 if mxfp4 else 16) or (mxfp4 and cfg.block_k % 32):
         raise ValueError(f"block_n must be a multiple of 32, block_m at least 16 and block_k at least 16 (MXFP4: a "
                          f"multiple of 32), got {cfg}")
-    dot_scaled = mxfp4 and x.dtype != torch.float32 and bool(dot_scaled)
     routing = moe_route(router_logits, top_k, renormalize, weights_dtype, topk_softmax)
     upcast, precision = dot_mode(x.dtype)
     e_pad = next_pow2(e)
     num_pid_m = max_blocks(t, top_k, e, cfg.block_m)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, E_PAD=e_pad,
-                  UPCAST=upcast, PRECISION=precision, MXFP4=mxfp4, DOT_SCALED=dot_scaled,
-                  A_FORMAT="fp16" if x.dtype == torch.float16 else "bf16", num_warps=cfg.num_warps,
+                  UPCAST=upcast, PRECISION=precision, MXFP4=mxfp4, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages if x.element_size() < 4 else min(cfg.num_stages, 2))
     # (float32 tiles take twice the shared memory: the largest tile's 3 stages need 288 KiB, past sm_90's 227)
     # Absent scales and biases: x stands in for the pointer, never read (the variant reads none).
