@@ -11,7 +11,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minfer.kernels.linear_attention.gated_delta_ref import causal_conv1d_ref, gated_delta_rule_ref
+from minfer.kernels.linear_attention.gated_delta_ref import (causal_conv1d_ref, gated_delta_rule_ref, gated_rms_norm_ref,
+                                                          gdn_gates_ref)
 from minfer.kernels.moe.moe_ref import fused_moe_ref
 from minfer.kernels.quant.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, group_amax
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, MoeExperts, PagedKVCache, RopeInputs
@@ -157,15 +158,22 @@ class Ops(ABC):
         (``kernels/linear_attention/gated_delta_ref.py``)."""
         return causal_conv1d_ref(x, weight, conv_state, query_start_loc, slots, has_state)
 
-    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor,
-                         has_state: torch.Tensor, use_qk_l2norm: bool = True,
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
+                         slots: torch.Tensor, has_state: torch.Tensor, use_qk_l2norm: bool = True,
                          scale: float | None = None) -> torch.Tensor:
         """The gated delta rule: q, k [T, Hk, Dk] (L2-normalised here when ``use_qk_l2norm``, q then times
-        ``scale``, default ``Dk ** -0.5``), v [T, Hv, Dv] (value head j reads key head ``j // (Hv / Hk)``), g
-        [T, Hv] float32 log decay, beta [T, Hv]; ``state`` [S, Hv, Dk, Dv] float32, each sequence's state after
-        its last token written to its slot. q, k, v may be views of the conv's output. Returns o [T, Hv, Dv] in
-        q's dtype; HF's arithmetic in float32 (its recurrent step for one-token sequences, its chunked form for
-        longer ones)."""
+        ``scale``, default ``Dk ** -0.5``), v [T, Hv, Dv] (value head j reads key head ``j // (Hv / Hk)``); its
+        gates from the layer's projections a, b [T, Hv] and its ``A_log``, ``dt_bias`` [Hv] as HF computes them
+        (``g = -exp(A_log)·softplus(a + dt_bias)`` in float32, ``β = sigmoid(b)``: ``gdn_gates_ref``); ``state``
+        [S, Hv, Dk, Dv] float32, each sequence's state after its last token written to its slot. q, k, v, a, b may
+        be views of the conv's and the projection's outputs. Returns o [T, Hv, Dv] in q's dtype; HF's arithmetic
+        in float32 (its recurrent step for one-token sequences, its chunked form for longer ones)."""
+        g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
         return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, slots, has_state, use_qk_l2norm, scale)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The Gated DeltaNet's output norm: each head of x [T, H, D] RMS-normalised, times ``weight`` [D], times
+        ``silu(gate)`` (gate [T, H, D], a view of the z projection), HF's roundings (``gated_rms_norm_ref``)."""
+        return gated_rms_norm_ref(x, gate, weight, eps)
 

@@ -17,6 +17,7 @@ from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
 from minfer.kernels.gemm.gemv import gemv
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
+from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
 from minfer.kernels.moe.moe import fused_moe
 from minfer.kernels.quant.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
 from minfer.kernels.quant.fp8_ref import FP8_GROUP
@@ -138,10 +139,16 @@ class TritonOps(Ops):
         read and rewritten in place); no host sync."""
         return causal_conv1d(x, weight, conv_state, query_start_loc, slots, has_state)
 
-    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor,
-                         has_state: torch.Tensor, use_qk_l2norm: bool = True,
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
+                         slots: torch.Tensor, has_state: torch.Tensor, use_qk_l2norm: bool = True,
                          scale: float | None = None) -> torch.Tensor:
         """Decodes alone (T == B, from the shapes): the fused recurrent kernel, CUDA-graph capturable; a step with
-        prompt chunks: the chunked pair (every 64-token block's UT solve in parallel, then a scan per sequence)."""
-        return gated_delta_rule(q, k, v, g, beta, state, query_start_loc, slots, has_state, use_qk_l2norm, scale)
+        prompt chunks: the chunked pair (every 64-token block's UT solve in parallel, then a scan per sequence).
+        Both gate a and b in registers where they read them."""
+        return gated_delta_rule(q, k, v, a, b, state, query_start_loc, slots, has_state, use_qk_l2norm, scale,
+                                A_log=A_log, dt_bias=dt_bias)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """One launch, a program per token (at one token the fused forward folds it into out_proj instead)."""
+        return gated_rms_norm(x, gate, weight, eps)

@@ -11,8 +11,10 @@ Value heads are twice the key heads (HF's ``repeat_interleave`` grouping).
 The kernels (Triton's interpreter on the CPU) against the references on ragged steps: decodes alone (the
 recurrent kernel), decodes and prompt chunks mixed (the chunked pair: chunks across 64-token block edges, a chunk
 of one token, sequences sharing a block), some sequences with a state and some without, slots out of order, float32
-and bfloat16 inputs (float32 state); then a few steps in a row against HF over whole sequences. ``gpu`` tests:
-Qwen3.5-9B's layer shapes on CUDA, decode steps inside a CUDA graph.
+and bfloat16 inputs (float32 state); the gates computed in the kernels from the raw projections (softplus past its
+threshold and far below zero included); the gated output norm; then a few steps in a row against HF over whole
+sequences. ``gpu`` tests: Qwen3.5-9B's layer shapes on CUDA, decode steps inside a CUDA graph, the kernels' gates
+and the gated norm against the torch arithmetic they replace.
 
 Tolerances (relative Frobenius error):
 - reference vs HF, float32: 1e-5 (seen ~1e-6: HF's chunks restart where ours do, the same products in
@@ -35,7 +37,9 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
-from minfer.kernels.linear_attention.gated_delta_ref import causal_conv1d_ref, gated_delta_rule_ref
+from minfer.kernels.linear_attention.gated_delta_ref import (causal_conv1d_ref, gated_delta_rule_ref, gated_rms_norm_ref,
+                                                          gdn_gates_ref)
+from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
 
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]
@@ -54,6 +58,18 @@ def gdn_inputs(t: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, d
     g = -rate * F.softplus(torch.randn(t, hv, device=device) - 1.0)
     beta = torch.randn(t, hv, device=device).sigmoid().to(dtype)
     return q, k, v, g, beta
+
+
+def gate_inputs(t: int, hv: int, dtype: torch.dtype, device: str = "cpu") -> tuple:
+    """The layer's raw gate inputs: a and b as views of a fused [T, Z + 2 Hv] projection (strided rows), A_log as HF
+    initialises it (log of U(1, 16)) and dt_bias; a few of a's entries far past softplus's threshold (20) and
+    far below zero, where log1p(exp(x)) must not round to zero."""
+    zba = (torch.randn(t, 8 + 2 * hv, device=device) * 3).to(dtype)
+    zba[::3, -1] = 30.0
+    zba[1::3, -2] = -30.0
+    b, a = zba[:, 8:].split([hv, hv], dim=-1)
+    a_log = torch.empty(hv, device=device).uniform_(1, 16).log().to(dtype)
+    return a, b, a_log, (torch.randn(hv, device=device) * 0.5).to(dtype)
 
 
 def step_tensors(lens: list[int], slots: list[int], has: list[bool], device: str = "cpu") -> tuple:
@@ -178,6 +194,37 @@ def test_gated_delta_kernel(case: str, dims: tuple[int, int, int, int], dtype: t
     assert rel_err(state, want_state) <= STATE_TOL  # untouched slots included
 
 
+@pytest.mark.parametrize("case,dtype", [("decodes", torch.float32), ("decodes", torch.bfloat16),
+                                        ("mixed", torch.bfloat16)], ids=["decodes-fp32", "decodes-bf16", "mixed-bf16"])
+def test_gated_delta_kernel_gates_from_projections(case: str, dtype: torch.dtype) -> None:
+    """With A_log and dt_bias the kernels take the projections a and b and gate them in registers: as the reference
+    after HF's gates (``gdn_gates_ref``)."""
+    lens, slots, has = ragged(case)
+    t = sum(lens)
+    q, k, v, _, _ = gdn_inputs(t, HK, HV, DK, DV, dtype)
+    a, b, a_log, dt_bias = gate_inputs(t, HV, dtype)
+    state = torch.randn(12, HV, DK, DV) * 0.3
+    want_state = state.clone()
+    step = step_tensors(lens, slots, has)
+    want = gated_delta_rule_ref(q, k, v, *gdn_gates_ref(a, b, a_log, dt_bias), want_state, *step)
+    out = gated_delta_rule(q, k, v, a, b, state, *step, A_log=a_log, dt_bias=dt_bias)
+    assert rel_err(out, want) <= OUT_TOL[dtype]
+    # bfloat16 under the interpreter: β rounds toward zero there, to nearest in torch (a bias the state keeps)
+    assert rel_err(state, want_state) <= (STATE_TOL if dtype == torch.float32 or EXACT_BF16 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gated_rms_norm_kernel(dtype: torch.dtype) -> None:
+    """The output norm over 3 tokens of 5 heads of 24 (masked tiles), the gate a strided view of z|b|a."""
+    x = torch.randn(3, 5, 24).to(dtype)
+    zba = (torch.randn(3, 5 * 24 + 10) * 2).to(dtype)
+    z = zba[:, :120].view(3, 5, 24)
+    w = (1 + 0.2 * torch.randn(24)).to(dtype)
+    out = gated_rms_norm(x, z, w, 1e-6)
+    assert out.dtype == dtype and out.is_contiguous()
+    assert rel_err(out, gated_rms_norm_ref(x, z, w, 1e-6)) <= (1e-6 if dtype == torch.float32 else CONV_TOL[dtype])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_gated_delta_kernel_views_and_options(case: str) -> None:
     """q, k, v as views of one fused [T, C] product (as the layer passes them), no L2 norm, an explicit scale."""
@@ -253,7 +300,8 @@ def test_kernels_across_steps_equal_hf() -> None:
 # ---- the ops ----------------------------------------------------------------------------------------------------
 
 def test_ops_torch_and_triton_agree() -> None:
-    """``Ops.causal_conv1d`` / ``Ops.gated_delta_rule``: the torch ops (the references) and the Triton ops."""
+    """``Ops.causal_conv1d`` / ``Ops.gated_delta_rule`` (its gates from the projections) / ``Ops.gated_rms_norm``: the
+    torch ops (the references) and the Triton ops."""
     from minfer.ops import TorchOps
     from minfer.ops.triton_ops import TritonOps
 
@@ -261,14 +309,16 @@ def test_ops_torch_and_triton_agree() -> None:
     step = step_tensors(lens, slots, has)
     c = 2 * HK * DK + HV * DV
     x, w = torch.randn(sum(lens), c), torch.randn(c, 4)
-    q, k, v, g, beta = gdn_inputs(sum(lens), HK, HV, DK, DV, torch.float32)
+    q, k, v, _, _ = gdn_inputs(sum(lens), HK, HV, DK, DV, torch.float32)
+    gates = gate_inputs(sum(lens), HV, torch.float32)
+    z, nw = torch.randn(sum(lens), HV, DV), torch.randn(DV)
     results = []
     for ops in (TorchOps(), TritonOps(torch.device("cpu"), 16, 64)):
         buf, state = torch.ones(12, c, 3), torch.ones(12, HV, DK, DV) * 0.1
-        results.append((ops.causal_conv1d(x, w, buf, *step), buf,
-                        ops.gated_delta_rule(q, k, v, g, beta, state, *step), state))
-    for a, b in zip(*results):
-        assert rel_err(a, b) <= 1e-5
+        o = ops.gated_delta_rule(q, k, v, *gates, state, *step)
+        results.append((ops.causal_conv1d(x, w, buf, *step), buf, o, state, ops.gated_rms_norm(o, z, nw, 1e-6)))
+    for a, b in zip(*results):  # (the gates' exp and log1p from two libraries: float32 noise, grown by decays of e^-400)
+        assert rel_err(a, b) <= 5e-5
 
 
 # ---- GPU: Qwen3.5-9B's layer (linear_num_key_heads 16, linear_num_value_heads 32, head dims 128, conv 4) --------
@@ -344,3 +394,21 @@ def test_gpu_decode_cuda_graph() -> None:
     got, got_buf, got_state = out.clone(), buf.clone(), state.clone()
     buf.copy_(saved[0]), state.copy_(saved[1])
     assert torch.equal(run(), got) and torch.equal(buf, got_buf) and torch.equal(state, got_state)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("batch", [1, 64])
+def test_gpu_decode_gates_and_norm_from_projections(batch: int) -> None:
+    """At Qwen3.5-9B's shapes in bfloat16: the recurrent kernel gating a and b itself equals it fed the torch gates
+    (HF's arithmetic, the unfused path) to the float32 noise of exp/log1p, and the gated-norm kernel equals HF's
+    torch norm to bf16 rounding."""
+    _, _, _, (q, k, v, _, _), state, step = gpu_step([1] * batch, [True] * batch)
+    a, b, a_log, dt_bias = gate_inputs(batch, QWEN35_9B["hv"], torch.bfloat16, "cuda")
+    want_state = state.clone()
+    want = gated_delta_rule(q, k, v, *gdn_gates_ref(a, b, a_log, dt_bias), want_state, *step)
+    out = gated_delta_rule(q, k, v, a, b, state, *step, A_log=a_log, dt_bias=dt_bias)
+    assert rel_err(out, want) <= 5e-3 and rel_err(state, want_state) <= 1e-5
+    z = torch.randn(batch, QWEN35_9B["hv"], QWEN35_9B["dv"], device="cuda").to(torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(QWEN35_9B["dv"], device="cuda")).to(torch.bfloat16)
+    assert rel_err(gated_rms_norm(out, z, w, 1e-6), gated_rms_norm_ref(out, z, w, 1e-6)) <= 5e-3

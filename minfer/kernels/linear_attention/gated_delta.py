@@ -24,8 +24,13 @@ Splitting the blocks' solves (parallel over the whole step) from the scan (seque
 sequential part to five small products a block. Mathematically HF's chunked form; the blocks start at other
 tokens than HF's, so the two agree to float32 rounding, not bit for bit.
 
+**Gates.** Both kernels read g and β where they need them, each once a token and head, so they can take the
+layer's raw projections instead (``A_log`` / ``dt_bias`` given): HF's ``g = -exp(A_log)·softplus(a + dt_bias)`` and
+``β = sigmoid(b)`` computed in registers (``_gate_values``), which saves the layer eight elementwise launches a step
+(at batch 1 each costs about what the recurrent kernel does).
+
 Products take float32 operands: ``input_precision`` "tf32x3" on the GPU (float32-level error on tensor cores),
-"ieee" in the interpreter. Reference: ``gated_delta_ref.gated_delta_rule_ref``.
+"ieee" in the interpreter. Reference: ``gated_delta_ref.gated_delta_rule_ref`` (after ``gdn_gates_ref``).
 """
 from __future__ import annotations
 
@@ -51,13 +56,37 @@ def _load_qk(ptr, rows, rmask, stride_t, dk, DK: tl.constexpr, L2NORM: tl.conste
 
 
 @triton.jit
-def _recurrent_kernel(Q, K, V, G, BETA, STATE, O, QSL, SLOTS, HAS,
+def _gate_values(a, b, a_log, dt_bias, GATING: tl.constexpr):
+    """float32 (g, β) from what the kernel loaded at G and BETA: g and β themselves, or (GATING) the projections a
+    and b, gated as HF does: ``g = -exp(A_log) · softplus(a + dt_bias)`` in float32 (torch's softplus: x itself
+    past 20, else log1p(exp(x)), its log1p to float32 accuracy as ``log(w) · u / (w - 1)``, w = 1 + u), and
+    ``β = sigmoid(b)`` rounded to b's dtype."""
+    if GATING:
+        x = a.to(tl.float32) + dt_bias.to(tl.float32)
+        u = tl.exp(tl.minimum(x, 20.0))
+        w = 1.0 + u
+        exact = w == 1.0  # u below half an ulp of one: log1p(u) = u
+        softplus = tl.where(x > 20.0, x, tl.where(exact, u, tl.log(w) * (u / tl.where(exact, 1.0, w - 1.0))))
+        g = -tl.exp(a_log.to(tl.float32)) * softplus
+        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+        return g, beta
+    return a.to(tl.float32), b.to(tl.float32)
+
+
+@triton.jit
+def _recurrent_kernel(Q, K, V, G, BETA, STATE, O, QSL, SLOTS, HAS, ALOG, DTB,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                       stride_ot, stride_oh, stride_ss, stride_sh, dk, dv, scale, eps,
-                      GROUP: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr):
+                      GROUP: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+                      GATING: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // GROUP
+    a_log = 0.0
+    dt_bias = 0.0
+    if GATING:
+        a_log = tl.load(ALOG + h)
+        dt_bias = tl.load(DTB + h)
     start = tl.load(QSL + b).to(tl.int64)  # 64-bit offsets: the loop counters inherit it
     end = tl.load(QSL + b + 1).to(tl.int64)
     d = tl.arange(0, DK)
@@ -76,8 +105,8 @@ def _recurrent_kernel(Q, K, V, G, BETA, STATE, O, QSL, SLOTS, HAS,
             k = k * tl.rsqrt(tl.sum(k * k, 0) + eps)
         q = q * scale
         v = tl.load(V + t * stride_vt + h * stride_vh + c, mask=cmask, other=0.0).to(tl.float32)
-        g = tl.load(G + t * stride_gt + h).to(tl.float32)
-        beta = tl.load(BETA + t * stride_bt + h).to(tl.float32)
+        g, beta = _gate_values(tl.load(G + t * stride_gt + h), tl.load(BETA + t * stride_bt + h), a_log, dt_bias,
+                               GATING)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], 0)) * beta
         s = s + k[:, None] * delta[None, :]
@@ -87,10 +116,11 @@ def _recurrent_kernel(Q, K, V, G, BETA, STATE, O, QSL, SLOTS, HAS,
 
 
 @triton.jit
-def _chunk_prepare_kernel(K, V, G, BETA, QSL, U, W, CUM, num_tokens, num_seqs, search_steps,
+def _chunk_prepare_kernel(K, V, G, BETA, QSL, U, W, CUM, ALOG, DTB, num_tokens, num_seqs, search_steps,
                           stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, dk, dv, eps,
                           GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                          LEVELS: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
+                          LEVELS: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr,
+                          GATING: tl.constexpr = False):
     h = tl.program_id(1)
     hk = h // GROUP
     r = tl.arange(0, BT)
@@ -108,8 +138,17 @@ def _chunk_prepare_kernel(K, V, G, BETA, QSL, U, W, CUM, num_tokens, num_seqs, s
     lower = (r[:, None] >= r[None, :]) & same
     strict = (r[:, None] > r[None, :]) & same
 
-    g = tl.load(G + rows.to(tl.int64) * stride_gt + h, mask=rmask, other=0.0).to(tl.float32)
-    beta = tl.load(BETA + rows.to(tl.int64) * stride_bt + h, mask=rmask, other=0.0).to(tl.float32)
+    a_log = 0.0
+    dt_bias = 0.0
+    if GATING:
+        a_log = tl.load(ALOG + h)
+        dt_bias = tl.load(DTB + h)
+    g, beta = _gate_values(tl.load(G + rows.to(tl.int64) * stride_gt + h, mask=rmask, other=0.0),
+                           tl.load(BETA + rows.to(tl.int64) * stride_bt + h, mask=rmask, other=0.0), a_log, dt_bias,
+                           GATING)
+    if GATING:  # rows past the step's tokens neither decay nor write (the gates of a zero projection would)
+        g = tl.where(rmask, g, 0.0)
+        beta = tl.where(rmask, beta, 0.0)
     cum = tl.sum(tl.where(lower, g[None, :], 0.0), 1)  # log decay from the sequence's first row in the block
     k = _load_qk(K + hk * stride_kh, rows, rmask, stride_kt, dk, DK, L2NORM, eps)
     kb = k * beta[:, None]
@@ -208,14 +247,21 @@ def _value_tile(dv: int, programs: int) -> int:
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor,
                      use_qk_l2norm: bool = True, scale: float | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, *, A_log: torch.Tensor | None = None,
+                     dt_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``gated_delta_rule_ref`` in Triton: o [T, Hv, Dv] in q's dtype, each sequence's final state written to its
     slot of ``state`` [S, Hv, Dk, Dv] (float32, contiguous). q, k [T, Hk, Dk] and v [T, Hv, Dv] may be strided
     views (contiguous head dimension); g [T, Hv] float32, beta [T, Hv]; ``query_start_loc`` int32 [B + 1],
-    ``slots`` [B] (distinct), ``has_state`` bool [B]. A step of decodes alone (T == B) runs the recurrent kernel;
-    any other the chunked pair, with a float32 workspace of ``T·Hv·(Dk + Dv + 1)`` values.
+    ``slots`` [B] (distinct), ``has_state`` bool [B]. With ``A_log`` and ``dt_bias`` ([Hv] each), ``g`` and
+    ``beta`` are the layer's projections a and b ([T, Hv], strided rows), gated in the kernels as
+    ``gdn_gates_ref`` gates them. A step of decodes alone (T == B) runs the recurrent kernel; any other the chunked
+    pair, with a float32 workspace of ``T·Hv·(Dk + Dv + 1)`` values.
     """
     _check(q, k, v, g, beta, state)
+    gating = A_log is not None
+    if gating != (dt_bias is not None) or gating and (A_log.shape != (v.shape[1],) or dt_bias.shape != A_log.shape):
+        raise ValueError(f"A_log and dt_bias come together, [Hv] = [{v.shape[1]}] each")
+    gates = (A_log, dt_bias) if gating else (state, state)  # (never read without GATING)
     t, hk, dk = q.shape
     hv, dv = v.shape[1:]
     b = slots.shape[0]
@@ -229,19 +275,19 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if t == b:  # decodes only
         bv = _value_tile(dv, b * hv)
         _recurrent_kernel[(b, hv, triton.cdiv(dv, bv))](
-            q, k, v, g, beta, state, out, query_start_loc, slots, has_state, q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
-            state.stride(0), state.stride(1), dk, dv, scale, L2NORM_EPS, GROUP=group, DK=dk_pad, BV=bv,
-            L2NORM=use_qk_l2norm, num_warps=4)
+            q, k, v, g, beta, state, out, query_start_loc, slots, has_state, *gates, q.stride(0), q.stride(1),
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
+            out.stride(1), state.stride(0), state.stride(1), dk, dv, scale, L2NORM_EPS, GROUP=group, DK=dk_pad, BV=bv,
+            L2NORM=use_qk_l2norm, GATING=gating, num_warps=4)
         return out
     u = torch.empty(t, hv, dv, dtype=torch.float32, device=q.device)
     w = torch.empty(t, hv, dk, dtype=torch.float32, device=q.device)
     cum = torch.empty(t, hv, dtype=torch.float32, device=q.device)
     _chunk_prepare_kernel[(triton.cdiv(t, CHUNK), hv)](
-        k, v, g, beta, query_start_loc, u, w, cum, t, b, b.bit_length(), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), g.stride(0), beta.stride(0), dk, dv, L2NORM_EPS, GROUP=group, DK=dk_pad,
+        k, v, g, beta, query_start_loc, u, w, cum, *gates, t, b, b.bit_length(), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), beta.stride(0), dk, dv, L2NORM_EPS, GROUP=group, DK=dk_pad,
         DV=max(16, next_pow2(dv)), BT=CHUNK, LEVELS=CHUNK.bit_length() - 1, L2NORM=use_qk_l2norm, PREC=prec,
-        num_warps=8)
+        GATING=gating, num_warps=8)
     bv = _value_tile(dv, b * hv)
     _chunk_scan_kernel[(b, hv, triton.cdiv(dv, bv))](
         q, k, u, w, cum, state, out, query_start_loc, slots, has_state, q.stride(0), q.stride(1), k.stride(0),

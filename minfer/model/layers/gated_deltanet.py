@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minfer.config import ModelConfig
@@ -109,7 +108,7 @@ class GatedDeltaNet(nn.Module):
         d, t = self.dims, x.shape[0]
         zba = self.in_proj_zba(x)
         o = self.delta_rule(self.in_proj_qkv(x), zba, meta)
-        o = gated_rms_norm(o, self.z(zba), self.norm.weight, self.eps)
+        o = self.ops.gated_rms_norm(o, self.z(zba), self.norm.weight, self.eps)
         return self.out_proj(o.reshape(t, d.hv * d.Dv))
 
     def z(self, zba: torch.Tensor) -> torch.Tensor:
@@ -118,25 +117,15 @@ class GatedDeltaNet(nn.Module):
         return zba[:, :d.hv * d.Dv].view(zba.shape[0], d.hv, d.Dv)
 
     def delta_rule(self, qkv: torch.Tensor, zba: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Everything between the input projections and the output norm: the causal conv, the gates, the gated delta
-        rule over the layer's state slots -> o ``[T, Hv, Dv]`` (the batch-1 forward, ``ops/one_token.py``, norms
-        it in out_proj's prologue)."""
+        """Everything between the input projections and the output norm: the causal conv, then the gated delta rule
+        over the layer's state slots, its gates computed by the op from b, a and the layer's ``A_log``, ``dt_bias``
+        -> o ``[T, Hv, Dv]`` (the batch-1 forward, ``ops/one_token.py``, norms it in out_proj's prologue)."""
         d, t = self.dims, qkv.shape[0]
         _, b, a = zba.split([d.hv * d.Dv, d.hv, d.hv], dim=-1)
         qkv = self.ops.causal_conv1d(qkv, self.conv1d.weight, self.conv_state, meta.query_start_loc,
                                      meta.state_slots, meta.has_state)
         q, k, v = qkv.split(d.channels, dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # HF's order: float32 from here
         return self.ops.gated_delta_rule(q.reshape(t, d.hk, d.Dk), k.reshape(t, d.hk, d.Dk), v.reshape(t, d.hv, d.Dv),
-                                         g, beta, self.rec_state, meta.query_start_loc, meta.state_slots,
-                                         meta.has_state)
+                                         a, b, self.A_log, self.dt_bias, self.rec_state, meta.query_start_loc,
+                                         meta.state_slots, meta.has_state)
 
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension, then times ``silu(gate)``, with HF's roundings (``Qwen3_5RMSNormGated``):
-    the normed value rounded to x's dtype before the weight, the gate applied in float32, one last rounding."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = weight * h.to(x.dtype)
-    return (h * F.silu(gate.float())).to(x.dtype)
