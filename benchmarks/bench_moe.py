@@ -2,19 +2,21 @@
 
 Layers (bfloat16 activations): qwen3-30b-a3b (H 2048, I 768, 128 experts, top 8, renormalised) and mixtral-8x7b
 (H 4096, I 14336, 8 experts, top 2, renormalised) with bfloat16 experts; gpt-oss-20b and gpt-oss-120b (H 2880,
-I 2880, 32 / 128 experts, top 4, top-k-then-softmax routing, biases, clamped SwiGLU) with MXFP4 experts, each
-timed twice: the codes expanded in registers (the default) and through ``tl.dot_scaled`` (the ``dot_scaled``
-rows). T = 1, 16, 64, 256, 1024, 4096 tokens, router logits N(0, 1) (roughly even loads). Per row: the experts
-some token chose; ``fused_moe`` and ``fused_moe_ref`` in µs; the bound, the larger of the bytes of the chosen
+I 2880, 32 / 128 experts, top 4, top-k-then-softmax routing, biases, clamped SwiGLU) with MXFP4 experts (the
+codes expanded in registers). T = 1, 8, 16, 64, 256, 1024, 4096 tokens, router logits N(0, 1) (roughly even
+loads). The grouped GEMMs (``fused_moe``) run at every T; the decode kernels (``moe_decode.fused_moe_decode``, the
+``decode`` rows; the op takes them up to ``moe_args.DECODE_MAX_TOKENS``) up to 16 tokens. Per row: the experts
+some token chose; the kernels' and ``fused_moe_ref``'s µs; the bound, the larger of the bytes of the chosen
 experts' weights (MXFP4: codes, scales and biases) plus x and the output over 4.22 TB/s and the FLOPs
 (``6 * T * top_k * H * I``) over 793 TFLOP/s; the kernel's share of it; and ``err``, the kernel's relative
-Frobenius error against the reference. ``fused_moe`` is timed as a CUDA-graph replay (how decode steps run it),
+Frobenius error against the reference. The kernels are timed as CUDA-graph replays (how decode steps run them),
 the reference eagerly (it reads the chosen experts back to the host, and dequantizes MXFP4 ones); both medians
 of ``triton.testing.do_bench``, L2 flushed before each repetition (cold weights).
 
     python benchmarks/bench_moe.py            # the table (markdown; also $OUT/moe.md), a few minutes on an H200
     python benchmarks/bench_moe.py --only gpt-oss-20b,gpt-oss-120b   # some layers
-    python benchmarks/bench_moe.py --sweep    # each T against a few candidate configs (for MOE_CONFIGS)
+    python benchmarks/bench_moe.py --sweep    # each T against a few candidate configs (for MOE_CONFIGS; and the
+                                              # decode kernels' MoeDecodeConfig up to 16 tokens)
     python benchmarks/bench_moe.py --smoke    # tiny shapes; runs on a CPU under the interpreter
 """
 from __future__ import annotations
@@ -32,6 +34,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench_kernels import bench, bench_graph, rel_err  # noqa: E402
 from minfer.kernels.moe.moe import MoeConfig, fused_moe, moe_config  # noqa: E402
+from minfer.kernels.moe.moe_args import MoeDecodeConfig, moe_decode_config  # noqa: E402
+from minfer.kernels.moe.moe_decode import fused_moe_decode  # noqa: E402
 from minfer.kernels.moe.moe_ref import fused_moe_ref, moe_route_ref  # noqa: E402
 from minfer.kernels.quant.mxfp4_ref import quantize_mxfp4  # noqa: E402
 
@@ -43,7 +47,8 @@ DT = torch.bfloat16
 # top-k-then-softmax routing)
 LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8, False), "mixtral-8x7b": (4096, 14336, 8, 2, False),
           "gpt-oss-20b": (2880, 2880, 32, 4, True), "gpt-oss-120b": (2880, 2880, 128, 4, True)}
-TOKENS = (1, 16, 64, 256, 1024, 4096)
+TOKENS = (1, 8, 16, 64, 256, 1024, 4096)
+DECODE_TOKENS = 16  # the decode rows: up to this many tokens
 SMOKE_LAYERS = {"qwen3-like": (64, 32, 16, 4, False), "mixtral-like": (64, 48, 4, 2, False),
                 "gpt-oss-like": (64, 64, 8, 4, True)}
 SMOKE_TOKENS = (1, 16)
@@ -53,9 +58,17 @@ SWEEP = [MoeConfig(*c) for c in (
     (32, 64, 128, 4, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3),
     (128, 256, 64, 8, 8, 3),
 )]
+# (gate/up rows, down rows, tile, warps, stages) of the decode kernels, around the default (8, 4, 8192, 4, 3)
+DECODE_SWEEP = [MoeDecodeConfig(*c) for c in (
+    (8, 4, 8192, 4, 3), (8, 4, 8192, 4, 1), (4, 2, 8192, 4, 3), (16, 8, 8192, 4, 3), (8, 4, 4096, 4, 3),
+    (8, 4, 16384, 8, 3), (4, 4, 4096, 2, 3), (16, 4, 8192, 8, 3), (8, 8, 8192, 4, 3),
+)]
 
 
-def config_name(cfg: MoeConfig) -> str:
+def config_name(cfg: MoeConfig | MoeDecodeConfig) -> str:
+    if isinstance(cfg, MoeDecodeConfig):
+        return (f"decode {cfg.block_n_gate_up}/{cfg.block_n_down} rows, tile {cfg.tile} w{cfg.num_warps} "
+                f"s{cfg.num_stages}")
     return f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}"
 
 
@@ -86,7 +99,7 @@ def bound_us(h: int, i: int, e_used: int, t: int, top_k: int, gpt_oss: bool) -> 
 
 
 def run_table(layers: dict, tokens: tuple[int, ...]) -> list[str]:
-    lines = ["| layer | T | experts used | fused_moe µs | reference µs | bound µs (mem / flops) | of bound | err |",
+    lines = ["| layer | T | experts used | kernel µs | reference µs | bound µs (mem / flops) | of bound | err |",
              "|---|---|---|---|---|---|---|---|"]
     for name, (h, i, e, top_k, gpt_oss) in layers.items():
         xs, all_logits, kw = make_layer(h, i, e, max(tokens), gpt_oss)
@@ -96,18 +109,11 @@ def run_table(layers: dict, tokens: tuple[int, ...]) -> list[str]:
             e_used = int(torch.unique(moe_route_ref(logits, top_k, True, topk_softmax=gpt_oss)[1]).numel())
             ref = bench(lambda: fused_moe_ref(x, logits, top_k=top_k, **kw), rep=100) * 1e3
             mem, flops = bound_us(h, i, e_used, t, top_k, gpt_oss)
-            for variant in ([False, True] if gpt_oss else [None]):  # MXFP4: the expansion, then tl.dot_scaled
-                extra = {} if variant is None else dict(dot_scaled=variant)
-                try:
-                    err = rel_err(fused_moe(x, logits, top_k=top_k, **kw, **extra), want)
-                    ours = bench_graph(lambda: fused_moe(x, logits, top_k=top_k, **kw, **extra)) * 1e3
-                except Exception as exc:  # the dot_scaled variant on a Triton that cannot lower it: say so, go on
-                    if not variant:
-                        raise
-                    lines.append(f"| {name} dot_scaled | {t} | failed: {type(exc).__name__}: {str(exc)[:80]} |")
-                    print(lines[-1], flush=True)
-                    continue
-                line = (f"| {name}{' dot_scaled' if variant else ''} | {t} | {e_used}/{e} | {ours:.1f} | {ref:.1f} | "
+            kernels = [("", fused_moe)] + ([(" decode", fused_moe_decode)] if t <= DECODE_TOKENS else [])
+            for label, kernel in kernels:
+                err = rel_err(kernel(x, logits, top_k=top_k, **kw), want)
+                ours = bench_graph(lambda: kernel(x, logits, top_k=top_k, **kw)) * 1e3
+                line = (f"| {name}{label} | {t} | {e_used}/{e} | {ours:.1f} | {ref:.1f} | "
                         f"{max(mem, flops):.3g} ({mem:.3g} / {flops:.3g}) | {100 * max(mem, flops) / ours:.0f}% | "
                         f"{err:.1e} |")
                 print(line, flush=True)
@@ -123,18 +129,24 @@ def run_sweep(layers: dict, tokens: tuple[int, ...]) -> list[str]:
         xs, all_logits, kw = make_layer(h, i, e, max(tokens), gpt_oss)
         for t in tokens:
             x, logits = xs[:t].contiguous(), all_logits[:t].contiguous()
-            times = {}
-            for cfg in SWEEP:
-                try:
-                    times[cfg] = bench_graph(lambda: fused_moe(x, logits, top_k=top_k, config=cfg, **kw), rep=50) * 1e3
-                except Exception as exc:  # a tile too big for shared memory (or too shallow for MXFP4): skip it
-                    print(f"  {config_name(cfg)}: {type(exc).__name__}", flush=True)
-            best = min(times, key=times.get)
-            table = bench_graph(lambda: fused_moe(x, logits, top_k=top_k, **kw), rep=50) * 1e3
-            line = (f"| {name} | {t} | {table:.1f} ({config_name(moe_config(t, top_k, e))}) | {times[best]:.1f} | "
-                    f"{config_name(best)} |")
-            print(line, flush=True)
-            lines.append(line)
+            paths = [("", fused_moe, SWEEP, moe_config(t, top_k, e))]
+            if t <= DECODE_TOKENS:
+                paths.append((" decode", fused_moe_decode, DECODE_SWEEP,
+                              moe_decode_config(0.5 if gpt_oss else x.element_size(), h, i, x.device)))
+            for label, kernel, candidates, default in paths:
+                times = {}
+                for cfg in candidates:
+                    try:
+                        times[cfg] = bench_graph(lambda: kernel(x, logits, top_k=top_k, config=cfg, **kw),
+                                                 rep=50) * 1e3
+                    except Exception as exc:  # a tile too big for shared memory (or too shallow for MXFP4): skip
+                        print(f"  {config_name(cfg)}: {type(exc).__name__}", flush=True)
+                best = min(times, key=times.get)
+                table = bench_graph(lambda: kernel(x, logits, top_k=top_k, **kw), rep=50) * 1e3
+                line = (f"| {name}{label} | {t} | {table:.1f} ({config_name(default)}) | {times[best]:.1f} | "
+                        f"{config_name(best)} |")
+                print(line, flush=True)
+                lines.append(line)
         del xs, all_logits, kw
     return lines
 

@@ -7,8 +7,8 @@
 # tests:   the gpu tests of the sink variants (Triton against the references, Hopper against Triton), the MoE
 #          kernel's gpt-oss and MXFP4 variants at the real layer shapes, and the engine on the GPU against HF for
 #          gpt-oss (float and MXFP4 checkpoints).
-# kernels: benchmarks/bench_moe.py's gpt-oss rows (the MXFP4 MoE layer of 20b / 120b: in-register expansion and
-#          tl.dot_scaled).
+# kernels: benchmarks/bench_moe.py's gpt-oss rows (the MXFP4 MoE layer of 20b / 120b: the grouped GEMMs, and the
+#          decode kernels up to 16 tokens).
 # bench:   batch-1 decode on gpt-oss-20b beside llama-3.1-8b, and workload A on gpt-oss-20b and gpt-oss-120b,
 #          against their bounds (random MXFP4 weights drawn on the device: --load-format dummy). SHAPES narrows.
 DEADLINE_DEFAULT=570

@@ -15,8 +15,17 @@ import pytest
 _MOE_SIG = dict(W="*u8", S="*u8", B="*bf16", OUT="*bf16", COUNTS="*i32", ROWS="*i32", E="i32", T="i32", H="i32",
                 I="i32", num_pid_m="i32", stride_x="i32", stride_a="i32", stride_we="i32", stride_wn="i32",
                 stride_se="i32", stride_sn="i32", stride_be="i32", stride_o="i32")
-_MOE_CONSTS = dict(E_PAD=32, UPCAST=False, PRECISION="tf32", MXFP4=True, DOT_SCALED=False, A_FORMAT="bf16",
-                   HAS_BIAS=True)
+_MOE_CONSTS = dict(E_PAD=32, UPCAST=False, PRECISION="tf32", MXFP4=True, HAS_BIAS=True)
+# The decode kernels' (moe_decode.py): gpt-oss-20b's MXFP4 layer (the x and activation rows read as int32 pairs),
+# and qwen3-30b-a3b's bfloat16 one (128 experts, top 8)
+_DECODE_SIG = dict(L="*bf16", B="*bf16", OUT="*bf16", E="i32", H="i32", I="i32", stride_x="i32", stride_xw="i32",
+                   stride_a="i32", stride_aw="i32", stride_l="i32", stride_we="i32", stride_wn="i32",
+                   stride_se="i32", stride_sn="i32", stride_be="i32", stride_o="i32")
+_MXFP4_SIG = dict(_DECODE_SIG, W="*u8", S="*u8", X="*bf16", XW="*i32", A="*bf16", AW="*i32")
+_BF16_SIG = dict(_DECODE_SIG, W="*bf16", S="*bf16", X="*bf16", XW="*bf16", A="*bf16", AW="*bf16")
+_GPT_OSS_DECODE = dict(TOP_K=4, RENORM=False, TOPK_SOFTMAX=True, E_PAD=32, MXFP4=True, ROUND_W=False, HAS_BIAS=True)
+_QWEN3_DECODE = dict(TOP_K=8, RENORM=True, TOPK_SOFTMAX=False, E_PAD=128, MXFP4=False, ROUND_W=False,
+                     HAS_BIAS=False)
 
 # (module, kernel, signature, constexprs) of each build: the activation codes, the norm's weight rounding, attention
 # sinks
@@ -55,8 +64,8 @@ BUILDS = {
                                      DOT_PREC="tf32", UPCAST=False, QUANT=False, F16=False, F16_KIND=-1, ASM=False,
                                      WINDOW=128, SOFTCAP_LOG2=0.0, HAS_SINKS=True)),
     # the MoE kernels' gpt-oss variants: top-k-then-softmax routing; MXFP4 codes expanded in registers (a decode
-    # tile, mma.sync, with a K tail: 2880 = 22.5 * 128; a prefill tile, wgmma) or through tl.dot_scaled; biases and
-    # the clamped SwiGLU
+    # tile, mma.sync, with a K tail: 2880 = 22.5 * 128; a prefill tile, wgmma); biases and the clamped SwiGLU; the
+    # decode kernels at their default tiles
     "moe_route_topk_softmax": ("minfer.kernels.moe.moe", "_moe_route_kernel",
                                dict(L="*bf16", IDS="*i32", WTS="*bf16", COUNTS="*i32", ROWS="*i32", E="i32", T="i32",
                                     stride_l="i32"),
@@ -66,9 +75,14 @@ BUILDS = {
                                        EVEN_K=False, LIMIT=7.0, ALPHA=1.702)),
     "moe_down_mxfp4_bias": ("minfer.kernels.moe.moe", "_moe_down_kernel", dict(_MOE_SIG, A="*bf16", WTS="*bf16"),
                             dict(_MOE_CONSTS, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, EVEN_K=True)),
-    "moe_gate_up_mxfp4_dot_scaled": ("minfer.kernels.moe.moe", "_moe_gate_up_kernel", dict(_MOE_SIG, X="*bf16"),
-                                     dict(_MOE_CONSTS, TOP_K=4, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8,
-                                          EVEN_K=True, DOT_SCALED=True, LIMIT=7.0, ALPHA=1.702)),
+    "moe_decode_gate_up_mxfp4": ("minfer.kernels.moe.moe_decode", "_moe_decode_gate_up_kernel", _MXFP4_SIG,
+                                 dict(_GPT_OSS_DECODE, BLOCK_N=8, BLOCK_K=512, LIMIT=7.0, ALPHA=1.702)),
+    "moe_decode_down_mxfp4": ("minfer.kernels.moe.moe_decode", "_moe_decode_down_kernel", _MXFP4_SIG,
+                              dict(_GPT_OSS_DECODE, TOP_K_PAD=4, BLOCK_N=4, BLOCK_K=512, W_DTYPE="bf16",
+                                   C_DTYPE="bf16")),
+    "moe_decode_down_bf16_top8": ("minfer.kernels.moe.moe_decode", "_moe_decode_down_kernel", _BF16_SIG,
+                                  dict(_QWEN3_DECODE, TOP_K_PAD=8, BLOCK_N=4, BLOCK_K=256, W_DTYPE="bf16",
+                                       C_DTYPE="bf16")),
     # Gated DeltaNet (Qwen3.5-9B's layer: 16 key / 32 value heads of 128, conv 4) with the launch options the
     # launchers use: the conv's one-token decode blocks; the recurrent decode; the chunked pair (float32 products
     # in tf32x3; the scan's single stage keeps it under sm_90's shared memory)
@@ -101,10 +115,13 @@ def build(name: str) -> dict:
     import importlib
 
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     module, kernel, sig, consts, *options = BUILDS[name]  # options: the launcher's num_warps / num_stages
+    # a dtype constexpr (``*_DTYPE``) is named by Triton's short name ("bf16"): this module does not import triton
+    consts = {k: tl.str_to_ty(v, None) if k.endswith("_DTYPE") else v for k, v in consts.items()}
     fn = getattr(importlib.import_module(module), kernel)
     signature = {n: sig.get(n, "constexpr") for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),

@@ -1,12 +1,12 @@
-"""The fused MoE op's launch configs and argument checks (``moe.py`` launches; this module decides how and
-refuses what it cannot run)."""
+"""The fused MoE kernels' launch configs, which path a step takes, and the argument checks (``moe.py`` and
+``moe_decode.py`` launch; this module decides how and refuses what they cannot run)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from .._utils import check_dtype
+from .._utils import check_dtype, next_pow2
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,54 @@ def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> i
     with rows, at most ``(T*top_k + min(E, T*top_k) * (block_m - 1)) // block_m``."""
     rows = num_tokens * top_k
     return (rows + min(num_experts, rows) * (block_m - 1)) // block_m
+
+
+# The decode kernels (``moe_decode.py``) take steps of at most this many tokens: CUDA-graph buckets 1..8, and a
+# short prompt chunk. They read an expert's rows once per (token, expert) pair, where the grouped GEMMs read them
+# once per expert: equal HBM traffic while a repeat read hits L2 (the pairs of one tile run side by side), but the
+# MXFP4 expansion and the float32 products are paid per pair. At 8 tokens that is at most 1.5 pairs per chosen
+# expert on gpt-oss-20b (32 pairs over ~21 experts) and 1.3 on qwen3-30b-a3b, against the grouped GEMMs' 16-row
+# tiles with 1-2 rows in each. ``benchmarks/bench_moe.py`` prints both paths at 1, 8 and 16 tokens.
+DECODE_MAX_TOKENS = 8
+
+
+def use_moe_decode(num_tokens: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens takes the decode kernels rather than the grouped GEMMs."""
+    return 0 < num_tokens <= DECODE_MAX_TOKENS
+
+
+@dataclass(frozen=True)
+class MoeDecodeConfig:
+    """Launch config of the decode kernels: ``block_n_gate_up`` gate rows (and as many up rows) per program of
+    the gate/up kernel, ``block_n_down`` output rows per program of the down kernel (each times top_k experts'
+    rows), ``tile`` the weight elements one K step of a program loads (its K depth is ``tile`` over its rows, a
+    power of two), warps, pipelining depth."""
+
+    block_n_gate_up: int = 8
+    block_n_down: int = 4
+    tile: int = 8192
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def moe_decode_config(weight_bytes: float, h: int, i: int, device: torch.device) -> MoeDecodeConfig:
+    """The decode config for weights of ``weight_bytes`` a value (MXFP4: 0.5) in an ``h``-wide layer of ``i``-wide
+    experts. On a GPU the row counts keep a T=1 step's grid at several programs an SM on the smallest layer
+    (qwen3-30b-a3b: 8 pairs x 96 gate/up tiles, 512 down tiles on the H200's 132 SMs); the tile, 8192 values (16 KiB
+    of bfloat16, 4 KiB of MXFP4 codes, whose expansion to float32 is what fills the registers), is the batch-1
+    GEMV's (``gemm/gemv_config.py``: 4 rows x 2048); float32 weights take half. Elsewhere the kernels run in
+    Triton's interpreter, where a program costs milliseconds of Python whatever its size: one program a pair and
+    one a token, each a single K step, at the small layers that run there."""
+    if device.type != "cuda":
+        return MoeDecodeConfig(min(next_pow2(i), 256), min(next_pow2(h), 256), tile=1 << 16)
+    return MoeDecodeConfig(tile=4096 if weight_bytes >= 4 else 8192)
+
+
+def decode_block_k(k: int, rows: int, tile: int, mxfp4: bool) -> int:
+    """K depth of a decode program's step: ``tile`` values over ``rows`` rows, a power of two, no deeper than K
+    needs, at least one MXFP4 scale group (32) or 16."""
+    per_row = max(1, tile // rows)
+    return max(32 if mxfp4 else 16, min(next_pow2(k), 1 << (per_row.bit_length() - 1)))
 
 
 def check_moe_args(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
