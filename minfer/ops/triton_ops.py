@@ -19,6 +19,8 @@ from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
 from minfer.kernels.moe.moe import fused_moe
+from minfer.kernels.moe.moe_args import use_moe_decode
+from minfer.kernels.moe.moe_decode import fused_moe_decode
 from minfer.kernels.quant.fp8_quant import add_rms_norm_fp8, quantize_fp8, rms_norm_fp8, silu_and_mul_fp8
 from minfer.kernels.quant.fp8_ref import FP8_GROUP
 from minfer.kernels.rmsnorm import fused_add_rms_norm, rms_norm
@@ -114,11 +116,14 @@ class TritonOps(Ops):
     def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoeExperts, top_k: int,
                   renormalize: bool, weights_dtype: torch.dtype | None = None,
                   topk_softmax: bool = False) -> torch.Tensor:
-        """Routing, tokens grouped by expert on the device, and two grouped GEMMs (the gate into the first's
-        epilogue, the routing weights into the second's) that read only the experts some token chose; MXFP4
-        codes are expanded in registers, never to a dequantized copy."""
-        return fused_moe(x, router_logits, top_k=top_k, renormalize=renormalize, weights_dtype=weights_dtype,
-                         topk_softmax=topk_softmax, **experts.as_kwargs())
+        """Up to ``DECODE_MAX_TOKENS`` tokens (decode steps), two matrix-vector kernels, each program routing its
+        own token and streaming its expert's rows; more tokens: routing, tokens grouped by expert on the device, and
+        two grouped GEMMs. Either way the gate runs in the first kernel's epilogue, the routing weights in the
+        second's, only the experts some token chose are read, and MXFP4 codes are expanded in registers, never to
+        a dequantized copy."""
+        moe = fused_moe_decode if use_moe_decode(x.shape[0]) else fused_moe
+        return moe(x, router_logits, top_k=top_k, renormalize=renormalize, weights_dtype=weights_dtype,
+                   topk_softmax=topk_softmax, **experts.as_kwargs())
 
     def lm_head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """One row (a batch-1 decode) through the matrix-vector kernel: the head is the widest weight stream of a
