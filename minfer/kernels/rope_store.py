@@ -9,11 +9,12 @@ writes k and v into the paged cache, quantizing them for 8-bit caches. ``rope_q`
 q programs (``STORE=False``): a layer that attends over another layer's cache (Gemma 4's shared-KV
 layers) finishes its q and writes nothing.
 
-Rotation pairs dimension d with d ± D/2. Rather than split the head into halves, each program
-loads the whole head twice, once in order and once partner-permuted (the second load hits L1),
-so the rotated rows come out as full ``[heads, D]`` tiles and the store's quantizer (a per-row
-absmax) applies unchanged. Rounding is that of the separate steps: the norm rounds as HF's RMSNorm
-does (``rmsnorm.py``), rotary computes in float32 and rounds once (``apply_rotary_ref``).
+Rotation pairs dimension d with d ± R/2, R the table's width: the head dimension, or fewer for a partial
+rotary (Qwen3.5's first quarter, pairs within it; the other dims pass unrotated, as a cos of 1 and a sin of 0).
+Rather than split the head into halves, each program loads the whole head twice, once in order and once
+partner-permuted (the second load hits L1), so the rotated rows come out as full ``[heads, D]`` tiles and the
+store's quantizer (a per-row absmax) applies unchanged. Rounding is that of the separate steps: the norm rounds
+as HF's RMSNorm does (``rmsnorm.py``), rotary computes in float32 and rounds once (``apply_rotary_ref``).
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ from .rmsnorm import rms_norm_ref
 
 @triton.jit
 def _norm_rope(X, stride_h, W, cos, sin, eps, NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
-               HEAD_DIM: tl.constexpr, NORM: tl.constexpr):
+               HEAD_DIM: tl.constexpr, NORM: tl.constexpr, ROT_DIM: tl.constexpr):
     """Rows of heads at ``X`` (``[BLOCK_H, HEAD_DIM]``, masked to ``NUM_HEADS``), optionally RMS-normed
-    with weight ``W`` (``NORM``: 0 none, 1 Llama's rounding, 2 a float32 weight's), then rotated: returns them
-    in X's dtype, and the mask."""
-    HALF: tl.constexpr = HEAD_DIM // 2
+    with weight ``W`` (``NORM``: 0 none, 1 Llama's rounding, 2 a float32 weight's), then their first ``ROT_DIM``
+    dims rotated: returns them in X's dtype, and the mask."""
+    HALF: tl.constexpr = ROT_DIM // 2
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)
-    partner = (dims + HALF) % HEAD_DIM
+    if ROT_DIM == HEAD_DIM:
+        partner = (dims + HALF) % HEAD_DIM
+    else:  # a dim past the rotated ones is its own partner (its cos is 1, its sin 0)
+        partner = tl.where(dims < ROT_DIM, (dims + HALF) % ROT_DIM, dims)
     mask = (heads < NUM_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
     rows = X + heads[:, None] * stride_h
     x = tl.load(rows + dims[None, :], mask=mask, other=0.0)
@@ -66,27 +70,32 @@ def _rope_store_kernel(
     Q, K, V, POS, CACHE, QW, KW, KC, VC, KS, VS, SLOTS, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NORM: tl.constexpr, ROT_DIM: tl.constexpr,
     QUANT: tl.constexpr, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, MAX_SCALE: tl.constexpr,
     IS_INT: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, S_MANT: tl.constexpr, S_EMIN: tl.constexpr,
     EXACT: tl.constexpr, STORE: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
-    HALF: tl.constexpr = HEAD_DIM // 2
+    HALF: tl.constexpr = ROT_DIM // 2
     dims = tl.arange(0, HEAD_DIM)
     pos = tl.load(POS + t)
-    cos = tl.load(CACHE + pos * stride_c + dims % HALF)
-    sin = tl.load(CACHE + pos * stride_c + HALF + dims % HALF)
+    if ROT_DIM == HEAD_DIM:
+        cos = tl.load(CACHE + pos * stride_c + dims % HALF)
+        sin = tl.load(CACHE + pos * stride_c + HALF + dims % HALF)
+    else:
+        cos = tl.load(CACHE + pos * stride_c + dims % HALF, mask=dims < ROT_DIM, other=1.0)
+        sin = tl.load(CACHE + pos * stride_c + HALF + dims % HALF, mask=dims < ROT_DIM, other=0.0)
     if tl.program_id(1) == 0:
-        q, mask = _norm_rope(Q + t * stride_qt, stride_qh, QW, cos, sin, eps, NUM_Q_HEADS, BLOCK_HQ, HEAD_DIM, NORM)
+        q, mask = _norm_rope(Q + t * stride_qt, stride_qh, QW, cos, sin, eps, NUM_Q_HEADS, BLOCK_HQ, HEAD_DIM, NORM,
+                             ROT_DIM)
         heads = tl.arange(0, BLOCK_HQ)
         tl.store(Q + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], q, mask=mask)
     elif STORE:
         slot = tl.load(SLOTS + t)
         if slot >= 0:  # padding rows carry slot -1
             k, mask = _norm_rope(K + t * stride_kt, stride_kh, KW, cos, sin, eps, NUM_KV_HEADS, BLOCK_HK,
-                                 HEAD_DIM, NORM)
+                                 HEAD_DIM, NORM, ROT_DIM)
             heads = tl.arange(0, BLOCK_HK)
             v = tl.load(V + t * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
             row = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
@@ -110,7 +119,8 @@ def rope_store_kv(
     eps: float = 1e-6,
 ) -> None:
     """Rotate ``q`` ``[T, Hq, D]`` in place and store rotated ``k`` and ``v`` ``[T, Hkv, D]`` at
-    ``slot_mapping`` (int64, < 0 skips), after per-head RMSNorms when the norm weights are given.
+    ``slot_mapping`` (int64, < 0 skips), after per-head RMSNorms when the norm weights are given. A
+    ``cos_sin_cache`` narrower than the head (``[max_pos, R]``) rotates only the first R dims of each head.
 
     The same as ``rms_norm`` on q and k (Qwen3), ``apply_rotary_ref`` and ``store_kv`` in sequence,
     except that ``k`` itself is left as it was (only its cache rows are written). q, k, v may be
@@ -119,10 +129,7 @@ def rope_store_kv(
     fmt = check_store_args(k_cache, v_cache, k_scale, v_scale, q=q, k=k, v=v)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 2, got {head_dim}")
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != head_dim:
-        raise ValueError(f"cos_sin_cache must be float32 [max_pos, {head_dim}]")
+    _check_rotary(head_dim, cos_sin_cache)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight come together (Qwen3) or not at all")
     if num_tokens == 0:
@@ -137,7 +144,7 @@ def rope_store_kv(
         slot_mapping, eps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=next_pow2(num_kv_heads),
-        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], NORM=norm, **quant, PDL=pdl,
+        HEAD_DIM=head_dim, PAGE=k_cache.shape[1], NORM=norm, ROT_DIM=cos_sin_cache.shape[-1], **quant, PDL=pdl,
         num_warps=min(8, max(1, block_hq * head_dim // 1024)), **launch_options(pdl),
     )
 
@@ -149,10 +156,7 @@ def rope_q(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
     check_dtype("q", q)
     check_last_dim_contiguous("q", q)
     num_tokens, num_q_heads, head_dim = q.shape
-    if head_dim < 2 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two >= 2, got {head_dim}")
-    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.shape[-1] != head_dim:
-        raise ValueError(f"cos_sin_cache must be float32 [max_pos, {head_dim}]")
+    _check_rotary(head_dim, cos_sin_cache)
     if num_tokens == 0:
         return
     norm = _norm_code(q_norm_weight)
@@ -163,9 +167,18 @@ def rope_q(q: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
         q, q, q, positions, cos_sin_cache, q_norm_weight if norm else q, q, q, q, q, q, positions, eps,
         q.stride(0), q.stride(1), q.stride(0), q.stride(1), q.stride(0), q.stride(1), cos_sin_cache.stride(0),
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=1, BLOCK_HQ=block_hq, BLOCK_HK=1, HEAD_DIM=head_dim, PAGE=1,
-        NORM=norm, **store_constexprs(None, None, False), STORE=False, PDL=pdl,
+        NORM=norm, ROT_DIM=cos_sin_cache.shape[-1], **store_constexprs(None, None, False), STORE=False, PDL=pdl,
         num_warps=min(8, max(1, block_hq * head_dim // 1024)), **launch_options(pdl),
     )
+
+
+def _check_rotary(head_dim: int, cos_sin_cache: torch.Tensor) -> None:
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 2, got {head_dim}")
+    width = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dtype != torch.float32 or width % 2 or not 2 <= width <= head_dim:
+        raise ValueError(f"cos_sin_cache must be float32 [max_pos, R], R even and at most {head_dim}, got "
+                         f"{cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)}")
 
 
 def _norm_code(weight: torch.Tensor | None) -> int:
@@ -190,13 +203,15 @@ def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positio
 
 def apply_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
     """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hkv, D]`` in place by ``positions``, non-interleaved
-    ("rotate half"), from a float32 ``cos_sin_cache`` ``[max_pos, D]`` of ``[cos | sin]``: float32
-    math (float64 for float64 inputs) with one rounding, the kernel's arithmetic."""
-    half = q.shape[-1] // 2
+    ("rotate half"), from a float32 ``cos_sin_cache`` ``[max_pos, R]`` of ``[cos | sin]`` (R = D, or fewer: the
+    first R dims rotate, pairing within them): float32 math (float64 for float64 inputs) with one rounding, the
+    kernel's arithmetic."""
+    width = cos_sin_cache.shape[-1]
+    half = width // 2
     cs = cos_sin_cache[positions]
     for x in (q, k):
         cos = cs[:, None, :half].to(torch.float64 if x.dtype == torch.float64 else torch.float32)
         sin = cs[:, None, half:].to(cos.dtype)
-        xf = x.to(cos.dtype)
+        xf = x[..., :width].to(cos.dtype)
         x1, x2 = xf[..., :half], xf[..., half:]
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        x[..., :width] = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

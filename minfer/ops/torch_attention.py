@@ -23,10 +23,20 @@ from minfer.ops.metadata import AttentionMetadata
 def rotate_hf(positions: torch.Tensor, cos_sin_cache: torch.Tensor, q: torch.Tensor,
               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D] rotated "rotate half" style with HF's rounding (the table cast to
-    the model dtype, products in it); the Triton store kernel rotates in float32, rounding once."""
+    the model dtype, products in it); the Triton store kernel rotates in float32, rounding once. A table
+    narrower than the head (``[max_pos, R]``: Qwen3.5's partial rotary) rotates the first R dims, pairing within
+    them, and passes the rest, as HF's ``apply_rotary_pos_emb`` does with a short cos."""
+    width = cos_sin_cache.shape[-1]
     cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
     cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        if width == x.shape[-1]:
+            return x * cos + _rotate_half(x) * sin
+        rot = x[..., :width]
+        return torch.cat([rot * cos + _rotate_half(rot) * sin, x[..., width:]], dim=-1)
+
+    return rotate(q), rotate(k)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

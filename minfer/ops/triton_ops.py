@@ -76,7 +76,10 @@ class TritonOps(Ops):
             self.decode_attention(q[:nd], kc, vc, meta.block_tables[g][:nd], meta.context_lens[:nd], scale,
                                   out=out[:nd], **how)
         if nd < q.shape[0]:
-            self.prefill_attention(q[nd:], kc, vc, meta.prefill_block_tables[g], meta.prefill_query_start_loc,
+            qp = q[nd:]
+            if qp.stride(1) != qp.shape[2]:  # heads apart (Qwen3.5's q beside its gate): the Hopper kernel's TMA
+                qp = qp.contiguous()         # reads whole rows of heads
+            self.prefill_attention(qp, kc, vc, meta.prefill_block_tables[g], meta.prefill_query_start_loc,
                                    meta.prefill_context_lens, meta.max_prefill_query_len, scale, out=out[nd:],
                                    **how)
         return out

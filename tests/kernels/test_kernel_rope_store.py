@@ -17,7 +17,7 @@ PAGE = 16
 
 
 def _case(num_tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv_dtype: str | None, norm: bool,
-          device: str) -> dict:
+          device: str, rotary_dim: int | None = None) -> dict:
     qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, device=device).to(dtype)
     q = qkv[:, :hq * d].view(num_tokens, hq, d)
     k = qkv[:, hq * d:(hq + hkv) * d].view(num_tokens, hkv, d)
@@ -26,7 +26,7 @@ def _case(num_tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, kv_dty
     slots = torch.randperm(num_blocks * PAGE, device=device)[:num_tokens]
     slots[::4] = -1  # padding rows
     positions = torch.randint(0, 4000, (num_tokens,), device=device)
-    rope = RotaryEmbedding(d, 4096, 500000.0, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+    rope = RotaryEmbedding(rotary_dim or d, 4096, 500000.0, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     shape = (num_blocks, PAGE, hkv, d)
     if kv_dtype is None:
@@ -182,3 +182,26 @@ def test_float32_norm_weights_round_once_as_gemma():
                                                                                        case["k_norm_weight"]))
     _run_fused(llama)
     assert not torch.equal(fused["qkv"], llama["qkv"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_partial_rotary_as_qwen3_5(dtype: torch.dtype) -> None:
+    """Qwen3.5's attention: a table of a quarter of the head's width rotates only those dims (pairs within them),
+    after float32 (1 + w) norms. The fused kernel equals the separate steps bit for bit (the other dims: the norm
+    alone); the torch ops' rotation is HF's ``apply_rotary_pos_emb`` exactly."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+    from minfer.ops.torch_attention import rotate_hf
+
+    case = _case(13, 4, 2, 64, dtype, None, True, "cpu", rotary_dim=16)
+    case["q_norm_weight"], case["k_norm_weight"] = (w.float() for w in (case["q_norm_weight"], case["k_norm_weight"]))
+    fused, separate, normed = _clone(case), _clone(case), _clone(case)
+    _run_fused(fused)
+    _run_separate(separate)
+    assert torch.equal(fused["qkv"], separate["qkv"]) and torch.equal(_bits(fused["k_cache"]), _bits(separate["k_cache"]))
+    normed_q = rms_norm(normed["q"], case["q_norm_weight"], 1e-6)
+    assert torch.equal(fused["q"][..., 16:], normed_q[..., 16:]) and not torch.equal(fused["q"], normed_q)
+    q, k, positions, table = case["q"], case["k"], case["positions"], case["cos_sin_cache"]
+    cos, sin = (torch.cat([half, half], -1).to(dtype) for half in table[positions].chunk(2, dim=-1))
+    for got, want in zip(rotate_hf(positions, table, q, k), apply_rotary_pos_emb(q, k, cos, sin)):
+        assert torch.equal(got, want)

@@ -8,8 +8,9 @@ What differs from Qwen3, each as HF transformers computes it (``modeling_qwen3_5
   and the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``. Its q/k norms and every other
   norm scale by ``1 + w`` in float32 (Gemma's kind: ``RMSNorm(offset=True)``).
 - **Partial rotary**: only the first ``partial_rotary_factor`` (1/4) of each head's dimensions rotate, paired
-  within that slice. Text positions make the multimodal rope (mrope) a plain one. The rotation runs in torch
-  with HF's rounding before the cache store, whose own rotary table is the identity (zero frequencies).
+  within that slice. Text positions make the multimodal rope (mrope) a plain one. The rotary table is that
+  slice's (``[max_position, rotary_dim]``), and the ops that store the cache rotate only as many dims as the
+  table holds; the q/k norms run in the same op (one launch on the Triton ops).
 - The multi-token-prediction head (``mtp.*``) and a vision tower's tensors are never read.
 
 The engine sees the difference through two lists: ``attention_layers`` (the full layers: the paged KV cache)
@@ -32,7 +33,7 @@ from minfer.model.layers.gated_deltanet import GatedDeltaNet
 from minfer.model.layers.linear import FusedLinear
 from minfer.model.layers.mlp import GatedMLP
 from minfer.model.layers.norm import RMSNorm
-from minfer.model.layers.rotary import rope_inv_freq
+from minfer.model.layers.rotary import RotaryEmbedding
 from minfer.model.models.llama import LlamaForCausalLM
 from minfer.model.quantization.base import UNQUANTIZED, QuantConfig
 from minfer.ops import AttentionMetadata, Ops, RopeInputs
@@ -40,39 +41,10 @@ from minfer.ops import AttentionMetadata, Ops, RopeInputs
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
-class PartialRotary(nn.Module):
-    """HF's partial rotary: the first ``rotary_dim`` dims of each head rotated "rotate half" style within that
-    slice, cos/sin rounded to the model dtype and the products in it; the other dims pass. ``identity`` is the
-    full-width table the cache-store op reads (zero frequencies: it stores k as given)."""
-
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, theta: float) -> None:
-        super().__init__()
-        self.rotary_dim = rotary_dim
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * rope_inv_freq(rotary_dim, theta, None)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.register_buffer("identity", torch.cat([torch.ones(max_position, head_dim // 2),
-                                                    torch.zeros(max_position, head_dim // 2)], dim=-1),
-                             persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` rotated (new tensors)."""
-        r = self.rotary_dim
-        cos = torch.cat([self.cos[positions]] * 2, dim=-1).to(q.dtype).unsqueeze(1)
-        sin = torch.cat([self.sin[positions]] * 2, dim=-1).to(q.dtype).unsqueeze(1)
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            rot, rest = x[..., :r], x[..., r:]
-            half = torch.cat([-rot[..., r // 2:], rot[..., :r // 2]], dim=-1)
-            return torch.cat([rot * cos + half * sin, rest], dim=-1)
-
-        return rotate(q), rotate(k)
-
-
 class GatedAttention(nn.Module):
     """Full attention with Qwen3.5's output gate, (1 + w) q/k norms and partial rotary."""
 
-    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, dtype: torch.dtype, ops: Ops,
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops,
                  tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, prefix: str = "self_attn") -> None:
         super().__init__()
         self.head_dim = d = cfg.head_dim
@@ -103,20 +75,21 @@ class GatedAttention(nn.Module):
         return qkv[:, :2 * self.q_size].view(t, self.num_heads, 2 * d)[..., d:]
 
     def attention(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Everything between the qkv projection and the output gate: q/k norms, partial rotary, KV store,
-        attention -> ``[T, q_size]`` (the batch-1 forward, ``ops/one_token.py``, gates it in o_proj's prologue)."""
+        """Everything between the qkv projection and the output gate: q/k norms, partial rotary, KV store (one
+        op), attention -> ``[T, q_size]`` (the batch-1 forward, ``ops/one_token.py``, gates it in o_proj's
+        prologue). q is a strided view of the fused output (each head's query beside its gate)."""
         t, d = qkv.shape[0], self.head_dim
         qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = qg.view(t, self.num_heads, 2 * d)[..., :d]
-        q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k.view(t, self.num_kv_heads, d)))
-        o = self.attn(q, k, v.view(t, self.num_kv_heads, d), RopeInputs(positions, self.rotary.identity), meta)
+        rope = RopeInputs(positions, self.rotary.cos_sin_cache, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        o = self.attn(q, k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d), rope, meta)
         return o.reshape(t, self.q_size)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
     """(1 + w) pre-norms around a token mixer (Gated DeltaNet or gated attention) and the MLP."""
 
-    def __init__(self, cfg: ModelConfig, rotary: PartialRotary, dtype: torch.dtype, ops: Ops, mlp: nn.Module,
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops, mlp: nn.Module,
                  tp: TensorParallel, quant: QuantConfig | None, index: int) -> None:
         super().__init__()
         self.linear = cfg.layer_types[index] == LINEAR
@@ -179,7 +152,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)  # (Llama's constructor builds Llama's layers)
         self.config, self.quant = cfg, quant
         rotary_dim = int(cfg.head_dim * cfg.extra["partial_rotary_factor"])
-        rotary = PartialRotary(cfg.head_dim, rotary_dim, max_position, cfg.rope_theta)
+        rotary = RotaryEmbedding(rotary_dim, max_position, cfg.rope_theta, None)  # the rotated slice's table
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(cfg, rotary, dtype, ops, self.make_mlp(cfg, i, dtype, ops, tp, quant), tp, quant, i)
