@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -117,7 +117,7 @@ class ModelRunner:
             logger.info("start-up: graph capture took %.2f s", time.perf_counter() - started)
         if self.device.type == "cuda" and self.ops.name == "triton":
             started = time.perf_counter()
-            self._warm_up_kernels()
+            self.warm_up_kernels(self.model, self.forward)
             logger.info("start-up: kernel warm-up took %.2f s", time.perf_counter() - started)
 
     def _rank_min(self, value: int) -> int:
@@ -170,13 +170,14 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device) - blocks * self.block_bytes
 
     @torch.no_grad()
-    def _warm_up_kernels(self) -> None:
+    def warm_up_kernels(self, model: torch.nn.Module, forward: Any) -> None:
         """Compile the Triton variants that eager (mixed prefill + decode) steps use before the first
         request, not in the middle of serving: on a GPU each costs seconds, and together they took
         about half the wall time of a first workload-A run on a fresh machine. Steps of 1, 7, 16 and
         49 tokens cover decodes with and without split-K, prompt chunks, and every integer
         specialisation class (1, multiples of 16, other).
-        They write garbage into block 0, which no sequence holds yet."""
+        They write garbage into block 0, which no sequence holds yet. ``model`` and ``forward``: the target's, or
+        a draft model's (speculative decoding), over this runner's block tables."""
         width = 64
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
             q_lens = [1] * num_decodes + ([chunk] if chunk else [])
@@ -184,8 +185,8 @@ class ModelRunner:
             a = synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32), self.num_kv_groups)
             a.positions[:] = a.slots[:] = 0  # positions in any rotary table; all writes into block 0
             ids, positions, rows, *slots = self._upload(torch.int64, a.ids, a.positions, a.logit_rows, *a.slots)
-            hidden = self.forward(ids, positions, self._metadata(a, slots))
-            logits = self.model.compute_logits(hidden[rows], float32=False)
+            hidden = forward(ids, positions, self._metadata(a, slots[:1] if model is not self.model else slots))
+            logits = model.compute_logits(hidden[rows], float32=False)
         self.ops.gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device),
                                torch.ones(len(logits), device=self.device))
         self.ops.greedy_argmax(logits)

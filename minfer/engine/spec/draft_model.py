@@ -27,7 +27,8 @@ from minfer.distributed import SINGLE
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from minfer.engine.sequence import Sequence
 from minfer.engine.spec.draft_probs import DraftProbs
-from minfer.engine.step_arrays import StepArrays
+from minfer.engine.cuda_graphs import DecodeGraphs
+from minfer.engine.step_arrays import StepArrays, as_decode_rows
 from minfer.model.loader import build_model, resolve_model_path
 from minfer.model.registry import load_model_config
 from minfer.ops import select_ops
@@ -35,6 +36,7 @@ from minfer.spec_config import SpeculativeConfig
 
 logger = logging.getLogger("minfer")
 _NONE = np.zeros(0, dtype=np.int64)
+GRAPH_CATCH_UP = 8  # a catch-up of at most this many tokens a sequence runs as decode rows in a graph
 
 
 class DraftModel:
@@ -63,6 +65,7 @@ class DraftModel:
         self.kv_spec = KVCacheSpec.for_layers(self.model.attention_layers(), config.block_size, self.dtype,
                                               config.kv_cache_dtype, max_model_len, hybrid=False)
         self.runner: Any = None  # the target's ModelRunner (its input batch, uploads, metadata and sampler)
+        self.graphs: DecodeGraphs | None = None
         self.group = 0  # the target's KV group whose block tables the draft reads
         self.drafted: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (its length when drafting, the drafts)
 
@@ -78,6 +81,14 @@ class DraftModel:
                              f"KV groups' windows are {list(windows)})")
         self.runner, self.group = runner, windows.index(0)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, runner.num_kv_blocks, self.device)
+        if runner.graphs is not None:  # the target captures graphs: so does the draft, over its cache
+            started = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, runner.config.max_num_seqs, runner.input_batch.block_tables.shape[2],
+                                       self.block_size, self.device, forward=self.forward)
+            self.graphs.capture()
+            logger.info("start-up: the draft model's graph capture took %.2f s", time.perf_counter() - started)
+        if self.device.type == "cuda" and self.ops.name == "triton":  # its eager variants compile now too
+            runner.warm_up_kernels(self.model, self.forward)
 
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences finished or preempted: their blocks are gone, and with them the draft's KV."""
@@ -153,12 +164,22 @@ class DraftModel:
         g = self.group
         tables = ib.block_tables[g:g + 1, rows, :int(ib.num_blocks[g, rows].max())]
         slots = tables[:, seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        a = StepArrays(ids if isinstance(ids, np.ndarray) else _NONE, positions, slots, tables,
+        on_device = not isinstance(ids, np.ndarray)
+        a = StepArrays(np.zeros(len(positions), dtype=np.int64) if on_device else ids, positions, slots, tables,
                        (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:] - 1, int((q_lens == 1).sum()),
                        _NONE, _NONE, rows)
+        meta = ib.sampling_metadata(rows, counts, seqs)
+        if self.graphs is not None and q_lens.max() <= GRAPH_CATCH_UP:
+            d = as_decode_rows(a)  # short catch-ups too: see step_arrays.as_decode_rows
+            if self.graphs.can_run(len(d.ids), d.tables.shape[2]):
+                src = np.arange(len(d.ids)) if on_device else np.full(len(d.ids), -1, dtype=np.int64)
+                _, logits = self.graphs.run(d.ids, d.positions, d.slots, src, d.ctx_lens, d.tables,
+                                            ids if on_device else None)
+                if len(a.logit_rows) != len(d.ids):
+                    logits = logits[runner._upload(torch.int64, a.logit_rows)[0]]
+                return runner.sampler.draft(logits, meta)
         positions_d, logit_rows, slot_d = runner._upload(torch.int64, positions, a.logit_rows, slots[0])
-        ids_d = runner._upload(torch.int64, ids)[0] if isinstance(ids, np.ndarray) else ids
+        ids_d = ids if on_device else runner._upload(torch.int64, ids)[0]
         hidden = self.forward(ids_d, positions_d, runner._metadata(a, [slot_d]))
         logits = self.model.compute_logits(hidden[logit_rows], float32=False)
-        meta = ib.sampling_metadata(rows, counts, seqs)
         return runner.sampler.draft(logits, meta)
