@@ -3,6 +3,7 @@
     python3 benchmarks/bench_spec.py verify --shape llama-3.1-8b          # one request: a step verifying k drafts
     python3 benchmarks/bench_spec.py pair --target DIR [--max-tokens 256]  # batch 1: the built-in model drafting
                                                                           # for DIR, n-gram, and no speculation
+    python3 benchmarks/bench_spec.py batch1 --shape llama-3.1-8b           # batch 1, n-gram on a repeated prompt
     python3 benchmarks/bench_spec.py batch --shape llama-3.1-8b --batch 64 # a batch with and without speculation
 
 Each part prints a markdown table and writes it under $OUT (default /tmp/minfer-out). ``verify`` times the
@@ -96,7 +97,8 @@ def pair(target: str, draft: str, k: int, max_tokens: int, n: int) -> None:
         llm = LLM(target, speculative_config=spec, max_model_len=1024)  # the built-in model's context
         prompts = heldout_prompts(llm.get_tokenizer(), n, 160)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:1]], params, use_tqdm=False)  # warm-up
+        for p in prompts:  # warm-up: every kernel variant the timed runs meet compiles here
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
         tok_s = []
         for p in prompts:  # batch 1: one request at a time
             out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
@@ -114,6 +116,33 @@ def pair(target: str, draft: str, k: int, max_tokens: int, n: int) -> None:
         torch.cuda.empty_cache()
     _table("pair", ["speculation", "batch-1 decode tok/s", "speed-up", "acceptance", "tokens per step",
                     "acceptance per position"], rows)
+
+
+def batch1(shape: str, k: int, max_tokens: int) -> None:
+    """Batch-1 decode on the shape (random weights) with and without n-gram drafts, the prompt a 64-token run said
+    four times: what the random model then writes decides the acceptance, reported beside the speed."""
+    model = str(shape_checkpoint(shape, Path("/tmp/minfer-shapes"), "dummy"))
+    run = [(i * 7919) % 20000 + 100 for i in range(64)]
+    prompt = {"prompt_token_ids": run * 4}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rows, base = [], None
+    for name, spec in [("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k,
+                                                  "prompt_lookup_min": 2, "prompt_lookup_max": 4})]:
+        llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, speculative_config=spec)
+        llm.generate([prompt], params, use_tqdm=False)  # warm-up
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        m = out.metrics
+        speed = (len(out.outputs[0].token_ids) - 1) / (m.finished_time - m.first_token_time)
+        base = base or speed
+        s = llm.get_stats()
+        rows.append([name, f"{speed:.1f}", f"{speed / base:.2f}×",
+                     f"{s['spec_decode_acceptance_rate']:.3f}" if spec else "—",
+                     f"{s['spec_decode_mean_acceptance_length']:.2f}" if spec else "—"])
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    _table(f"batch1_{shape}", ["speculation", "batch-1 decode tok/s", "speed-up", "acceptance", "tokens per step"],
+           rows)
 
 
 def batch(shape: str, size: int, k: int) -> None:
@@ -143,7 +172,7 @@ def batch(shape: str, size: int, k: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["verify", "pair", "batch"])
+    ap.add_argument("part", choices=["verify", "pair", "batch1", "batch"])
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--target", help="pair: the target model folder (e.g. one `minfer train` wrote)")
     ap.add_argument("--draft", default=None, help="pair: the draft (default: the built-in model)")
@@ -160,6 +189,8 @@ def main() -> int:
         from minfer.llm import builtin_model_path
 
         pair(args.target, args.draft or str(builtin_model_path()), args.k, args.max_tokens, args.prompts)
+    elif args.part == "batch1":
+        batch1(args.shape, args.k, args.max_tokens)
     else:
         batch(args.shape, args.batch, args.k)
     return 0

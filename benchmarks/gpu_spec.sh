@@ -8,10 +8,11 @@
 #         weights): the issue's target is ≤ 1.15× at k + 1 = 4.
 # pair:   `minfer train` trains a larger model of the built-in model's tokenizer for TRAIN_S seconds (default 150),
 #         then batch-1 decode on held-out stdlib code: no speculation, the built-in model drafting, n-gram.
+# batch1: batch-1 decode on the shape with and without n-gram drafts (a repeated prompt; acceptance reported).
 # batch:  64 requests with and without speculation (the default disable_by_batch_size rule, and always on).
 DEADLINE_DEFAULT=570
 source "$(dirname "$0")/device_call.sh"
-PARTS="${PARTS:-verify pair batch}"
+PARTS="${PARTS:-verify pair batch1 batch}"
 { nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null; } | tee "$OUT/gpu.txt"
 
 case " $PARTS " in *" tests "*)
@@ -31,6 +32,10 @@ case " $PARTS " in *" pair "*)
   tail -3 "$OUT/train.log"
   echo "== the pair ($(left) s left)"
   timeout "$(cap 150)" "$PY" benchmarks/bench_spec.py pair --target /tmp/spec-target 2>&1 | tail -8 ;;
+esac
+case " $PARTS " in *" batch1 "*)
+  echo "== batch 1, n-gram ($(left) s left)"
+  timeout "$(cap 120)" "$PY" benchmarks/bench_spec.py batch1 --shape "${SHAPE:-llama-3.1-8b}" 2>&1 | tail -6 ;;
 esac
 case " $PARTS " in *" batch "*)
   echo "== batch 64 ($(left) s left)"
