@@ -135,11 +135,6 @@ class Ops(ABC):
         return fused_moe_ref(x, router_logits, top_k=top_k, renormalize=renormalize, weights_dtype=weights_dtype,
                              topk_softmax=topk_softmax, **experts.as_kwargs())
 
-    def lm_head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x Wᵀ``: the LM head's product over the sampling rows (``x`` [rows, H], already normed; ``weight``
-        [V, H]) in x's dtype, into ``out`` ([rows, V]) when given (a CUDA graph's logits buffer)."""
-        return torch.mm(x, weight.t(), out=out)
-
     def model_forward(self, model: nn.Module) -> ModelForward:
         """The forward the runner runs steps through (and CUDA graphs capture): the model itself,
         unless these ops have a faster forward for some steps (the Triton ops' one-token forward)."""

@@ -14,7 +14,6 @@ from minfer.kernels.attention.gluon_sm90 import sm90_available
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.gemm.gemv import gemv
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
@@ -127,14 +126,6 @@ class TritonOps(Ops):
         moe = fused_moe_decode if use_moe_decode(x.shape[0]) else fused_moe
         return moe(x, router_logits, top_k=top_k, renormalize=renormalize, weights_dtype=weights_dtype,
                    topk_softmax=topk_softmax, **experts.as_kwargs())
-
-    def lm_head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One row (a batch-1 decode) through the matrix-vector kernel: the head is the widest weight stream of a
-        step (Qwen3.5-9B's 248k rows: an eighth of its bytes), where a GEMM at M = 1 streams below the kernel's
-        rate; more rows take the GEMM."""
-        if x.shape[0] == 1 and x.is_contiguous() and weight.dtype == x.dtype and weight.stride(1) == 1:
-            return gemv(x, weight, out=out)
-        return super().lm_head(x, weight, out)
 
     def model_forward(self, model: nn.Module) -> ModelForward:
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model; a

@@ -145,15 +145,14 @@ def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, weight_scale:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
             prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             new_residual: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None,
-            scale: int = NO_SCALE, gate: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One launch; ``gate`` ``[1, H, D]`` (its heads at any stride) is the gated prologues' second input, ``out``
-    a [1, N] buffer to write (default: a new one)."""
+            scale: int = NO_SCALE, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch; ``gate`` ``[1, H, D]`` (its heads at any stride) is the gated prologues' second input."""
     n, k = weight.shape
     cfg = config or (default_config(n, k, prologue) if scale == NO_SCALE else default_fp8_config(n, k, prologue, scale))
     sub = min(cfg.block_k, FP8_GROUP)
     if scale == BLOCK and (cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"block-scaled weights need a power-of-two block_k, got {cfg.block_k}")
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
     pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -174,10 +173,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [1, K] times ``weight`` [N, K] transposed (+ ``bias`` [N]) -> [1, N] in x's dtype (into ``out``, a
-    contiguous [1, N] of x's dtype, when given: a CUDA graph's logits buffer).
+         config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [1, K] times ``weight`` [N, K] transposed (+ ``bias`` [N]) -> [1, N] in x's dtype.
 
     Products accumulate in float32 and round once, like a GEMM; only the summation order differs. An e4m3
     ``weight`` comes with ``weight_scale`` (``[N]`` or ``[N, ceil(K/128)]`` float32, see the module docstring).
@@ -188,9 +185,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     scale = _check_weight(weight, bias, weight_scale)
-    if out is not None and (out.shape != (1, weight.shape[0]) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous [1, {weight.shape[0]}] {x.dtype}, got {tuple(out.shape)} {out.dtype}")
-    return _launch(x, weight, bias, config, weight_scale=weight_scale, scale=scale, out=out)
+    return _launch(x, weight, bias, config, weight_scale=weight_scale, scale=scale)
 
 
 def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,

@@ -222,11 +222,11 @@ class LlamaForCausalLM(nn.Module):
         ``out`` (model dtype) receives the model-dtype logits: the decode CUDA graphs' static buffer.
         Under tensor parallelism every rank computes its vocabulary share and all of them receive
         the whole rows (only rank 0 samples; the others take part in the gather)."""
-        head, ops = self.lm_head, self.norm.ops
+        head = self.lm_head
         if head.tp.size == 1:
-            logits = ops.lm_head(self.norm(hidden), head.weight, out=out)
+            logits = torch.mm(self.norm(hidden), head.weight.t(), out=out)
         else:
-            logits = head.gather_logits(ops.lm_head(self.norm(hidden), head.weight))
+            logits = head.gather_logits(torch.mm(self.norm(hidden), head.weight.t()))
             if out is not None:
                 logits = out.copy_(logits)
         return logits.float() if float32 else logits
