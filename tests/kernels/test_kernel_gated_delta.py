@@ -401,14 +401,15 @@ def test_gpu_decode_cuda_graph() -> None:
 @pytest.mark.parametrize("batch", [1, 64])
 def test_gpu_decode_gates_and_norm_from_projections(batch: int) -> None:
     """At Qwen3.5-9B's shapes in bfloat16: the recurrent kernel gating a and b itself equals it fed the torch gates
-    (HF's arithmetic, the unfused path) to the float32 noise of exp/log1p, and the gated-norm kernel equals HF's
-    torch norm to bf16 rounding."""
+    (HF's arithmetic, the unfused path) to the noise of exp/log1p, and the gated-norm kernel equals HF's torch norm
+    to bf16 rounding."""
     _, _, _, (q, k, v, _, _), state, step = gpu_step([1] * batch, [True] * batch)
     a, b, a_log, dt_bias = gate_inputs(batch, QWEN35_9B["hv"], torch.bfloat16, "cuda")
     want_state = state.clone()
     want = gated_delta_rule(q, k, v, *gdn_gates_ref(a, b, a_log, dt_bias), want_state, *step)
     out = gated_delta_rule(q, k, v, a, b, state, *step, A_log=a_log, dt_bias=dt_bias)
-    assert rel_err(out, want) <= 5e-3 and rel_err(state, want_state) <= 1e-5
+    # (a sigmoid one float32 ulp apart may round β to the other bfloat16 neighbour: 1e-3 for the states)
+    assert rel_err(out, want) <= 5e-3 and rel_err(state, want_state) <= 1e-3
     z = torch.randn(batch, QWEN35_9B["hv"], QWEN35_9B["dv"], device="cuda").to(torch.bfloat16)
     w = (1 + 0.2 * torch.randn(QWEN35_9B["dv"], device="cuda")).to(torch.bfloat16)
     assert rel_err(gated_rms_norm(out, z, w, 1e-6), gated_rms_norm_ref(out, z, w, 1e-6)) <= 5e-3
