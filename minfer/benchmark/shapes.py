@@ -108,6 +108,13 @@ SHAPES["qwen3.5-9b"] = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qw
                             linear_num_value_heads=32, full_attention_interval=4,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
                                              "partial_rotary_factor": 0.25}, eos_token_id=248044)
+# Qwen3.5 MoE, the 35B-A3B layout: the same hybrid stack at hidden 2048, every MLP 256 routed experts (top 8) and a
+# shared one (sizes as we read the released config; random weights)
+SHAPES["qwen3.5-35b-a3b"] = dict(SHAPES["qwen3.5-9b"], architectures=["Qwen3_5MoeForCausalLM"],
+                                 model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                                 num_attention_heads=16, num_key_value_heads=2, intermediate_size=512,
+                                 num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                                 shared_expert_intermediate_size=512, norm_topk_prob=True)
 # The released Qwen3.5 checkpoints are multimodal: the same language model under ``text_config`` (random text weights)
 SHAPES["qwen3.5-9b-mm"] = dict(architectures=["Qwen3_5ForConditionalGeneration"], model_type="qwen3_5",
                                tie_word_embeddings=False, text_config={

@@ -25,7 +25,8 @@ SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_
              # Qwen3.5: a linear layer then a full one (its default, every fourth, leaves two layers no attention)
              full_attention_interval=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
              linear_value_head_dim=16)
-SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "gemma-3-12b-it", "gpt-oss-20b", "qwen3.5-9b-mm"]
+SHAPES = ["llama-3.2-1b", "qwen3-30b-a3b", "mixtral-8x7b", "gemma-3-12b", "gemma-3-12b-it", "gpt-oss-20b", "qwen3.5-9b-mm",
+          "qwen3.5-35b-a3b"]
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
