@@ -215,7 +215,7 @@ class LLMEngine:
         if self.step_errors:
             self.step_errors = {}
         outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
-        spec = self.speculator is not None and self.speculator.active(len(self.scheduler.running))
+        spec = self.speculator is not None and self.speculator.active(self.scheduler.running)
         if self._inflight is not None and (spec or self._penalized and any(
                 s.params.has_penalties for s in self.scheduler.running)):
             outputs += self._complete(self._inflight)  # drafts and penalties read every token: no overlap

@@ -175,3 +175,27 @@ def test_draft_of_another_vocabulary_is_refused(checkpoints, tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         LLM(str(checkpoints["llama3"]), num_kv_blocks=8,
             speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+
+
+def test_a_sequence_whose_drafts_keep_missing_backs_off():
+    """Two verifications in a row with every draft rejected pause the sequence's drafting for 4 steps, then 8
+    (doubling); an accepted draft resets it, and while every running sequence waits, steps do not speculate."""
+    from types import SimpleNamespace
+
+    from minfer.engine.spec.speculator import Speculator
+    from minfer.spec_config import SpeculativeConfig
+
+    spec = Speculator(SpeculativeConfig.parse(NGRAM))
+    a, b = SimpleNamespace(seq_id=1), SimpleNamespace(seq_id=2)
+    spec.record(1, drafted=3, emitted=1)
+    assert spec.active([a])  # one miss: still drafting
+    spec.record(1, drafted=3, emitted=1)
+    assert not spec.active([a]) and spec.active([a, b])  # paused; b still drafts, so the step speculates
+    spec.steps += 4
+    assert spec.active([a])
+    spec.record(1, drafted=2, emitted=1)
+    assert not spec.active([a]) and spec.resume_at[1] == spec.steps + 8
+    spec.record(1, drafted=2, emitted=2)  # one accepted draft: back to normal
+    assert spec.active([a]) and 1 not in spec.misses
+    spec.record(2, drafted=0, emitted=1)  # no drafts: not a miss
+    assert 2 not in spec.misses

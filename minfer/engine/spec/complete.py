@@ -24,7 +24,7 @@ def complete_speculative(step: "LaunchedStep", outputs: OutputProcessor, schedul
         drafted, seq.spec_token_ids = len(seq.spec_token_ids), []
         if seq.is_finished:
             continue
-        speculator.record(drafted, len(tokens))
+        speculator.record(seq.seq_id, drafted, len(tokens))
         stop = None
         for i, token in enumerate(tokens):
             seq.append_pending()

@@ -5,8 +5,11 @@ A speculative step (``Scheduler.schedule(num_spec=k)``) reserves up to k more to
 reservations it has no drafts for (``SchedulerOutput.settle_drafts``). The target scores the last known token and
 the drafts in one forward and the sampler verifies them (``Sampler.verify``).
 
-The rule that switches it off: a step that would run ``disable_by_batch_size`` sequences or more runs without
-drafts, and as an ordinary async step. Drafting needs each sequence's latest token on the host, so a speculative
+The rules that switch it off: a step that would run ``disable_by_batch_size`` sequences or more runs without
+drafts, and as an ordinary async step; and a sequence whose drafts were all rejected in two verifications in a row
+drafts nothing for the next 4, 8, .. 64 steps (doubling while it keeps missing; one accepted draft resets it), and a
+step in which every running sequence waits so runs as an ordinary async step too: on a random-weight 8B model,
+where n-gram drafts never hit, speculating every step cost 11% at batch 1 (benchmarks/RESULTS.md). Drafting needs each sequence's latest token on the host, so a speculative
 step completes before the next is scheduled (no host/GPU overlap): that costs little where speculation pays (small
 batches, bound by reading the weights) and much where it does not (large batches, where a step's weight reads
 already serve many tokens and the verify tokens' compute is not free).
@@ -16,9 +19,14 @@ from __future__ import annotations
 from typing import Any
 
 from minfer.engine.scheduler import SchedulerOutput
+from minfer.engine.sequence import Sequence
 from minfer.engine.spec.draft_probs import DraftProbs
 from minfer.engine.spec.ngram import ngram_draft
 from minfer.spec_config import SpeculativeConfig
+
+
+BACKOFF_AFTER = 2  # verifications in a row that rejected every draft before a sequence pauses drafting
+MAX_BACKOFF_STEPS = 64
 
 
 class Speculator:
@@ -30,25 +38,39 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_speculative_tokens  # drafts accepted at position i
+        self.steps = 0  # speculative steps proposed so far: the clock of the back-off
+        self.misses: dict[int, int] = {}  # seq_id -> verifications in a row that rejected every draft
+        self.resume_at: dict[int, int] = {}  # seq_id -> the step from which it drafts again
 
     @property
     def num_speculative_tokens(self) -> int:
         return self.config.num_speculative_tokens
 
-    def active(self, num_running: int) -> bool:
-        """Whether the next step speculates, by the number of sequences running now."""
+    def active(self, running: list[Sequence]) -> bool:
+        """Whether the next step speculates: fewer than ``disable_by_batch_size`` sequences run, and one of them is
+        not backing off."""
         limit = self.config.disable_by_batch_size
-        return limit == 0 or num_running < limit
+        if limit and len(running) >= limit:
+            return False
+        resume_at = self.resume_at
+        return not resume_at or any(resume_at.get(s.seq_id, 0) <= self.steps for s in running)
 
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences finished or preempted (their blocks, and a draft model's KV in them, are gone)."""
-        if self.drafter is not None and seq_ids:
+        if not seq_ids:
+            return
+        for seq_id in seq_ids:
+            self.misses.pop(seq_id, None)
+            self.resume_at.pop(seq_id, None)
+        if self.drafter is not None:
             self.drafter.forget(seq_ids)
 
     def propose(self, batch: SchedulerOutput) -> DraftProbs | None:
         """Draft for every sequence the step reserved tokens for, then settle the step; returns the draft
         distributions of a draft model that samples (None for n-gram drafts)."""
-        reserved = [s for s in batch.seqs if s.num_computed_tokens + s.num_scheduled_tokens > len(s.token_ids)]
+        self.steps += 1
+        reserved = [s for s in batch.seqs if s.num_computed_tokens + s.num_scheduled_tokens > len(s.token_ids)
+                    and self.resume_at.get(s.seq_id, 0) <= self.steps]
         probs = None
         if reserved:
             room = [s.num_computed_tokens + s.num_scheduled_tokens - len(s.token_ids) for s in reserved]
@@ -61,11 +83,18 @@ class Speculator:
         batch.settle_drafts()
         return probs
 
-    def record(self, drafted: int, emitted: int) -> None:
+    def record(self, seq_id: int, drafted: int, emitted: int) -> None:
         """A sequence verified ``drafted`` tokens and emitted ``emitted`` (the accepted ones, then one more)."""
         if not drafted:
             return
         accepted = min(emitted - 1, drafted)
+        if accepted:
+            self.misses.pop(seq_id, None)
+            self.resume_at.pop(seq_id, None)
+        else:
+            misses = self.misses[seq_id] = self.misses.get(seq_id, 0) + 1
+            if misses >= BACKOFF_AFTER:
+                self.resume_at[seq_id] = self.steps + min(2 ** misses, MAX_BACKOFF_STEPS)
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
