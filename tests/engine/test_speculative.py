@@ -144,7 +144,8 @@ def test_abort_mid_speculation(checkpoints):
 def test_large_batches_do_not_speculate(checkpoints):
     """disable_by_batch_size: a step of that many sequences runs without drafts (and overlapped)."""
     target = str(checkpoints["llama3"])
-    llm = LLM(target, speculative_config={**NGRAM, "disable_by_batch_size": 2}, num_kv_blocks=64)
+    llm = LLM(target, num_kv_blocks=64, speculative_config={"method": "draft_model", "model": target,
+                                                            "num_speculative_tokens": 2, "disable_by_batch_size": 2})
     llm.generate([{"prompt_token_ids": LOOP * 3}] * 4, GREEDY, use_tqdm=False)
     assert llm.get_stats()["spec_decode_num_drafts"] == 0
     llm.generate([{"prompt_token_ids": LOOP * 3}], GREEDY, use_tqdm=False)
@@ -178,8 +179,9 @@ def test_draft_of_another_vocabulary_is_refused(checkpoints, tmp_path):
 
 
 def test_a_sequence_whose_drafts_keep_missing_backs_off():
-    """Two verifications in a row with every draft rejected pause the sequence's drafting for 4 steps, then 8
-    (doubling); an accepted draft resets it, and while every running sequence waits, steps do not speculate."""
+    """Two steps in a row without an accepted draft (every draft rejected, or none found) pause the sequence's
+    drafting for 4 steps, then 8 (doubling); an accepted draft resets it, and while every running sequence waits,
+    steps do not speculate."""
     from types import SimpleNamespace
 
     from minfer.engine.spec.speculator import Speculator

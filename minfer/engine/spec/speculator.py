@@ -6,8 +6,8 @@ reservations it has no drafts for (``SchedulerOutput.settle_drafts``). The targe
 the drafts in one forward and the sampler verifies them (``Sampler.verify``).
 
 The rules that switch it off: a step that would run ``disable_by_batch_size`` sequences or more runs without
-drafts, and as an ordinary async step; and a sequence whose drafts were all rejected in two verifications in a row
-drafts nothing for the next 4, 8, .. 64 steps (doubling while it keeps missing; one accepted draft resets it), and a
+drafts, and as an ordinary async step; and a sequence that drafted nothing (no n-gram match) or whose drafts were
+all rejected, two steps in a row, drafts nothing for the next 4, 8, .. 64 steps (doubling while it keeps missing; one accepted draft resets it), and a
 step in which every running sequence waits so runs as an ordinary async step too: on a random-weight 8B model,
 where n-gram drafts never hit, speculating every step cost 11% at batch 1 (benchmarks/RESULTS.md). Drafting needs each sequence's latest token on the host, so a speculative
 step completes before the next is scheduled (no host/GPU overlap): that costs little where speculation pays (small
@@ -25,7 +25,7 @@ from minfer.engine.spec.ngram import ngram_draft
 from minfer.spec_config import SpeculativeConfig
 
 
-BACKOFF_AFTER = 2  # verifications in a row that rejected every draft before a sequence pauses drafting
+BACKOFF_AFTER = 2  # steps in a row without an accepted draft before a sequence pauses drafting
 MAX_BACKOFF_STEPS = 64
 
 
@@ -80,6 +80,9 @@ class Speculator:
                     seq.spec_token_ids = ngram_draft(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             else:
                 probs = self.drafter.propose(reserved, room)
+            for seq in reserved:
+                if not seq.spec_token_ids:  # nothing to draft (no n-gram match): a miss, as all-rejected drafts are
+                    self._miss(seq.seq_id)
         batch.settle_drafts()
         return probs
 
@@ -92,14 +95,17 @@ class Speculator:
             self.misses.pop(seq_id, None)
             self.resume_at.pop(seq_id, None)
         else:
-            misses = self.misses[seq_id] = self.misses.get(seq_id, 0) + 1
-            if misses >= BACKOFF_AFTER:
-                self.resume_at[seq_id] = self.steps + min(2 ** misses, MAX_BACKOFF_STEPS)
+            self._miss(seq_id)
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
+
+    def _miss(self, seq_id: int) -> None:
+        misses = self.misses[seq_id] = self.misses.get(seq_id, 0) + 1
+        if misses >= BACKOFF_AFTER:
+            self.resume_at[seq_id] = self.steps + min(2 ** misses, MAX_BACKOFF_STEPS)
 
     def stats(self) -> dict[str, Any]:
         """vLLM's ``spec_decode_*`` counters, and the acceptance rate overall and per drafted position."""
