@@ -216,6 +216,8 @@ class LLMEngine:
             self.step_errors = {}
         outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
         spec = self.speculator is not None and self.speculator.active(self.scheduler.running)
+        if spec:
+            self._ready = None  # prepared without drafts, and its pending tokens are about to be filled in
         if self._inflight is not None and (spec or self._penalized and any(
                 s.params.has_penalties for s in self.scheduler.running)):
             outputs += self._complete(self._inflight)  # drafts and penalties read every token: no overlap
@@ -252,6 +254,8 @@ class LLMEngine:
         sampling, and the GPU does not wait for the host's scheduling. Only constrained steps do this."""
         batch = self.scheduler.schedule()
         self.runner.free_rows(batch.freed_seq_ids)
+        if self.speculator is not None:
+            self.speculator.forget(batch.freed_seq_ids)
         self._ready = (batch, self.runner.prepare(batch) if batch.seqs else None)
 
     def _launch(self, batch: SchedulerOutput, arrays: StepArrays | None = None,

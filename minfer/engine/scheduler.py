@@ -14,7 +14,7 @@ the last prompt token for their own first draw.
 With speculative decoding, ``schedule(num_spec=k)`` reserves up to k more tokens of budget and KV slots for each
 decoding sequence; the speculator then drafts them (``Sequence.spec_token_ids``) and gives back what it did not
 draft (``SchedulerOutput.settle_drafts``). Such a step's sequences count only their last known token as computed when
-it launches; the accepted drafts join when it completes (``LLMEngine._complete_spec``).
+it launches; the accepted drafts join when it completes (``engine/spec/complete.py``).
 """
 from __future__ import annotations
 

@@ -201,3 +201,24 @@ def test_a_sequence_whose_drafts_keep_missing_backs_off():
     assert spec.active([a]) and 1 not in spec.misses
     spec.record(2, drafted=0, emitted=1)  # no drafts: not a miss
     assert 2 not in spec.misses
+
+
+def test_constrained_batch_shrinking_into_speculation(checkpoints):
+    """Constrained steps prepare the next step early (async scheduling); when the batch shrinks below
+    disable_by_batch_size the prepared step is dropped and the speculative one scheduled afresh: every output
+    still parses, nothing leaks."""
+    import json
+
+    target = str(checkpoints["llama3"])
+    llm = LLM(target, num_kv_blocks=64, speculative_config={"method": "draft_model", "model": target,
+                                                            "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    params = [SamplingParams(max_tokens=8 + 12 * i, temperature=0,
+                             structured_outputs=StructuredOutputsParams(json=schema)) for i in range(3)]
+    outs = llm.generate(["x", "y", "z"], params, use_tqdm=False)
+    for o in outs:
+        if o.outputs[0].finish_reason == "stop":
+            assert set(json.loads(o.outputs[0].text)) == {"a"}
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert _all_free(llm)
