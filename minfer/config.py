@@ -287,9 +287,6 @@ class EngineConfig:
             if tp is not None and tp != self.tensor_parallel_size:
                 raise ValueError(f"speculative_config.draft_tensor_parallel_size ({tp}) must equal "
                                  f"tensor_parallel_size ({self.tensor_parallel_size})")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"speculative_config.method {spec.method!r} runs at tensor_parallel_size 1 only "
-                                 "for now ('ngram' works at any size)")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         _check_choice("dtype", self.dtype, DTYPE_CHOICES)
         _check_choice("device", self.device, DEVICES)

@@ -30,7 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram: the shortest suffix looked up
     prompt_lookup_max: int | None = None  # ngram: the longest (tried first)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
-    draft_tensor_parallel_size: int | None = None  # must equal the target's (or 1 for ngram, which has no model)
+    draft_tensor_parallel_size: int | None = None  # a draft model is split as the target is: None or the same size
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict[str, Any] | str | None") -> "SpeculativeConfig | None":

@@ -26,6 +26,7 @@ class Command(IntEnum):
     STEP = 1  # run a step's forward (and its LM-head gathers) on these inputs
     COPY_BLOCKS = 2  # copy KV blocks src -> dst (copy on write)
     SHUTDOWN = 3
+    DRAFT = 4  # run the draft model's forward (and its LM-head gather) on these inputs: speculative decoding
     READY = 4  # start-up: every rank loaded its shard; carries nothing
 
 

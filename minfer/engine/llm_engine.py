@@ -65,7 +65,7 @@ class LLMEngine:
         self.workers = parallel.workers
         try:
             draft = make_draft(config, self.model_config, self.max_model_len,
-                               parallel.device or config.resolved_device())
+                               parallel.device or config.resolved_device(), parallel.tp)
             self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len,
                                       parallel.tp, parallel.channel, parallel.device, draft)
         except Exception as exc:

@@ -72,6 +72,7 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.tp, self.channel = tp, channel
+        self.draft = draft
         self.device = device or config.resolved_device()
         self.dtype = config.resolved_dtype(model_config)
         self.block_size = config.block_size
@@ -243,12 +244,11 @@ class ModelRunner:
         fill_src = ib.sample_row[rows[pending]]
         fill_dst = cu[pending] + num_tokens[pending] - 1 - starts[pending]  # always its sequence's last token
         samples = ends == num_tokens
-        logit_rows = cu[1:][samples] - 1
-        verify = False
-        if spec_lens is not None:  # each sampling sequence's last 1 + k rows
+        logit_rows, verify = cu[1:][samples] - 1, False
+        if spec_lens is not None:  # each sampling sequence's last 1 + k rows; no prompt chunk: run as decode rows
             k = spec_lens[samples]
             logit_rows = np.repeat(logit_rows - k, k + 1) + ragged_arange(k + 1)
-            verify = bool((q_lens == 1 + spec_lens).all())  # no prompt chunk: the drafts run as decode rows
+            verify = bool((q_lens == 1 + spec_lens).all())
         return StepArrays(ids, positions, slots, tables, ends.astype(np.int32), q_lens, cu,
                           logit_rows, nd, fill_dst, fill_src, rows, num_tokens, samples, spec_lens, verify)
 
@@ -343,8 +343,7 @@ class ModelRunner:
         else:
             sample = step.sample = self.sampler.verify(logits, meta, spec.spec_lens, spec.draft_ids,
                                                        spec.draft_probs, bitmask)
-            # the followers wait for one id per logits row; a speculative step leaves them no pending token
-            self.tp.broadcast(torch.zeros(len(logits), dtype=torch.int64, device=self.device))
+            self.tp.broadcast(torch.zeros(len(logits), dtype=torch.int64, device=self.device))  # no pending ids
         sample.start_copy()
 
     def _forward_step(self, a: StepArrays, prev_tokens: torch.Tensor | None
@@ -374,10 +373,13 @@ class ModelRunner:
     def follow(self) -> None:
         """A tensor-parallel worker's loop: run every command rank 0 sends until it says stop."""
         prev_tokens: torch.Tensor | None = None
+        drafts: torch.Tensor | None = None  # the draft model's last draws (speculative decoding)
         while True:
             command, arrays = self.channel.recv()
             if command is Command.STEP:
                 prev_tokens = self._follow_step(*StepArrays.from_message(arrays), prev_tokens)
+            elif command is Command.DRAFT:
+                drafts = self.draft.follow(arrays, drafts)
             elif command is Command.COPY_BLOCKS:
                 self._copy_blocks(arrays[0])
             elif command is Command.SHUTDOWN:

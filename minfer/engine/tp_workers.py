@@ -159,8 +159,12 @@ def worker_main(config: EngineConfig, model_config: ModelConfig, model_dir: Path
 def _serve_as_worker(config: EngineConfig, model_config: ModelConfig, model_dir: Path, max_model_len: int,
                      tp: TensorParallel, channel: StepChannel, device: torch.device) -> None:
     from minfer.engine.model_runner import ModelRunner  # the runner imports this module's names
+    from minfer.engine.spec.factory import make_draft
 
-    runner = ModelRunner(model_config, config, model_dir, max_model_len, tp, channel, device)
+    draft = make_draft(config, model_config, max_model_len, device, tp)  # rank 0's order: draft, runner, attach
+    runner = ModelRunner(model_config, config, model_dir, max_model_len, tp, channel, device, draft)
+    if draft is not None:
+        draft.attach(runner)
     try:
         runner.follow()
     finally:

@@ -224,22 +224,27 @@ def test_constrained_batch_shrinking_into_speculation(checkpoints):
     assert _all_free(llm)
 
 
-def test_ngram_under_tensor_parallelism(checkpoints):
-    """tp = 2 (gloo processes): verify steps send the workers the same one-token rows, the collectives pair up,
-    and greedy output is still HF's; a draft model refuses tp > 1 at construction, naming the field."""
+@pytest.mark.parametrize("method", ["ngram", "self"])
+def test_tensor_parallel_speculation(checkpoints, method):
+    """tp = 2 (gloo processes): verify steps send the workers the same one-token rows, a draft model is split as
+    the target is and its steps reach the workers too (Command.DRAFT), the collectives pair up, and greedy output
+    is still HF's."""
     target = str(checkpoints["llama3"])
-    llm = LLM(target, tensor_parallel_size=2, speculative_config=NGRAM, num_kv_blocks=64)
+    llm = LLM(target, tensor_parallel_size=2, speculative_config=_spec(method, target, target), num_kv_blocks=64)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         for prompt, out in zip(PROMPTS, outs):
             ref, ref_logits = hf_greedy(checkpoints["llama3"], prompt, NEW)
             assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
-        assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+        stats = llm.get_stats()
+        assert stats["spec_decode_num_draft_tokens"] > 0
+        if method == "self":
+            assert stats["spec_decode_acceptance_rate"] > 0.9
     finally:
         llm.shutdown()
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(target, tensor_parallel_size=2, num_kv_blocks=8,
-            speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
+        LLM(target, tensor_parallel_size=2, num_kv_blocks=8, speculative_config={
+            "method": "draft_model", "model": target, "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1})
 
 
 def test_recurrent_models_refuse_speculation(checkpoints):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from minfer.config import EngineConfig, ModelConfig
-from minfer.distributed import SINGLE
+from minfer.distributed import SINGLE, Command, TensorParallel
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from minfer.engine.sequence import Sequence
 from minfer.engine.spec.draft_probs import DraftProbs
@@ -41,8 +41,9 @@ GRAPH_CATCH_UP = 8  # a catch-up of at most this many tokens a sequence runs as 
 
 class DraftModel:
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig, max_model_len: int,
-                 device: torch.device) -> None:
-        """Load the draft's weights (before the target's memory profile: see the module docstring)."""
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        """Load the draft's weights (before the target's memory profile: see the module docstring); under tensor
+        parallelism, this rank's shard of them (the draft is split as the target is)."""
         path = resolve_model_path(spec.model, None, config.download_dir, config.load_format)
         self.model_config = mc = load_model_config(path)
         if mc.vocab_size != target.vocab_size:
@@ -56,8 +57,7 @@ class DraftModel:
         self.block_size = config.block_size
         self.ops = select_ops(config.attention_backend, device, config.block_size, mc.max_head_dim)
         started = time.perf_counter()
-        self.model = build_model(path, mc, self.dtype, device, max_model_len, self.ops, SINGLE, None,
-                                 config.load_format)
+        self.model = build_model(path, mc, self.dtype, device, max_model_len, self.ops, tp, None, config.load_format)
         if getattr(self.model, "state_layers", None):
             raise ValueError(f"speculative_config.model {spec.model!r} has recurrent layers: it cannot draft")
         logger.info("start-up: load the draft model took %.2f s", time.perf_counter() - started)
@@ -108,35 +108,30 @@ class DraftModel:
         counts = lengths - runner.input_batch.prompt_lens[rows]  # output tokens before the first draft
         order = np.argsort(lengths - starts > 1, kind="stable")  # one-token catch-ups are decodes: first
         ids = np.concatenate([np.asarray(seqs[i].token_ids[starts[i]:], dtype=np.int64) for i in order])
-        tokens, probs = self._step([seqs[i] for i in order], rows[order], ids, starts[order],
+        tokens, probs = self._step([seqs[i] for i in order], rows[order], ids, None, starts[order],
                                    lengths[order] - starts[order], counts[order])
-        back = torch.from_numpy(np.argsort(order)).to(self.device)
-        drawn = [tokens[back]]
-        prob_rows = [probs[back] if probs is not None else None]
+        steps = [(order, tokens, probs)]  # each step's sequences (in its order), draws and their q
         room_arr = np.asarray(room)
-        active = np.arange(len(seqs))
         for j in range(1, max(room)):  # one-token steps: draft j + 1 from draft j
-            keep = room_arr[active] > j
-            active, prev = active[keep], drawn[-1][torch.from_numpy(keep).to(self.device)]
-            tokens, probs = self._step([seqs[i] for i in active], rows[active], prev, lengths[active] - 1 + j,
+            prev_order, prev_tokens, _ = steps[-1]
+            keep = np.flatnonzero(room_arr[prev_order] > j)  # who goes on, as rows of the previous step
+            active = prev_order[keep]
+            tokens, probs = self._step([seqs[i] for i in active], rows[active], keep, prev_tokens, lengths[active] - 1 + j,
                                        np.ones(len(active), dtype=np.int64), counts[active] + j)
-            drawn.append(tokens)
-            prob_rows.append(probs)
-        host = torch.cat(drawn).tolist()  # the one wait: the target's step needs the drafts on the host
+            steps.append((active, tokens, probs))
+        host = torch.cat([t for _, t, _ in steps]).tolist()  # the one wait: the target's step needs them on the host
         rows_of: dict[int, list[int]] = {}
-        active, base = np.arange(len(seqs)), 0
-        for j in range(len(drawn)):
-            if j:
-                active = active[room_arr[active] > j]
-            for r, i in enumerate(active.tolist()):
+        base = 0
+        for step_order, _, _ in steps:
+            for r, i in enumerate(step_order.tolist()):
                 seqs[i].spec_token_ids.append(host[base + r])
                 rows_of.setdefault(seqs[i].seq_id, []).append(base + r)
-            base += len(active)
+            base += len(step_order)
         for seq, length in zip(seqs, lengths.tolist()):
             self.drafted[seq.seq_id] = (length, list(seq.spec_token_ids))
-        if any(p is None for p in prob_rows):
+        if any(p is None for _, _, p in steps):
             return None
-        return DraftProbs(torch.cat(prob_rows), rows_of)
+        return DraftProbs(torch.cat([p for _, _, p in steps]), rows_of)
 
     def _valid_prefix(self, seq: Sequence) -> int:
         """How many of ``seq``'s first tokens have valid KV in the draft's cache: its known tokens when it last
@@ -151,10 +146,12 @@ class DraftModel:
             matched += 1
         return min(length + min(matched, len(drafts) - 1), len(seq.token_ids) - 1)
 
-    def _step(self, seqs: list[Sequence], rows: np.ndarray, ids: np.ndarray | torch.Tensor, starts: np.ndarray,
-              q_lens: np.ndarray, counts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, seqs: list[Sequence], rows: np.ndarray, ids: np.ndarray, prev: torch.Tensor | None,
+              starts: np.ndarray, q_lens: np.ndarray, counts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft forward over each sequence's ``q_lens`` tokens from position ``starts`` (one-token ones first),
-        drawing a token at each sequence's last: (tokens [S] on the device, their distributions or None)."""
+        drawing a token at each sequence's last: (tokens [S] on the device, their distributions or None). ``prev``
+        None: ``ids`` are the tokens; else each sequence's one token is ``prev[ids[i]]``, the previous draft step's
+        draw, read on the device. Under tensor parallelism the workers get the same arrays (``follow``)."""
         runner, bs = self.runner, self.block_size
         cu = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
@@ -164,22 +161,41 @@ class DraftModel:
         g = self.group
         tables = ib.block_tables[g:g + 1, rows, :int(ib.num_blocks[g, rows].max())]
         slots = tables[:, seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        on_device = not isinstance(ids, np.ndarray)
-        a = StepArrays(np.zeros(len(positions), dtype=np.int64) if on_device else ids, positions, slots, tables,
+        a = StepArrays(ids if prev is None else np.zeros(len(positions), dtype=np.int64), positions, slots, tables,
                        (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:] - 1, int((q_lens == 1).sum()),
                        _NONE, _NONE, rows)
-        meta = ib.sampling_metadata(rows, counts, seqs)
-        if self.graphs is not None and q_lens.max() <= GRAPH_CATCH_UP:
+        src = ids if prev is not None else _NONE
+        if runner.channel is not None:
+            runner.channel.send(Command.DRAFT, [*a.message(_NONE.reshape(0, 2)), src])
+        logits = self._forward(a, prev, src)
+        tokens, probs = runner.sampler.draft(logits, ib.sampling_metadata(rows, counts, seqs))
+        runner.tp.broadcast(tokens)  # the workers' source of the next draft step's tokens
+        return tokens, probs
+
+    def _forward(self, a: StepArrays, prev: torch.Tensor | None, src: np.ndarray) -> torch.Tensor:
+        """The draft's logits at each sequence's last token, on every rank alike: a graph replay for one-token rows
+        and short catch-ups (as decode rows), else an eager forward."""
+        runner = self.runner
+        if prev is not None:
+            prev = prev.index_select(0, runner._upload(torch.int64, src)[0])
+        if self.graphs is not None and a.q_lens.max() <= GRAPH_CATCH_UP:
             d = as_decode_rows(a)  # short catch-ups too: see step_arrays.as_decode_rows
             if self.graphs.can_run(len(d.ids), d.tables.shape[2]):
-                src = np.arange(len(d.ids)) if on_device else np.full(len(d.ids), -1, dtype=np.int64)
-                _, logits = self.graphs.run(d.ids, d.positions, d.slots, src, d.ctx_lens, d.tables,
-                                            ids if on_device else None)
+                from_prev = np.arange(len(d.ids)) if prev is not None else np.full(len(d.ids), -1, dtype=np.int64)
+                _, logits = self.graphs.run(d.ids, d.positions, d.slots, from_prev, d.ctx_lens, d.tables, prev)
                 if len(a.logit_rows) != len(d.ids):
                     logits = logits[runner._upload(torch.int64, a.logit_rows)[0]]
-                return runner.sampler.draft(logits, meta)
-        positions_d, logit_rows, slot_d = runner._upload(torch.int64, positions, a.logit_rows, slots[0])
-        ids_d = ids if on_device else runner._upload(torch.int64, ids)[0]
-        hidden = self.forward(ids_d, positions_d, runner._metadata(a, [slot_d]))
-        logits = self.model.compute_logits(hidden[logit_rows], float32=False)
-        return runner.sampler.draft(logits, meta)
+                return logits
+        positions, logit_rows, slots = runner._upload(torch.int64, a.positions, a.logit_rows, a.slots[0])
+        ids = prev if prev is not None else runner._upload(torch.int64, a.ids)[0]
+        hidden = self.forward(ids, positions, runner._metadata(a, [slots]))
+        return self.model.compute_logits(hidden[logit_rows], float32=False)
+
+    @torch.no_grad()
+    def follow(self, arrays: list[np.ndarray], prev: torch.Tensor | None) -> torch.Tensor:
+        """A tensor-parallel worker's part of a draft step (``Command.DRAFT``): the same forward and LM-head gather
+        as rank 0's ``_step``; returns rank 0's draws, the source of the next draft step's tokens."""
+        a, _ = StepArrays.from_message(arrays[:-1])
+        src = arrays[-1]
+        self._forward(a, prev if len(src) else None, src)
+        return self.runner.tp.broadcast(torch.empty(len(a.logit_rows), dtype=torch.int64, device=self.device))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minfer.config import EngineConfig, ModelConfig
+from minfer.distributed import SINGLE, TensorParallel
 from minfer.engine.spec.speculator import Speculator
 
 if TYPE_CHECKING:
@@ -14,15 +15,16 @@ if TYPE_CHECKING:
     from minfer.engine.spec.draft_model import DraftModel
 
 
-def make_draft(config: EngineConfig, target: ModelConfig, max_model_len: int,
-               device: torch.device) -> "DraftModel | None":
-    """The draft model of method 'draft_model', its weights loaded; None for the other methods."""
+def make_draft(config: EngineConfig, target: ModelConfig, max_model_len: int, device: torch.device,
+               tp: TensorParallel = SINGLE) -> "DraftModel | None":
+    """The draft model of method 'draft_model', its weights (this rank's shard) loaded; None for the other
+    methods. Every tensor-parallel rank builds one, then its runner, then ``attach``es it, in that order."""
     spec = config.speculative_config
     if spec is None or spec.method != "draft_model":
         return None
     from minfer.engine.spec.draft_model import DraftModel
 
-    return DraftModel(spec, config, target, max_model_len, device)
+    return DraftModel(spec, config, target, max_model_len, device, tp)
 
 
 def make_speculator(config: EngineConfig, runner: "ModelRunner", draft: "DraftModel | None") -> Speculator | None:
