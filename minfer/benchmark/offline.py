@@ -103,7 +103,7 @@ def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], 
     _sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    preempted_before = llm.get_stats()["num_preemptions"]
+    before = llm.get_stats()
     start = time.perf_counter()
     outs = generate_with_progress(llm, prompts, params, progress)
     elapsed = time.perf_counter() - start
@@ -111,7 +111,8 @@ def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], 
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     stats = llm.get_stats()
     tp = int(stats.get("tensor_parallel_size", 1))
-    return {"requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
+    preempted_before = before["num_preemptions"]
+    return {**spec_report(before, stats), "requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
             "seconds": round(elapsed, 3), "output_tok_s": round(out_tokens / elapsed, 1),
             "output_tok_s_per_gpu": round(out_tokens / elapsed / tp, 1),
             "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1),
@@ -129,6 +130,7 @@ def run_batch1(llm: LLM, input_len: int, output_len: int) -> dict[str, Any]:
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=output_len)]  # greedy, unlike the workload
     llm.generate(prompts, [SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)], use_tqdm=False)
     _sync()
+    before = llm.get_stats()
     out = llm.generate(prompts, params, use_tqdm=False)[0]
     m = out.metrics
     decode_s = m.finished_time - m.first_token_time
@@ -141,7 +143,21 @@ def run_batch1(llm: LLM, input_len: int, output_len: int) -> dict[str, Any]:
             "weights_gib": round(cost.tp * cost.weight_bytes / 2**30, 3),  # read per token, all GPUs together
             "weights_per_gpu_gib": round(cost.weight_bytes / 2**30, 3),
             "bandwidth_tb_s": round(cost.tp * HBM_BYTES_PER_S / 1e12, 2),
-            "bound_tok_s": round(bound, 1), "share_of_bound": round(tok_s / bound, 6)}
+            "bound_tok_s": round(bound, 1), "share_of_bound": round(tok_s / bound, 6),
+            **spec_report(before, llm.get_stats())}
+
+
+def spec_report(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Speculative decoding's counters over a run (vLLM's names), when the engine speculates: drafts, drafted and
+    accepted tokens, the acceptance rate and the tokens a verified step gained on average."""
+    if "spec_decode_num_drafts" not in after:
+        return {}
+    delta = {k: after[k] - before[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                               "spec_decode_num_accepted_tokens")}
+    drafts, drafted, accepted = delta.values()
+    return {"speculative": {"method": after["spec_decode_method"], **delta,
+                            "acceptance_rate": round(accepted / drafted, 4) if drafted else 0.0,
+                            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0}}
 
 
 def run_hf(model: str, prompts: list[dict], output_len: int) -> dict[str, Any]:

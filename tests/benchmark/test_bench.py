@@ -30,6 +30,19 @@ def test_batch1_mode_reports_bound_share(checkpoints):
     assert 0 < result["share_of_bound"] < 1
 
 
+def test_bench_reports_speculation(checkpoints):
+    """With a speculative_config, both modes report the run's drafted and accepted tokens (the target drafting
+    for itself: nearly every draft accepted)."""
+    path = str(checkpoints["llama3"])
+    kw = TINY | {"speculative_config": {"method": "draft_model", "model": path, "num_speculative_tokens": 3}}
+    for result in (bench(path, None, kw, num_prompts=2, input_len=6, output_len=12, progress=False),
+                   bench(path, None, kw, input_len=6, output_len=12, batch1=True)["batch1"]):
+        spec = result["speculative"]
+        assert spec["method"] == "draft_model" and spec["spec_decode_num_draft_tokens"] > 0
+        assert spec["acceptance_rate"] > 0.9 and 1 < spec["mean_acceptance_length"] <= 4
+    assert "speculative" not in bench(path, None, TINY, num_prompts=1, input_len=4, output_len=3, progress=False)
+
+
 def test_compare_hf_same_requests(checkpoints):
     result = bench(str(checkpoints["llama3"]), None, TINY, num_prompts=2, input_len=6, output_len=3,
                    compare_hf=True, hf_num_prompts=2, hf_output_len=4, progress=False)
