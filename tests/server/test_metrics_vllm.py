@@ -1,6 +1,7 @@
 """/metrics under vLLM's names and labels, so vLLM's dashboards read it: present, labelled, and moving."""
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -82,11 +83,17 @@ def test_spec_decode_counters(tiny_model) -> None:
     """With speculation on, vLLM's spec_decode counters are served, labelled per draft position, and move."""
     server = LiveServer(tiny_model, speculative_config={
         "method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3})
+    body = {"prompt": "def f(x):", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
     try:
         with httpx.Client(base_url=server.base_url, timeout=30) as client:
-            resp = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 12, "ignore_eos": True,
-                                                        "temperature": 0})
+            resp = client.post("/v1/completions", json=body)
             assert resp.status_code == 200
+            streamed = ""  # several tokens a step arrive as one delta: the stream adds up to the same text
+            with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as events:
+                for line in events.iter_lines():
+                    if line.startswith("data: {"):
+                        streamed += json.loads(line[6:])["choices"][0]["text"]
+            assert streamed == resp.json()["choices"][0]["text"]
             server.wait_idle()
             scrape = _scrape(client)
     finally:
