@@ -250,3 +250,22 @@ def test_tensor_parallel_speculation(checkpoints, method):
 def test_recurrent_models_refuse_speculation(checkpoints):
     with pytest.raises(ValueError, match="recurrent"):
         LLM(str(checkpoints["qwen3_5"]), speculative_config=NGRAM, num_kv_blocks=16)
+
+
+def test_a_draft_catches_up_on_long_prompts_within_the_token_budget(checkpoints):
+    """The draft's first step over a 50-token prompt, with a budget of 8 tokens a step: the catch-up runs in
+    forwards of at most 8 tokens, and greedy output is still HF's with every draft of the self-draft accepted."""
+    target = str(checkpoints["llama3"])
+    llm = LLM(target, num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=4,
+              speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 3})
+    draft = llm.llm_engine.speculator.drafter
+    sizes = []
+    step = draft._step
+    draft._step = lambda seqs, rows, ids, prev, starts, q_lens, counts: (
+        sizes.append(int(q_lens.sum())), step(seqs, rows, ids, prev, starts, q_lens, counts))[1]
+    prompt = PROMPTS[3]
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    ref, ref_logits = hf_greedy(checkpoints["llama3"], prompt, NEW)
+    assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+    assert max(sizes) <= 8 and sum(sizes) >= len(prompt)
+    assert llm.get_stats()["spec_decode_acceptance_rate"] > 0.9

@@ -106,6 +106,7 @@ class DraftModel:
         lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
         starts = np.array([self._valid_prefix(s) for s in seqs], dtype=np.int64)
         counts = lengths - runner.input_batch.prompt_lens[rows]  # output tokens before the first draft
+        self._catch_up(seqs, rows, lengths, starts, counts)
         order = np.argsort(lengths - starts > 1, kind="stable")  # one-token catch-ups are decodes: first
         ids = np.concatenate([np.asarray(seqs[i].token_ids[starts[i]:], dtype=np.int64) for i in order])
         tokens, probs = self._step([seqs[i] for i in order], rows[order], ids, None, starts[order],
@@ -132,6 +133,26 @@ class DraftModel:
         if any(p is None for _, _, p in steps):
             return None
         return DraftProbs(torch.cat([p for _, _, p in steps]), rows_of)
+
+    def _catch_up(self, seqs: list[Sequence], rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
+                  counts: np.ndarray) -> None:
+        """Feed the draft, in steps of at most the engine's token budget, all but the last budget's worth of what the
+        sequences gained since they last drafted (a whole prompt, the first time): one forward over a long prompt
+        would take memory the start-up profile never saw. ``starts`` moves forward in place; the draws of these
+        steps are not used."""
+        budget = self.runner.config.max_num_batched_tokens
+        while (lengths - starts).sum() > budget:
+            take = np.zeros(len(seqs), dtype=np.int64)
+            left = budget
+            for i in np.flatnonzero(lengths - starts > 1):  # each keeps its last token for the drafting step
+                take[i] = min(int(lengths[i] - starts[i]) - 1, left)
+                left -= int(take[i])
+            idx = np.flatnonzero(take)
+            idx = idx[np.argsort(take[idx] > 1, kind="stable")]  # one-token rows first
+            ids = np.concatenate([np.asarray(seqs[i].token_ids[starts[i]:starts[i] + take[i]], dtype=np.int64)
+                                  for i in idx])
+            self._step([seqs[i] for i in idx], rows[idx], ids, None, starts[idx], take[idx], counts[idx])
+            starts[idx] += take[idx]
 
     def _valid_prefix(self, seq: Sequence) -> int:
         """How many of ``seq``'s first tokens have valid KV in the draft's cache: its known tokens when it last
