@@ -87,7 +87,12 @@ class LLMEngine:
                                           config.enable_prefix_caching and not recurrent, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    fork_samples=not recurrent)
-        self.speculator = make_speculator(config, self.runner, draft)
+        try:
+            self.speculator = make_speculator(config, self.runner, draft)
+        except Exception:  # a configuration refused here, on rank 0: the workers must not outlive it
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         self.requests: dict[str, list[Sequence]] = {}  # live requests' samples
         self._rng = random.Random(config.seed)
         self._next_seq_id = 0

@@ -2,6 +2,8 @@
 whatever the engine's settings; every other request feature keeps working through verified steps; nothing leaks."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from conftest import assert_greedy_match, hf_greedy, make_checkpoint
@@ -269,3 +271,40 @@ def test_a_draft_catches_up_on_long_prompts_within_the_token_budget(checkpoints)
     assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
     assert max(sizes) <= 8 and sum(sizes) >= len(prompt)
     assert llm.get_stats()["spec_decode_acceptance_rate"] > 0.9
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
+def test_windowed_and_sink_targets(checkpoints, arch):
+    """Targets with sliding-window layers on the hybrid KV cache (Gemma 3; gpt-oss with sinks too): verify rows
+    read each group's tables, a self-draft reads the full group's; greedy output is HF's, every block comes back."""
+    target = str(checkpoints[arch])
+    llm = LLM(target, num_kv_blocks=64, speculative_config={"method": "draft_model", "model": target,
+                                                            "num_speculative_tokens": 3})
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref, ref_logits = hf_greedy(checkpoints[arch], prompt, NEW)
+        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
+    assert llm.get_stats()["spec_decode_acceptance_rate"] > 0.9
+    assert _all_free(llm)
+
+
+def test_a_draft_needs_a_full_attention_group(checkpoints):
+    """A target whose every layer slides (Mistral with a window) frees the blocks a full-attention draft would
+    read: refused at construction, saying why (n-gram still works there)."""
+    target = str(checkpoints["mistral_sw"])
+    with pytest.raises(ValueError, match="full-attention"):
+        LLM(target, num_kv_blocks=16, speculative_config={"method": "draft_model", "model": target,
+                                                          "num_speculative_tokens": 2})
+
+
+def test_a_refused_configuration_under_tensor_parallelism_leaves_no_worker(checkpoints):
+    """Refused on rank 0 once the runners are built (a model with recurrent layers): the workers, which know
+    nothing of it, are stopped."""
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="recurrent"):
+        LLM(str(checkpoints["qwen3_5"]), num_kv_blocks=16, tensor_parallel_size=2, speculative_config=NGRAM)
+    deadline = time.time() + 10
+    while multiprocessing.active_children() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
