@@ -171,15 +171,14 @@ class ModelRunner:
         return torch.cuda.max_memory_allocated(self.device) - blocks * self.block_bytes
 
     @torch.no_grad()
-    def warm_up_kernels(self, model: torch.nn.Module, forward: Any) -> None:
+    def warm_up_kernels(self, model: torch.nn.Module, forward: Any, width: int = 64) -> None:
         """Compile the Triton variants that eager (mixed prefill + decode) steps use before the first
         request, not in the middle of serving: on a GPU each costs seconds, and together they took
         about half the wall time of a first workload-A run on a fresh machine. Steps of 1, 7, 16 and
         49 tokens cover decodes with and without split-K, prompt chunks, and every integer
         specialisation class (1, multiples of 16, other).
         They write garbage into block 0, which no sequence holds yet. ``model`` and ``forward``: the target's, or
-        a draft model's (speculative decoding), over this runner's block tables."""
-        width = 64
+        a draft model's (speculative decoding), over this runner's block tables; ``width``: each row's blocks."""
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
             q_lens = [1] * num_decodes + ([chunk] if chunk else [])
             ctx = [width * self.block_size - 8] * num_decodes + ([chunk] if chunk else [])
