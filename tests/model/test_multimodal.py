@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_reads import record_reads
 from conftest import VOCAB, assert_greedy_match, hf_greedy, kv_settings, make_tokenizer
 from minfer import LLM, SamplingParams
-from minfer.model import loader
 from minfer.model.models.multimodal import TextOfMultimodal
 
 PROMPTS = [[5], list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
@@ -101,25 +101,7 @@ def test_gemma4_text_model_of_a_multimodal_checkpoint_matches_hf(gemma4_mm):
 
 
 def test_no_tower_or_projector_tensor_is_read(gemma3_mm, monkeypatch):
-    real = loader._checkpoint_tensors
-    read: list[str] = []
-
-    class Spy:
-        def __init__(self, name: str, source) -> None:
-            self.name, self.source = name, source
-
-        def __getitem__(self, index):
-            read.append(self.name)
-            return self.source[index]
-
-        def get_shape(self):
-            return self.source.get_shape()
-
-    def spying(model_dir):
-        for name, source, where in real(model_dir):
-            yield name, Spy(name, source), where
-
-    monkeypatch.setattr(loader, "_checkpoint_tensors", spying)
+    read = record_reads(monkeypatch)
     LLM(str(gemma3_mm), num_kv_blocks=16)
     from safetensors import safe_open
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from checkpoint_reads import record_reads
 from conftest import VOCAB, assert_greedy_match, make_tokenizer
 from minfer import LLM, SamplingParams
 from minfer.distributed import TensorParallel
@@ -104,21 +105,7 @@ def test_text_model_matches_hf(multimodal, scenario):
 
 def test_no_tower_or_mtp_tensor_is_read(multimodal, monkeypatch):
     path, _ = multimodal
-    real, read = loader._checkpoint_tensors, []
-
-    class Spy:
-        def __init__(self, name: str, source) -> None:
-            self.name, self.source = name, source
-
-        def __getitem__(self, index):
-            read.append(self.name)
-            return self.source[index]
-
-        def get_shape(self):
-            return self.source.get_shape()
-
-    monkeypatch.setattr(loader, "_checkpoint_tensors",
-                        lambda folder: ((n, Spy(n, s), w) for n, s, w in real(folder)))
+    read = record_reads(monkeypatch)
     cfg = load_model_config(path)
     loader.build_model(path, cfg, torch.float32, torch.device("cpu"), 64, TorchOps())
     stored = list(load_file(str(path / "model.safetensors")))
