@@ -272,7 +272,7 @@ class EngineConfig:
                                                      "patternProperties key")
     speculative_config: SpeculativeConfig | None = _knob(
         None, "speculative decoding, vLLM's dictionary as JSON: method ngram (num_speculative_tokens, "
-        "prompt_lookup_min, prompt_lookup_max), draft_model or eagle3 (model, num_speculative_tokens); "
+        "prompt_lookup_min, prompt_lookup_max), draft_model (model, num_speculative_tokens); "
         f"disable_by_batch_size (default {DEFAULT_DISABLE_BY_BATCH_SIZE}): no speculation in a step of that many "
         "sequences or more")
     structured_outputs_compile_timeout: float = _knob(30.0, "structured outputs: seconds a grammar may take to "

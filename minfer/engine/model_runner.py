@@ -38,7 +38,7 @@ from minfer.engine.spec.verify import SpecInputs, verify_inputs
 from minfer.engine.scheduler import SchedulerOutput
 from minfer.engine.sequence import Sequence
 from minfer.engine.state_cache import allocate_state_cache, slot_bytes, state_layers
-from minfer.engine.step_arrays import StepArrays, as_decode_rows, synthetic_step
+from minfer.engine.step_arrays import StepArrays, as_decode_rows, synthetic_step, token_layout
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
 
@@ -229,15 +229,10 @@ class ModelRunner:
         if batch.speculative:
             spec_lens = np.array([len(s.spec_token_ids) for s in seqs], dtype=np.int64)
             num_tokens += spec_lens
-        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
         ids = np.array(ids_list, dtype=np.int64)
-        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
         ib = self.input_batch
         tables = ib.block_tables[:, rows, :int(ib.num_blocks[:, rows].max())]  # [groups, seqs, width]
-        bs = self.block_size
-        slots = tables[:, seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs  # [groups, tokens]
+        cu, positions, slots = token_layout(q_lens, starts, tables, self.block_size)
         ends = starts + q_lens
         pending = np.array([i for i, s in enumerate(seqs) if s.num_pending], dtype=np.int64)
         fill_src = ib.sample_row[rows[pending]]

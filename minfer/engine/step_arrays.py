@@ -43,6 +43,18 @@ class StepArrays:
                    logit_rows, int(nd[0]), fill_dst, fill_src, rows, verify=bool(nd[1])), plp
 
 
+def token_layout(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray, block_size: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where a step's tokens go, from each sequence's ``q_lens`` tokens from position ``starts``: (``cu`` [S + 1],
+    each token's position [T], its cache slot in each KV group [G, T] through ``tables`` [G, S, width])."""
+    cu = np.zeros(len(q_lens) + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=cu[1:])
+    seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
+    positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
+    slots = tables[:, seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return cu, positions, slots
+
+
 def as_decode_rows(a: StepArrays) -> StepArrays:
     """A verify step with every token a one-token row of its own: the token at position p attends over positions
     [0, p] through its sequence's block table, which is causal attention over the drafts, since the step stores

@@ -28,7 +28,7 @@ from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from minfer.engine.sequence import Sequence
 from minfer.engine.spec.draft_probs import DraftProbs
 from minfer.engine.cuda_graphs import DecodeGraphs
-from minfer.engine.step_arrays import StepArrays, as_decode_rows
+from minfer.engine.step_arrays import StepArrays, as_decode_rows, token_layout
 from minfer.model.loader import build_model, resolve_model_path
 from minfer.model.registry import load_model_config
 from minfer.ops import select_ops
@@ -173,15 +173,9 @@ class DraftModel:
         drawing a token at each sequence's last: (tokens [S] on the device, their distributions or None). ``prev``
         None: ``ids`` are the tokens; else each sequence's one token is ``prev[ids[i]]``, the previous draft step's
         draw, read on the device. Under tensor parallelism the workers get the same arrays (``follow``)."""
-        runner, bs = self.runner, self.block_size
-        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        seq_of_token = np.repeat(np.arange(len(seqs)), q_lens)
-        positions = np.arange(int(cu[-1])) - cu[seq_of_token] + starts[seq_of_token]
-        ib = runner.input_batch
-        g = self.group
+        runner, ib, g = self.runner, self.runner.input_batch, self.group
         tables = ib.block_tables[g:g + 1, rows, :int(ib.num_blocks[g, rows].max())]
-        slots = tables[:, seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        cu, positions, slots = token_layout(q_lens, starts, tables, self.block_size)
         a = StepArrays(ids if prev is None else np.zeros(len(positions), dtype=np.int64), positions, slots, tables,
                        (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:] - 1, int((q_lens == 1).sum()),
                        _NONE, _NONE, rows)

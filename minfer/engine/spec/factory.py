@@ -34,8 +34,6 @@ def make_speculator(config: EngineConfig, runner: "ModelRunner", draft: "DraftMo
     if runner.state_layers:
         raise ValueError("speculative_config: models with recurrent layers (state_layers) cannot speculate yet: "
                          "a rejected draft would have to roll their state back")
-    if spec.method == "eagle3":
-        raise ValueError("speculative_config.method 'eagle3' is not built yet; use 'ngram' or 'draft_model'")
     if draft is not None:
         draft.attach(runner)
     return Speculator(spec, draft)

@@ -9,11 +9,11 @@ The rules that switch it off: a step that would run ``disable_by_batch_size`` se
 drafts, and as an ordinary async step; a sequence that drafted nothing (no n-gram match) or whose drafts were all
 rejected, two steps in a row, drafts nothing for the next 4, 8, .. 64 steps (doubling while it keeps missing; one
 accepted draft resets it), and a step in which every running sequence waits so runs as an ordinary async step too:
-on a random-weight 8B model, where n-gram drafts never hit, speculating every step cost 11% at batch 1
-(benchmarks/RESULTS.md). Drafting needs each sequence's latest token on the host, so a speculative step completes
-before the next is scheduled (no host/GPU overlap): that costs little where speculation pays (small batches, bound
-by reading the weights) and much where it does not (large batches, where a step's weight reads already serve many
-tokens and the verify tokens' compute is not free).
+where drafts never hit, every speculative step would pay for scoring them and for its lost overlap. Drafting needs
+each sequence's latest token on the host, so a speculative step completes before the next is scheduled (no
+host/GPU overlap): that costs little where speculation pays (small batches, bound by reading the weights) and much
+where it does not (large batches, where a step's weight reads already serve many tokens and the verify tokens'
+compute is not free).
 """
 from __future__ import annotations
 
