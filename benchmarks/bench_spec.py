@@ -5,12 +5,16 @@
                                                                           # for DIR, n-gram, and no speculation
     python3 benchmarks/bench_spec.py batch1 --shape llama-3.1-8b           # batch 1, n-gram on a repeated prompt
     python3 benchmarks/bench_spec.py batch --shape llama-3.1-8b --batch 64 # a batch with and without speculation
+    python3 benchmarks/bench_spec.py eagle --shape llama-3.1-8b            # batch 1: what an EAGLE-3 step costs
 
 Each part prints a markdown table and writes it under $OUT (default /tmp/minfer-out). ``verify`` times the
 runner's launch + draws of one sequence's step (its last token and k drafts, the decode graph of 1 + k rows)
 against a plain decode step, on random weights (``--load-format dummy``); the issue's target is ≤ 1.15× at k+1 = 4.
 ``pair`` prompts with the first 160 tokens of held-out stdlib files (the email, json and tomllib packages the
 built-in model never trained on) and reports decode tok/s and the acceptance counters of each method.
+``eagle`` runs batch-1 decode with a random-weight EAGLE-3 head of the shape's width (draft vocabulary 32,000), its
+back-off off so that every step drafts: with random weights nothing is accepted, so the time per token is what a
+drafting and verifying step costs against a plain one, the break-even point of any head's acceptance.
 """
 from __future__ import annotations
 
@@ -145,6 +149,50 @@ def batch1(shape: str, k: int, max_tokens: int) -> None:
            rows)
 
 
+def eagle_head(shape_dir: str) -> str:
+    """A random-weight EAGLE-3 head for the target in ``shape_dir``: its width, heads and MLP, one layer, a draft
+    vocabulary of 32,000 ids, as the public Llama-3.1-8B heads have (weights drawn at load: ``load_format`` dummy)."""
+    import json
+
+    cfg = json.loads((Path(shape_dir) / "config.json").read_text())
+    head = Path(shape_dir + "-eagle3")
+    head.mkdir(parents=True, exist_ok=True)
+    keys = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "torch_dtype"]
+    (head / "config.json").write_text(json.dumps({k: cfg[k] for k in keys if k in cfg} | {
+        "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": min(32000, cfg["vocab_size"])}))
+    return str(head)
+
+
+def eagle(shape: str, k: int, max_tokens: int) -> None:
+    import minfer.engine.spec.speculator as speculator
+
+    model = str(shape_checkpoint(shape, Path("/tmp/minfer-shapes"), "dummy"))
+    head = eagle_head(model)
+    prompt = {"prompt_token_ids": [(i * 7919) % 20000 + 100 for i in range(256)]}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    rows, base = [], None
+    speculator.BACKOFF_AFTER = 10**9  # every step drafts (and nothing is accepted): the cost of a drafting step
+    for name, spec in [("none", None), (f"eagle3, k={k}", {"method": "eagle3", "model": head,
+                                                           "num_speculative_tokens": k})]:
+        llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, speculative_config=spec)
+        llm.generate([prompt], params, use_tqdm=False)  # warm-up
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        m = out.metrics
+        speed = (len(out.outputs[0].token_ids) - 1) / (m.finished_time - m.first_token_time)
+        base = base or speed
+        s = llm.get_stats()
+        per_step = s["spec_decode_mean_acceptance_length"] if spec else 1.0
+        step_ms = 1000 * per_step / speed
+        rows.append([name, f"{speed:.1f}", f"{step_ms:.2f}", f"{step_ms * base / 1000:.3f}×",
+                     f"{s['spec_decode_acceptance_rate']:.3f}" if spec else "—"])
+        llm.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    _table(f"eagle_{shape}", ["batch 1, random weights", "decode tok/s", "ms per step", "step / plain step",
+                              "acceptance"], rows)
+
+
 def batch(shape: str, size: int, k: int) -> None:
     model = str(shape_checkpoint(shape, Path("/tmp/minfer-shapes"), "dummy"))
     rows, base = [], None
@@ -172,7 +220,7 @@ def batch(shape: str, size: int, k: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["verify", "pair", "batch1", "batch"])
+    ap.add_argument("part", choices=["verify", "pair", "batch1", "batch", "eagle"])
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--target", help="pair: the target model folder (e.g. one `minfer train` wrote)")
     ap.add_argument("--draft", default=None, help="pair: the draft (default: the built-in model)")
@@ -191,6 +239,8 @@ def main() -> int:
         pair(args.target, args.draft or str(builtin_model_path()), args.k, args.max_tokens, args.prompts)
     elif args.part == "batch1":
         batch1(args.shape, args.k, args.max_tokens)
+    elif args.part == "eagle":
+        eagle(args.shape, args.k, args.max_tokens)
     else:
         batch(args.shape, args.batch, args.k)
     return 0

@@ -10,6 +10,9 @@
 #         then batch-1 decode on held-out stdlib code: no speculation, the built-in model drafting, n-gram.
 # batch1: batch-1 decode on the shape with and without n-gram drafts (a repeated prompt; acceptance reported).
 # batch:  64 requests with and without speculation (the default disable_by_batch_size rule, and always on).
+# eagle:  batch-1 decode with a random-weight EAGLE-3 head drafting every step, against none: a drafting step's cost.
+# serve:  `minfer serve` (random weights drawn on the GPU) without and with n-gram speculation, then
+#         `minfer bench-serve` at concurrency 1/16/64 against each (needs the server wheels: WHEEL_DIR).
 DEADLINE_DEFAULT=570
 source "$(dirname "$0")/device_call.sh"
 PARTS="${PARTS:-verify pair batch1 batch}"
@@ -18,7 +21,10 @@ PARTS="${PARTS:-verify pair batch1 batch}"
 case " $PARTS " in *" tests "*)
   echo "== gpu tests ($(left) s left)"
   timeout "$(cap 200)" "$PY" -m pytest -q -p no:cacheprovider -rf tests/engine/test_speculative.py \
-    -k "greedy_equals and (default or preempt)" 2>&1 | tail -8 | tee "$OUT/gpu_tests.log" ;;
+    -k "greedy_equals and (default or preempt)" 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+  timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -rf tests/engine/test_eagle3.py \
+    -k "hidden_states or accepted or (greedy_equals and (default or preempt))" 2>&1 | tail -8 \
+    | tee "$OUT/gpu_tests_eagle3.log" ;;
 esac
 case " $PARTS " in *" verify "*)
   echo "== verify cost ($(left) s left)"
@@ -40,5 +46,26 @@ esac
 case " $PARTS " in *" batch "*)
   echo "== batch 64 ($(left) s left)"
   timeout "$(cap 150)" "$PY" benchmarks/bench_spec.py batch --shape "${SHAPE:-llama-3.1-8b}" --batch 64 2>&1 | tail -8 ;;
+esac
+case " $PARTS " in *" eagle "*)
+  echo "== batch 1, EAGLE-3 ($(left) s left)"
+  timeout "$(cap 150)" "$PY" benchmarks/bench_spec.py eagle --shape "${SHAPE:-llama-3.1-8b}" -k 3 2>&1 | tail -6 ;;
+esac
+case " $PARTS " in *" serve "*)
+  model=$("$PY" -c "from pathlib import Path; from minfer.benchmark.shapes import shape_checkpoint as s
+print(s('${SHAPE:-llama-3.1-8b}', Path('/tmp/minfer-shapes'), 'dummy'))")
+  for spec in none '{"method": "ngram", "num_speculative_tokens": 4}'; do
+    name=$([ "$spec" = none ] && echo none || echo ngram)
+    echo "== bench-serve, speculation: $name ($(left) s left)"
+    extra=(); [ "$spec" = none ] || extra=(--speculative-config "$spec")
+    "$PY" -m minfer.cli serve --model "$model" --load-format dummy --skip-tokenizer-init --max-model-len 4096 \
+      --port 8012 --no-access-log --uvicorn-log-level warning "${extra[@]}" > "$OUT/server_$name.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 1 90); do curl -sf http://127.0.0.1:8012/health > /dev/null && break; sleep 2; done
+    timeout "$(cap 150)" "$PY" -m minfer.cli bench-serve --base-url http://127.0.0.1:8012 --concurrency 1,16,64 \
+      --output-dir "$OUT/serve_$name" > "$OUT/serve_$name.log" 2>&1 || echo "   exit $?"
+    tail -6 "$OUT/serve_$name.log"
+    kill "$SERVER"; wait "$SERVER" 2>/dev/null
+  done ;;
 esac
 echo "done in $(( SECONDS - START )) s"

@@ -2,9 +2,10 @@
 
 Two ways to draft (``method``): ``ngram`` looks the sequence's last tokens up earlier in its own prompt and output
 and proposes what followed them (prompt lookup: free, and strong wherever the output copies its input: code edits,
-summaries, RAG); ``draft_model`` runs a smaller registered model with the target's vocabulary. vLLM's third,
-``eagle3`` (a head over the target's own hidden states), is refused by name: not built yet. The target verifies every drafted token in one forward, so the
-output is the target's (token for token under greedy decoding, the same distribution when sampling).
+summaries, RAG); ``draft_model`` runs a smaller registered model with the target's vocabulary; ``eagle3`` runs an
+EAGLE-3 head, one layer over the target's own hidden states. The target verifies every drafted token in one
+forward, so the output is the target's (token for token under greedy decoding, the same distribution when
+sampling).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16  # past this the verify forward costs more than any acceptance rate repays
 # Speculation pays while a step is bound by reading the weights; a large batch already reads them for many tokens,
 # and the verify tokens then cost more than the accepted ones save (benchmarks/RESULTS.md, speculative decoding).
@@ -57,8 +58,6 @@ class SpeculativeConfig:
         return cls(**kwargs)
 
     def __post_init__(self) -> None:
-        if self.method == "eagle3":
-            raise ValueError("speculative_config.method 'eagle3' is not built yet; use 'ngram' or 'draft_model'")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPEC_METHODS)}, got {self.method!r}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)

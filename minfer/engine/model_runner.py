@@ -44,6 +44,7 @@ from minfer.ops import AttentionMetadata, select_ops
 
 if TYPE_CHECKING:
     from minfer.engine.spec.draft_model import DraftModel
+    from minfer.engine.spec.eagle3 import Eagle3Drafter
 
 logger = logging.getLogger("minfer")
 
@@ -64,11 +65,11 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int,
                  tp: TensorParallel = SINGLE, channel: StepChannel | None = None,
-                 device: torch.device | None = None, draft: "DraftModel | None" = None) -> None:
+                 device: torch.device | None = None, draft: "DraftModel | Eagle3Drafter | None" = None) -> None:
         """``tp``, ``channel`` and ``device``: this rank's group, the step channel and its GPU under
         tensor parallelism (every rank constructs its runner at the same time: start-up runs collectives).
-        ``draft``: speculative decoding's draft model, loaded already: its cache takes as many blocks as the
-        target's, so the block count divides the budget by both blocks' bytes."""
+        ``draft``: speculative decoding's draft model or EAGLE-3 head, loaded already: its cache takes as many
+        blocks as the target's, so the block count divides the budget by both blocks' bytes."""
         self.model_config = model_config
         self.config = config
         self.tp, self.channel = tp, channel
@@ -82,6 +83,8 @@ class ModelRunner:
         self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops, tp,
                                  config.quantization, config.load_format)
         logger.info("start-up: load weights took %.2f s", time.perf_counter() - started)
+        if draft is not None:  # an EAGLE-3 head taps the target's layers: before the profile and the graphs
+            draft.prepare_target(self.model)
         self._rank_min(0)  # every rank has its shard: no collective below waits out a slow load
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
         self.sampler = Sampler(self.device, self.ops)
@@ -294,6 +297,8 @@ class ModelRunner:
         ``draft_probs``: a draft model's distributions of a speculative step's drafted tokens (None: n-gram
         drafts, or all greedy)."""
         a = self.prepare(batch) if arrays is None else arrays
+        if self.draft is not None:
+            self.draft.note_step(batch.seqs, a)
         if len(a.fill_dst) and prev_tokens is None:
             raise RuntimeError("a scheduled token is pending, but no previous step's sampled ids were given")
         chunks = prompt_logprob_chunks(batch)

@@ -14,6 +14,7 @@ from torch import nn
 
 from minfer.config import ModelConfig
 from minfer.model.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from minfer.model.models.eagle3 import Eagle3Head
 from minfer.model.models.gemma4 import Gemma4ForCausalLM
 from minfer.model.models.gpt_oss import GptOssForCausalLM
 from minfer.model.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
@@ -39,6 +40,9 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    # EAGLE-3 draft heads: they draft for a target (speculative_config method 'eagle3'), never serve alone
+    "LlamaForCausalLMEagle3": Eagle3Head,
+    "Eagle3LlamaForCausalLM": Eagle3Head,
     # multimodal checkpoints: their language model (models/multimodal.py)
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
@@ -64,10 +68,15 @@ def model_config(hf: dict[str, Any]) -> ModelConfig:
     return model_class(archs[0] if archs else None, archs).read_config(hf)
 
 
-def load_model_config(model_dir: Path | str) -> ModelConfig:
+def load_model_config(model_dir: Path | str, draft_head: bool = False) -> ModelConfig:
     """The ``ModelConfig`` of a checkpoint folder: ``config.json``, then ``generation_config.json``'s
-    end-of-sequence ids and sampling defaults."""
+    end-of-sequence ids and sampling defaults. A draft head (EAGLE-3) loads only as one (``draft_head``)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {model_dir}: not a Hugging Face model folder")
-    return model_config(json.loads(path.read_text())).add_generation_config(Path(model_dir))
+    config = model_config(json.loads(path.read_text()))
+    if getattr(model_class(config.architecture), "is_draft_head", False) != draft_head:
+        raise ValueError(f"{model_dir} holds a {config.architecture}: " + (
+            "a draft head, not a model: serve its target with speculative_config={'method': 'eagle3', "
+            f"'model': '{model_dir}', ...}}" if not draft_head else "not an EAGLE-3 draft head"))
+    return config.add_generation_config(Path(model_dir))

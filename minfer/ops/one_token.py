@@ -29,15 +29,17 @@ class OneTokenForward:
 
     def __init__(self, model: nn.Module) -> None:
         self.embed = model.embed
-        self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+        self.layers = [(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp, layer)
                        for layer in model.layers]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
         residual = None
-        for ln, attn, ln2, mlp in self.layers:
+        for ln, attn, ln2, mlp, layer in self.layers:
             qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                           weight_scale=_scale(attn.qkv_proj))
+            if layer.capture is not None:  # the stream entering the layer, for an EAGLE-3 head (models/llama.py)
+                layer.capture[:1].copy_(residual)
             x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
                      weight_scale=_scale(attn.o_proj))
             x = attn.o_proj.reduce(x)  # the sum over tensor-parallel ranks (identity on one GPU)

@@ -26,7 +26,7 @@ from minfer.config import EngineConfig, ModelConfig
 from minfer.distributed import SINGLE, Command, TensorParallel
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from minfer.engine.sequence import Sequence
-from minfer.engine.spec.draft_probs import DraftProbs
+from minfer.engine.spec.draft_probs import DraftProbs, collect_drafts
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.step_arrays import StepArrays, as_decode_rows, token_layout
 from minfer.model.loader import build_model, resolve_model_path
@@ -90,15 +90,23 @@ class DraftModel:
         if self.device.type == "cuda" and self.ops.name == "triton":  # its eager variants compile now too
             runner.warm_up_kernels(self.model, self.forward)
 
+    def prepare_target(self, model: Any) -> None:
+        """Nothing: a draft model reads only the tokens (an EAGLE-3 head taps the target here)."""
+
+    def note_step(self, seqs: list[Sequence], a: StepArrays) -> None:
+        """Nothing: a draft model catches up from the tokens (an EAGLE-3 head from the step's hidden states)."""
+
     def forget(self, seq_ids: list[int]) -> None:
         """Sequences finished or preempted: their blocks are gone, and with them the draft's KV."""
         for seq_id in seq_ids:
             self.drafted.pop(seq_id, None)
 
     @torch.no_grad()
-    def propose(self, seqs: list[Sequence], room: list[int]) -> DraftProbs | None:
-        """Draft ``room[i]`` tokens for ``seqs[i]`` (``Sequence.spec_token_ids``); returns the distributions the
-        sampling rows' drafts were drawn from (None when every row is greedy)."""
+    def propose(self, seqs: list[Sequence], room: list[int], batch: list[Sequence]) -> DraftProbs | None:
+        """Draft ``room[i]`` tokens for ``seqs[i]`` (``Sequence.spec_token_ids``) of the step's ``batch``; returns
+        the distributions the sampling rows' drafts were drawn from (None when every row is greedy)."""
+        if not seqs:
+            return None
         runner = self.runner
         for seq in seqs:
             seq.spec_token_ids = []
@@ -120,19 +128,10 @@ class DraftModel:
             tokens, probs = self._step([seqs[i] for i in active], rows[active], keep, prev_tokens, lengths[active] - 1 + j,
                                        np.ones(len(active), dtype=np.int64), counts[active] + j)
             steps.append((active, tokens, probs))
-        host = torch.cat([t for _, t, _ in steps]).tolist()  # the one wait: the target's step needs them on the host
-        rows_of: dict[int, list[int]] = {}
-        base = 0
-        for step_order, _, _ in steps:
-            for r, i in enumerate(step_order.tolist()):
-                seqs[i].spec_token_ids.append(host[base + r])
-                rows_of.setdefault(seqs[i].seq_id, []).append(base + r)
-            base += len(step_order)
+        probs = collect_drafts(seqs, steps)
         for seq, length in zip(seqs, lengths.tolist()):
             self.drafted[seq.seq_id] = (length, list(seq.spec_token_ids))
-        if any(p is None for _, _, p in steps):
-            return None
-        return DraftProbs(torch.cat([p for _, _, p in steps]), rows_of)
+        return probs
 
     def _catch_up(self, seqs: list[Sequence], rows: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
                   counts: np.ndarray) -> None:

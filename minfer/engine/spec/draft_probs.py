@@ -29,3 +29,22 @@ class DraftProbs:
         """The rows of ``seqs``' drafted tokens, in order ([sum of their drafts, V])."""
         index = [r for s in seqs for r in self.rows_of.get(s.seq_id, ())[:len(s.spec_token_ids)]]
         return self.probs.index_select(0, torch.tensor(index, dtype=torch.int64, device=device))
+
+
+def collect_drafts(seqs: list[Sequence], steps: list[tuple[np.ndarray, torch.Tensor, torch.Tensor | None]]
+                   ) -> DraftProbs | None:
+    """Append each draft step's draws to its sequences' ``spec_token_ids``, with one wait for the device (the
+    target's step needs them on the host). ``steps``: (the step's sequences as indices into ``seqs``, in its row
+    order; their draws on the device; the distributions drawn from, or None where the step drew greedily).
+    Returns the distributions, or None when some step drew greedily."""
+    host = torch.cat([tokens for _, tokens, _ in steps]).tolist()
+    rows_of: dict[int, list[int]] = {}
+    base = 0
+    for order, _, _ in steps:
+        for r, i in enumerate(order.tolist()):
+            seqs[i].spec_token_ids.append(host[base + r])
+            rows_of.setdefault(seqs[i].seq_id, []).append(base + r)
+        base += len(order)
+    if any(p is None for _, _, p in steps):
+        return None
+    return DraftProbs(torch.cat([p for _, _, p in steps]), rows_of)

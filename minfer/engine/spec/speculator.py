@@ -32,7 +32,7 @@ MAX_BACKOFF_STEPS = 64
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, drafter: Any = None) -> None:
-        """``drafter``: the draft model (``DraftModel``) of method 'draft_model'; None for n-gram."""
+        """``drafter``: the draft model (``DraftModel``) or EAGLE-3 head (``Eagle3Drafter``); None for n-gram."""
         self.config = config
         self.drafter = drafter
         self.num_drafts = 0  # verified steps of sequences that drafted at least one token
@@ -73,17 +73,16 @@ class Speculator:
         reserved = [s for s in batch.seqs if s.num_computed_tokens + s.num_scheduled_tokens > len(s.token_ids)
                     and self.resume_at.get(s.seq_id, 0) <= self.steps]
         probs = None
-        if reserved:
-            room = [s.num_computed_tokens + s.num_scheduled_tokens - len(s.token_ids) for s in reserved]
-            if self.drafter is None:
-                cfg = self.config
-                for seq, k in zip(reserved, room):
-                    seq.spec_token_ids = ngram_draft(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-            else:
-                probs = self.drafter.propose(reserved, room)
-            for seq in reserved:
-                if not seq.spec_token_ids:  # nothing to draft (no n-gram match): a miss, as all-rejected drafts are
-                    self._miss(seq.seq_id)
+        room = [s.num_computed_tokens + s.num_scheduled_tokens - len(s.token_ids) for s in reserved]
+        if self.drafter is not None:  # even with no one to draft for: an EAGLE-3 head is fed every such step
+            probs = self.drafter.propose(reserved, room, batch.seqs)
+        else:
+            cfg = self.config
+            for seq, k in zip(reserved, room):
+                seq.spec_token_ids = ngram_draft(seq.token_ids, k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        for seq in reserved:
+            if not seq.spec_token_ids:  # nothing to draft (no n-gram match): a miss, as all-rejected drafts are
+                self._miss(seq.seq_id)
         batch.settle_drafts()
         return probs
 

@@ -74,6 +74,8 @@ class DecoderLayer(nn.Module):
 
     attention: type[LlamaAttention] = LlamaAttention  # a family's attention module (gpt-oss: biases, sinks)
     float32_norms = False  # norm weights kept in float32, the product rounded once (gpt-oss, as HF keeps them)
+    # [tokens, hidden] rows that receive the residual stream entering this layer (an EAGLE-3 head reads it)
+    capture: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, dtype: torch.dtype, ops: Ops, mlp: nn.Module,
                  tp: TensorParallel = SINGLE, quant: QuantConfig | None = None, index: int = 0) -> None:
@@ -94,6 +96,8 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x, out=self.attn_in)
         else:
             x, residual = self.input_layernorm(x, residual, out=self.attn_in)
+        if self.capture is not None:
+            self.capture[:residual.shape[0]].copy_(residual)
         x = self.self_attn(x, positions, meta)
         x, residual = self.post_attention_layernorm(x, residual, out=self.mlp_in)
         return self.mlp(x), residual
