@@ -2,13 +2,15 @@
 
 Each base layer (layer index, fused layer) owns one pair of stacks, allocated once at start-up (zeros):
 
-    a_stack [max_loras, n_shards, max_rank, in_features]        A, rows past the adapter's rank zero
-    b_stack [max_loras, n_shards, max_shard_out, max_rank]      scaling * B, rows and columns past it zero
+    a_stack [max_loras, n_shards, max_rank, in_features]     A, rows past the adapter's rank zero
+    b_stack [max_loras, sum(shard_sizes), max_rank]          scaling * B, columns past the rank zero
 
-with this rank's tensor-parallel share of in/out features. Shards follow the fused layer's output order
-('qkv': q, k, v; 'gate_up': gate, up; 'o'; 'down'); a shard narrower than the widest (k, v beside q) keeps
-zero rows below its own. Zero padding is what lets one kernel serve adapters of any rank up to max_rank and
-any set of targets: a module an adapter leaves out, or a rank it does not use, multiplies by zeros.
+with this rank's tensor-parallel share of in/out features (the layout ``minfer/kernels/lora/lora_meta.py``
+reads). Shards follow the fused layer's output order ('qkv': q, k, v; 'gate_up': gate, up; 'o'; 'down'); B's
+rows stack the shards as the fused base weight stacks them, shard s from row ``sum(shard_sizes[:s])``, not
+padded to the widest shard (k and v are a fraction of q's width under grouped-query attention). Zero padding
+of the rank is what lets one kernel serve adapters of any rank up to max_rank and any set of targets: a module
+an adapter leaves out, or a rank it does not use, multiplies by zeros.
 
 Slot residency is an LRU: activating a batch pins its adapters; a missing one takes a free slot or evicts
 the least recently used adapter the batch does not use. Behind the slots sits a CPU cache of loaded adapters
@@ -41,7 +43,7 @@ class LoRASlotsError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class LoRAStack:
     """One fused base layer's adapter slots. ``shard_sizes``: each shard's output rows on this rank, in
-    the fused output's order (where each shard's product lands)."""
+    the fused output's order (its rows of ``b_stack`` and its columns of the layer's output)."""
 
     a_stack: torch.Tensor
     b_stack: torch.Tensor
@@ -74,7 +76,7 @@ class LoRASlots:
             n_in, sizes = features[0][0], tuple(out for _, out in features)
             self.stacks[(layer, fused)] = LoRAStack(
                 torch.zeros(max_loras, len(sizes), max_lora_rank, n_in, dtype=dtype, device=device),
-                torch.zeros(max_loras, len(sizes), max(sizes), max_lora_rank, dtype=dtype, device=device),
+                torch.zeros(max_loras, sum(sizes), max_lora_rank, dtype=dtype, device=device),
                 sizes)
         self._owner: list[int | None] = [None] * max_loras  # slot -> adapter id
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
@@ -183,6 +185,7 @@ class LoRASlots:
             fused, shard = SHARD_OF[module]
             weights = shard_weights(weights, module, self.base, self.tp)
             stack = self.stacks[(layer, fused)]
-            rank, rows = weights.rank, weights.lora_b.shape[0]
+            rank, first = weights.rank, sum(stack.shard_sizes[:shard])
             stack.a_stack[slot, shard, :rank].copy_(weights.lora_a)
-            stack.b_stack[slot, shard, :rows, :rank].copy_(weights.lora_b.float() * weights.scaling)
+            stack.b_stack[slot, first:first + stack.shard_sizes[shard], :rank].copy_(
+                weights.lora_b.float() * weights.scaling)

@@ -204,19 +204,19 @@ def _slot_delta(slots: LoRASlots, slot: int, layer: int, module: str, x: torch.T
     """What the kernels compute for one shard from the stacks: x A^T (scale B)^T over the padded rank."""
     fused, shard = slots_module.SHARD_OF[module]
     stack = slots.stacks[(layer, fused)]
-    rows = stack.shard_sizes[shard]
-    return x @ stack.a_stack[slot, shard].T @ stack.b_stack[slot, shard, :rows].T
+    first = sum(stack.shard_sizes[:shard])
+    return x @ stack.a_stack[slot, shard].T @ stack.b_stack[slot, first:first + stack.shard_sizes[shard]].T
 
 
 def test_stack_layout_and_contents(adapters: dict[str, Path]) -> None:
     slots = _slots(max_loras=2, max_rank=8)
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     assert slots.stacks[(0, "qkv")].a_stack.shape == (2, 3, 8, HIDDEN)
-    assert slots.stacks[(0, "qkv")].b_stack.shape == (2, 3, q, 8)
+    assert slots.stacks[(0, "qkv")].b_stack.shape == (2, q + 2 * kv, 8)  # the shards' rows stacked
     assert slots.stacks[(0, "qkv")].shard_sizes == (q, kv, kv)
     assert slots.stacks[(1, "gate_up")].a_stack.shape == (2, 2, 8, HIDDEN)
     assert slots.stacks[(1, "o")].a_stack.shape == (2, 1, 8, q)
-    assert slots.stacks[(1, "down")].b_stack.shape == (2, 1, HIDDEN, 8)
+    assert slots.stacks[(1, "down")].b_stack.shape == (2, HIDDEN, 8)
     r4, q2 = _request(adapters, "r4", 4), _request(adapters, "q2", 2)
     assert slots.activate([r4, None, q2, r4]) == [0, NO_SLOT, 1, 0]
     full = load_adapter(adapters["r4"], BASE, 8)
@@ -227,7 +227,8 @@ def test_stack_layout_and_contents(adapters: dict[str, Path]) -> None:
     # the rank-2 q-only adapter: zero past its rank, and every other module zero
     qkv = slots.stacks[(0, "qkv")]
     assert qkv.a_stack[1, 0, :2].abs().sum() > 0 and not qkv.a_stack[1, 0, 2:].any()
-    assert not qkv.a_stack[1, 1:].any() and not qkv.b_stack[1, 1:].any() and not qkv.b_stack[1, 0, :, 2:].any()
+    q_rows = HEADS * HEAD_DIM
+    assert not qkv.a_stack[1, 1:].any() and not qkv.b_stack[1, q_rows:].any() and not qkv.b_stack[1, :, 2:].any()
     assert all(not s.a_stack[1].any() and not s.b_stack[1].any() for k, s in slots.stacks.items() if k[1] != "qkv")
 
 
