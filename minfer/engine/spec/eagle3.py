@@ -12,8 +12,9 @@ one-token step on the head's own output feature.
 The head's KV cache mirrors the target's as a draft model's does: the target's block count, its full-attention
 group's block tables. A sequence's positions from steps that did not speculate (a batch too large, every
 sequence backing off) are not fed: the head attends over whatever its cache holds there, which lowers the
-acceptance until they scroll out of reach, never the output, which the target verifies. The head runs eagerly,
-unsplit, on rank 0: tensor parallelism is refused.
+acceptance, never the output, which the target verifies. Its steps replay CUDA graphs of its own as a draft
+model's do (a catch-up of a few tokens a sequence as one-token rows), the features staged into a buffer the
+graphs read. It runs unsplit: tensor parallelism is refused.
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ from minfer.config import EngineConfig, ModelConfig
 from minfer.distributed import TensorParallel
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
 from minfer.engine.sequence import Sequence
+from minfer.engine.spec.draft_model import GRAPH_CATCH_UP
 from minfer.engine.spec.draft_probs import DraftProbs, collect_drafts
-from minfer.engine.step_arrays import StepArrays, token_layout
+from minfer.engine.cuda_graphs import DecodeGraphs
+from minfer.engine.step_arrays import StepArrays, as_decode_rows, token_layout
 from minfer.model.loader import build_model, resolve_model_path, safetensors_files
 from minfer.model.models.eagle3 import default_aux_layers
 from minfer.model.models.llama import DecoderLayer
@@ -40,6 +43,7 @@ from minfer.spec_config import SpeculativeConfig
 
 logger = logging.getLogger("minfer")
 _NONE = np.zeros(0, dtype=np.int64)
+WARM_UP_ROWS = 64  # at least the tokens of ModelRunner.warm_up_kernels' largest made-up step (49)
 
 
 class Eagle3Drafter:
@@ -67,15 +71,23 @@ class Eagle3Drafter:
         self.device = device
         self.dtype = config.resolved_dtype(target)  # the target's: the head reads its hidden states
         self.block_size = config.block_size
-        self.vocab_size = target.vocab_size
         self.ops = select_ops(config.attention_backend, device, config.block_size, mc.max_head_dim)
         started = time.perf_counter()
         self.model = build_model(path, mc, self.dtype, device, max_model_len, self.ops, tp, None, config.load_format)
         logger.info("start-up: load the EAGLE-3 head took %.2f s", time.perf_counter() - started)
         self.kv_spec = KVCacheSpec.for_layers(self.model.attention_layers(), config.block_size, self.dtype,
                                               config.kv_cache_dtype, max_model_len, hybrid=False)
-        self.max_rows = max(config.max_num_batched_tokens, config.max_num_seqs * (1 + spec.num_speculative_tokens))
+        # the most sequences a step drafts for, and so the rows of the head's graphs (a catch-up's tokens each a row)
+        drafting = min(config.max_num_seqs, spec.disable_by_batch_size or config.max_num_seqs)
+        self.graph_rows = drafting * (1 + spec.num_speculative_tokens)
+        # every target forward's tokens: a step's budget, a verify step's rows, the start-up warm-up's 49
+        self.max_rows = max(config.max_num_batched_tokens, config.max_num_seqs * (1 + spec.num_speculative_tokens),
+                            WARM_UP_ROWS)
         self.aux: torch.Tensor | None = None  # [rows, 3 * hidden]: the target's captured states of its last step
+        # the features the head's graphs read, staged before each replay (the eager warm-up's steps too)
+        self.features = torch.zeros(max(self.graph_rows, WARM_UP_ROWS), mc.hidden_size, dtype=self.dtype,
+                                    device=device)
+        self.graphs: DecodeGraphs | None = None
         self.last: tuple[list[Sequence], np.ndarray, np.ndarray] | None = None  # its sequences, cu, start positions
         self.runner: Any = None
         self.group = 0
@@ -107,6 +119,14 @@ class Eagle3Drafter:
                              f"KV groups' windows are {list(windows)})")
         self.runner, self.group = runner, windows.index(0)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, runner.num_kv_blocks, self.device)
+        if runner.graphs is not None:  # the target captures graphs: so does the head, over its cache
+            started = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, self.graph_rows, runner.input_batch.block_tables.shape[2],
+                                       self.block_size, self.device, forward=self._graph_forward)
+            self.graphs.capture()
+            logger.info("start-up: the EAGLE-3 head's graph capture took %.2f s", time.perf_counter() - started)
+        if self.device.type == "cuda" and self.ops.name == "triton":  # its eager variants compile now too
+            runner.warm_up_kernels(self.model, self._graph_forward)
 
     def forget(self, seq_ids: list[int]) -> None:
         """Nothing to drop: a sequence's head KV lives in its blocks, rewritten from the features it is fed."""
@@ -128,32 +148,34 @@ class Eagle3Drafter:
             return None
         order = np.argsort(counts > 1, kind="stable")  # one-token rows first, as the attention layout wants
         fed, starts, counts, rows = [fed[i] for i in order], starts[order], counts[order], rows[order]
-        prenorm, last_rows = self._feed(fed, starts, counts, rows)
+        ids = np.concatenate([np.asarray(s.token_ids[p + 1:p + 1 + c], dtype=np.int64)
+                              for s, p, c in zip(fed, starts.tolist(), counts.tolist())])
+        aux_rows = np.concatenate([np.arange(r, r + c) for r, c in zip(rows.tolist(), counts.tolist())])
+        ib = self.runner.input_batch
+        feature, logits = self._forward(ids, None, starts, counts, ib.rows(fed),
+                                        self.model.combine(self.aux.index_select(0, self._upload(aux_rows))))
         index = {s.seq_id: i for i, s in enumerate(fed)}
         lengths = np.array([len(s.token_ids) for s in seqs], dtype=np.int64)
         drafting = [i for i, s in enumerate(seqs) if s.seq_id in index
                     and starts[index[s.seq_id]] + counts[index[s.seq_id]] == lengths[i] - 1]
         if not drafting:
             return None
-        pick = np.array([index[seqs[i].seq_id] for i in drafting], dtype=np.int64)
+        pick = self._upload(np.array([index[seqs[i].seq_id] for i in drafting]))
+        feature, logits = feature.index_select(0, pick), logits.index_select(0, pick)
         order = np.array(drafting, dtype=np.int64)
-        ib = self.runner.input_batch
         batch_rows = ib.rows([seqs[i] for i in order])
         outputs = lengths[order] - ib.prompt_lens[batch_rows]  # output tokens before the first draft
-        feature = prenorm.index_select(0, self._upload(last_rows[pick]))
-        tokens, probs = self._sample(feature, order, batch_rows, outputs, seqs)
+        tokens, probs = self._sample(logits, order, batch_rows, outputs, seqs)
         steps = [(order, tokens, probs)]
         room_arr = np.asarray(room)
         for j in range(1, max(room[i] for i in drafting)):  # draft j + 1 from draft j, on the head's own feature
             keep = np.flatnonzero(room_arr[order] > j)
             order, batch_rows, outputs = order[keep], batch_rows[keep], outputs[keep]
             keep_dev = self._upload(keep)
-            positions = lengths[order] - 2 + j
-            ones = np.ones(len(order), dtype=np.int64)
-            hidden = self._forward(tokens.index_select(0, keep_dev), positions, ones, batch_rows,
-                                   feature.index_select(0, keep_dev))
-            feature = hidden
-            tokens, probs = self._sample(hidden, order, batch_rows, outputs + j, seqs)
+            feature, logits = self._forward(None, tokens.index_select(0, keep_dev), lengths[order] - 2 + j,
+                                            np.ones(len(order), dtype=np.int64), batch_rows,
+                                            feature.index_select(0, keep_dev))
+            tokens, probs = self._sample(logits, order, batch_rows, outputs + j, seqs)
             steps.append((order, tokens, probs))
         return collect_drafts(seqs, steps)
 
@@ -180,34 +202,42 @@ class Eagle3Drafter:
         as_array = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
         return fed, as_array(starts), as_array(counts), as_array(rows)
 
-    def _feed(self, seqs: list[Sequence], starts: np.ndarray, counts: np.ndarray, rows: np.ndarray
-              ) -> tuple[torch.Tensor, np.ndarray]:
-        """One head forward over each sequence's ``counts`` positions from ``starts``: the target's feature of p
-        with token p + 1. Returns the head's output features and each sequence's last row among them."""
-        ids = np.concatenate([np.asarray(s.token_ids[p + 1:p + 1 + c], dtype=np.int64)
-                              for s, p, c in zip(seqs, starts.tolist(), counts.tolist())])
-        aux_rows = np.concatenate([np.arange(r, r + c) for r, c in zip(rows.tolist(), counts.tolist())])
-        feature = self.model.combine(self.aux.index_select(0, self._upload(aux_rows)))
-        hidden = self._forward(self._upload(ids), starts, counts, self.runner.input_batch.rows(seqs), feature)
-        return hidden, np.cumsum(counts) - 1
-
-    def _forward(self, ids: torch.Tensor, starts: np.ndarray, q_lens: np.ndarray, batch_rows: np.ndarray,
-                 feature: torch.Tensor) -> torch.Tensor:
-        """The head over ``q_lens`` tokens per sequence from position ``starts`` (one-token rows first), through
-        the target's block tables of its full-attention group: the output features, one row per token."""
+    def _forward(self, ids: np.ndarray | None, prev: torch.Tensor | None, starts: np.ndarray, q_lens: np.ndarray,
+                 batch_rows: np.ndarray, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over ``q_lens`` tokens per sequence from position ``starts`` (one-token rows first; the tokens
+        ``ids`` on the host, or one each in ``prev`` on the device), through the target's block tables of its
+        full-attention group: each sequence's last output feature and its logits over the target's vocabulary.
+        A replay of the head's decode graphs when every sequence brings few tokens (each token a row of its own,
+        as a verify step's are: ``step_arrays.as_decode_rows``), else eager."""
         runner, ib, g = self.runner, self.runner.input_batch, self.group
         tables = ib.block_tables[g:g + 1, batch_rows, :int(ib.num_blocks[g, batch_rows].max())]
         cu, positions, slots = token_layout(q_lens, starts, tables, self.block_size)
-        a = StepArrays(_NONE, positions, slots, tables, (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:] - 1,
-                       int((q_lens == 1).sum()), _NONE, _NONE, batch_rows)
-        pos, slot = runner._upload(torch.int64, positions, slots[0])
-        return self.model(ids, pos, runner._metadata(a, [slot]), feature)
+        a = StepArrays(ids if ids is not None else np.zeros(len(positions), dtype=np.int64), positions, slots, tables,
+                       (starts + q_lens).astype(np.int32), q_lens, cu, cu[1:] - 1, int((q_lens == 1).sum()),
+                       _NONE, _NONE, batch_rows)
+        if self.graphs is not None and q_lens.max() <= GRAPH_CATCH_UP:
+            d = as_decode_rows(a)
+            n = len(d.ids)
+            if self.graphs.can_run(n, d.tables.shape[2]):
+                self.features[:n].copy_(feature)
+                src = np.arange(n) if prev is not None else np.full(n, -1, dtype=np.int64)
+                hidden, logits = self.graphs.run(d.ids, d.positions, d.slots, src, d.ctx_lens, d.tables, prev)
+                if len(a.logit_rows) == n:
+                    return hidden, logits
+                last = self._upload(a.logit_rows)
+                return hidden.index_select(0, last), logits.index_select(0, last)
+        pos, last, slot = runner._upload(torch.int64, positions, a.logit_rows, slots[0])
+        hidden = self.model(prev if prev is not None else self._upload(ids), pos, runner._metadata(a, [slot]), feature)
+        hidden = hidden.index_select(0, last)
+        return hidden, self.model.compute_logits(hidden, float32=False)
 
-    def _sample(self, feature: torch.Tensor, order: np.ndarray, batch_rows: np.ndarray, outputs: np.ndarray,
+    def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> torch.Tensor:
+        """The forward the head's graphs capture: its features staged in ``features`` beforehand."""
+        return self.model(ids, positions, meta, self.features[:ids.shape[0]])
+
+    def _sample(self, logits: torch.Tensor, order: np.ndarray, batch_rows: np.ndarray, outputs: np.ndarray,
                 seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draw a draft from each row's features with its sequence's sampling parameters (over the target's
-        vocabulary: ids outside the head's draw nothing)."""
-        logits = self.model.to_target(self.model.compute_logits(feature, float32=False), self.vocab_size)
+        """Draw a draft from each row's logits with its sequence's sampling parameters."""
         meta = self.runner.input_batch.sampling_metadata(batch_rows, outputs, [seqs[i] for i in order])
         return self.runner.sampler.draft(logits, meta)
 

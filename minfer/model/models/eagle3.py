@@ -72,7 +72,7 @@ class DraftVocab(nn.Module):
 
 class Eagle3Head(nn.Module):
     """``combine`` the target's captured states into features, ``forward`` one draft step, ``compute_logits``
-    over the draft vocabulary, ``to_target`` into the target's."""
+    over the draft vocabulary, placed in the target's."""
 
     is_draft_head = True  # drafts for a target (speculative_config.method 'eagle3'); never serves alone
     packed_modules = LlamaForCausalLM.packed_modules | {"fc": ("fc", 0)}
@@ -128,6 +128,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, ops)
         self.lm_head = VocabParallelEmbedding(cfg.extra["draft_vocab_size"], h, dtype)  # a weight holder
         self.vocab = DraftVocab(cfg.extra["draft_vocab_size"])
+        self.target_ids: torch.Tensor | None = None  # each draft id's target id, from d2t once it has loaded
         # the checkpoint's own token embedding, or the target's (``share_embedding``)
         self.embed_tokens: Any = VocabParallelEmbedding(cfg.vocab_size, h, dtype) \
             if cfg.extra.get("own_embedding") else None
@@ -145,17 +146,20 @@ class Eagle3Head(nn.Module):
         """The head's output before its final norm: the next step's feature, and ``compute_logits``' input."""
         return self.midlayer(self.embed_tokens(input_ids), feature, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        logits = torch.mm(self.norm(hidden), self.lm_head.weight.t())
-        return logits.float() if float32 else logits
-
-    def to_target(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Draft-vocabulary logits [R, Vd] as the target's [R, V]: -inf for the ids the head cannot draft."""
-        if logits.shape[1] == vocab_size:
-            return logits
-        out = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
-        ids = torch.arange(logits.shape[1], device=logits.device) + self.vocab.d2t
-        return out.index_copy_(1, ids, logits)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True, out: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+        """Logits over the target's vocabulary ([R, V]; ``out``: a CUDA graph's buffer of that shape): the draft
+        vocabulary's at their target ids (``d2t``), -inf at the ids the head cannot draft."""
+        draft = torch.mm(self.norm(hidden), self.lm_head.weight.t())
+        if draft.shape[1] == self.config.vocab_size:
+            out = draft if out is None else out.copy_(draft)
+        else:
+            if out is None:
+                out = draft.new_empty(draft.shape[0], self.config.vocab_size)
+            if self.target_ids is None:
+                self.target_ids = torch.arange(draft.shape[1], device=draft.device) + self.vocab.d2t
+            out.fill_(float("-inf")).index_copy_(1, self.target_ids, draft)
+        return out.float() if float32 else out
 
     def attention_layers(self) -> list[Attention]:
         return [self.midlayer.self_attn.attn]
