@@ -6,6 +6,7 @@
     python3 benchmarks/bench_spec.py batch1 --shape llama-3.1-8b           # batch 1, n-gram on a repeated prompt
     python3 benchmarks/bench_spec.py batch --shape llama-3.1-8b --batch 64 # a batch with and without speculation
     python3 benchmarks/bench_spec.py eagle --shape llama-3.1-8b            # batch 1: what an EAGLE-3 step costs
+    python3 benchmarks/bench_spec.py ceiling --shape llama-3.1-8b          # batch 1 where every draft is right
 
 Each part prints a markdown table and writes it under $OUT (default /tmp/minfer-out). ``verify`` times the
 runner's launch + draws of one sequence's step (its last token and k drafts, the decode graph of 1 + k rows)
@@ -15,6 +16,11 @@ built-in model never trained on) and reports decode tok/s and the acceptance cou
 ``eagle`` runs batch-1 decode with a random-weight EAGLE-3 head of the shape's width (draft vocabulary 32,000), its
 back-off off so that every step drafts: with random weights nothing is accepted, so the time per token is what a
 drafting and verifying step costs against a plain one, the break-even point of any head's acceptance.
+``ceiling`` measures the other end: the shape's weights drawn at random, then its layers' output projections
+(o_proj, down_proj) zeroed and its LM head set to its embedding, so the model repeats its last token forever (a
+token's normed embedding is nearest itself); n-gram lookup and an EAGLE-3 head built the same way (fc passing the
+last captured layer, its layer adding nothing, its LM head the embedding) then draft what it writes. Every weight
+is still read every step, so the times are the shape's; the output is the model's, verified as always.
 """
 from __future__ import annotations
 
@@ -149,18 +155,19 @@ def batch1(shape: str, k: int, max_tokens: int) -> None:
            rows)
 
 
-def eagle_head(shape_dir: str) -> str:
+def eagle_head(shape_dir: str, full_vocab: bool = False) -> str:
     """A random-weight EAGLE-3 head for the target in ``shape_dir``: its width, heads and MLP, one layer, a draft
     vocabulary of 32,000 ids, as the public Llama-3.1-8B heads have (weights drawn at load: ``load_format`` dummy)."""
     import json
 
     cfg = json.loads((Path(shape_dir) / "config.json").read_text())
-    head = Path(shape_dir + "-eagle3")
+    head = Path(shape_dir + ("-eagle3-full" if full_vocab else "-eagle3"))
     head.mkdir(parents=True, exist_ok=True)
     keys = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings", "vocab_size", "torch_dtype"]
     (head / "config.json").write_text(json.dumps({k: cfg[k] for k in keys if k in cfg} | {
-        "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": min(32000, cfg["vocab_size"])}))
+        "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+        "draft_vocab_size": cfg["vocab_size"] if full_vocab else min(32000, cfg["vocab_size"])}))
     return str(head)
 
 
@@ -193,6 +200,54 @@ def eagle(shape: str, k: int, max_tokens: int) -> None:
                               "acceptance"], rows)
 
 
+def repeat_last_token(model: torch.nn.Module, embedding: torch.Tensor) -> None:
+    """Make a Llama-layout model (or EAGLE-3 head) write its last token again: every layer adds zero to the
+    residual stream and the LM head is the token ``embedding`` (in place: the captured graphs read these tensors)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+        if hasattr(model, "fc"):  # a head: its feature is the last captured layer's state (the embedding)
+            h = model.config.hidden_size
+            model.fc.weight.zero_()
+            model.fc.weight[:, 2 * h:].copy_(torch.eye(h))
+        model.lm_head.weight.copy_(embedding)
+
+
+def ceiling(shape: str, ks: list[int], max_tokens: int) -> None:
+    model = str(shape_checkpoint(shape, Path("/tmp/minfer-shapes"), "dummy"))
+    head = eagle_head(model, full_vocab=True)
+    prompt = {"prompt_token_ids": [(i * 7919) % 20000 + 100 for i in range(256)]}
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    runs = [("none", None)] + [(f"ngram, k={k}", {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                                                  "prompt_lookup_max": 4}) for k in ks] + \
+        [(f"eagle3, k={k}", {"method": "eagle3", "model": head, "num_speculative_tokens": k}) for k in ks]
+    rows, base, reference = [], None, None
+    for name, spec in runs:
+        llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, speculative_config=spec)
+        target = llm.llm_engine.runner.model
+        repeat_last_token(target, target.embed_tokens.weight)
+        drafter = llm.llm_engine.speculator.drafter if spec else None
+        if drafter is not None:
+            repeat_last_token(drafter.model, target.embed_tokens.weight)
+        llm.generate([prompt], params, use_tqdm=False)  # warm-up
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        tokens = out.outputs[0].token_ids
+        reference = reference or tokens
+        m = out.metrics
+        speed = (len(tokens) - 1) / (m.finished_time - m.first_token_time)
+        base = base or speed
+        s = llm.get_stats()
+        rows.append([name, f"{speed:.1f}", f"{speed / base:.2f}×", "yes" if tokens == reference else "NO",
+                     f"{s['spec_decode_acceptance_rate']:.3f}" if spec else "—",
+                     f"{s['spec_decode_mean_acceptance_length']:.2f}" if spec else "—"])
+        llm.shutdown()
+        del llm, target, drafter
+        torch.cuda.empty_cache()
+    _table(f"ceiling_{shape}", ["batch 1, every draft right", "decode tok/s", "speed-up", "output = none's",
+                                "acceptance", "tokens per step"], rows)
+
+
 def batch(shape: str, size: int, k: int) -> None:
     model = str(shape_checkpoint(shape, Path("/tmp/minfer-shapes"), "dummy"))
     rows, base = [], None
@@ -220,7 +275,7 @@ def batch(shape: str, size: int, k: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["verify", "pair", "batch1", "batch", "eagle"])
+    ap.add_argument("part", choices=["verify", "pair", "batch1", "batch", "eagle", "ceiling"])
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--target", help="pair: the target model folder (e.g. one `minfer train` wrote)")
     ap.add_argument("--draft", default=None, help="pair: the draft (default: the built-in model)")
@@ -241,6 +296,8 @@ def main() -> int:
         batch1(args.shape, args.k, args.max_tokens)
     elif args.part == "eagle":
         eagle(args.shape, args.k, args.max_tokens)
+    elif args.part == "ceiling":
+        ceiling(args.shape, [int(x) for x in args.ks.split(",")], args.max_tokens)
     else:
         batch(args.shape, args.batch, args.k)
     return 0

@@ -11,6 +11,7 @@
 # batch1: batch-1 decode on the shape with and without n-gram drafts (a repeated prompt; acceptance reported).
 # batch:  64 requests with and without speculation (the default disable_by_batch_size rule, and always on).
 # eagle:  batch-1 decode with a random-weight EAGLE-3 head drafting every step, against none: a drafting step's cost.
+# ceiling: batch-1 decode of the shape made to repeat its last token, n-gram and an EAGLE-3 head right every time.
 # serve:  `minfer serve` (random weights drawn on the GPU) without and with n-gram speculation, then
 #         `minfer bench-serve` at concurrency 1/16/64 against each (needs the server wheels: WHEEL_DIR).
 DEADLINE_DEFAULT=570
@@ -50,6 +51,10 @@ esac
 case " $PARTS " in *" eagle "*)
   echo "== batch 1, EAGLE-3 ($(left) s left)"
   timeout "$(cap 150)" "$PY" benchmarks/bench_spec.py eagle --shape "${SHAPE:-llama-3.1-8b}" -k 3 2>&1 | tail -6 ;;
+esac
+case " $PARTS " in *" ceiling "*)
+  echo "== batch 1, every draft right ($(left) s left)"
+  timeout "$(cap 240)" "$PY" benchmarks/bench_spec.py ceiling --shape "${SHAPE:-llama-3.1-8b}" --ks 3,5 2>&1 | tail -8 ;;
 esac
 case " $PARTS " in *" serve "*)
   model=$("$PY" -c "from pathlib import Path; from minfer.benchmark.shapes import shape_checkpoint as s

@@ -309,3 +309,13 @@ def test_a_refused_configuration_under_tensor_parallelism_leaves_no_worker(check
     while multiprocessing.active_children() and time.time() < deadline:
         time.sleep(0.1)
     assert not multiprocessing.active_children()
+
+
+def test_ngram_lookup_prefers_the_latest_occurrence_with_k_tokens_after_it():
+    from minfer.engine.spec.ngram import ngram_draft
+
+    assert ngram_draft([1, 2, 3, 9, 1, 2, 4, 5, 6, 1, 2], 3, 1, 2) == [4, 5, 6]  # the latest of two
+    assert ngram_draft([5, 7, 7, 7, 7, 7], 3, 2, 2) == [7, 7, 7]  # a run: the latest hit overlaps the suffix
+    assert ngram_draft([1, 2, 8, 1, 2], 3, 2, 2) == [8, 1, 2]
+    assert ngram_draft([1, 2, 8, 9, 1, 2, 1, 2], 3, 2, 2) == [8, 9, 1]  # the latest has only 2 tokens after
+    assert ngram_draft([1, 2, 3], 2, 1, 2) == []
