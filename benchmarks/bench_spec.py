@@ -25,6 +25,7 @@ is still read every step, so the times are the shape's; the output is the model'
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -243,6 +244,7 @@ def ceiling(shape: str, ks: list[int], max_tokens: int) -> None:
                      f"{s['spec_decode_mean_acceptance_length']:.2f}" if spec else "—"])
         llm.shutdown()
         del llm, target, drafter
+        gc.collect()  # the runner and its drafter refer to each other
         torch.cuda.empty_cache()
     _table(f"ceiling_{shape}", ["batch 1, every draft right", "decode tok/s", "speed-up", "output = none's",
                                 "acceptance", "tokens per step"], rows)
