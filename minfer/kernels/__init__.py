@@ -7,7 +7,8 @@ eager attention does (matmuls in the model dtype).
 
 ``attention/`` (paged prefill and decode, Triton and Hopper Gluon), ``quant/`` (the FP8 activation format and
 the 8-bit KV cache formats), ``gemm/`` (batch-1 matrix-vector products, the FP8 GEMMs), ``moe/`` (the fused
-mixture-of-experts block), ``linear_attention/`` (Gated DeltaNet's conv and delta rule); the small kernels the others share or the engine calls alone (norms, activation,
+mixture-of-experts block), ``linear_attention/`` (Gated DeltaNet's conv and delta rule), ``lora/`` (batched
+multi-LoRA shrink and expand); the small kernels the others share or the engine calls alone (norms, activation,
 rotary + KV store, sampling, a decode graph's input staging, PDL) sit at this level. Callers import the
 module they use (``from minfer.kernels.attention.decode_attention import paged_decode_attention``); no package
 here imports its modules, so a torch-only caller (``quant/kv_quant.py``, ``quant/fp8_ref.py``,
