@@ -201,3 +201,35 @@ def test_a_head_does_not_serve_alone_nor_a_model_head(pair):
         LLM(str(head), num_kv_blocks=64)
     with pytest.raises(ValueError, match="not an EAGLE-3 draft head"):
         LLM(str(target), speculative_config=_eagle(target), num_kv_blocks=64)
+
+
+def test_sampling_structured_outputs_and_aborts_through_a_head(pair):
+    """Seeded sampling (n = 2, logprobs, top-k/p, penalties) repeats itself through the head's drafts and
+    rejection sampling, a JSON schema holds over drafted tokens, an abort mid-speculation leaks nothing."""
+    from minfer.structured_outputs import StructuredOutputsParams
+
+    target, head = pair
+    llm = LLM(str(target), speculative_config=_eagle(head), num_kv_blocks=64)
+    params = [SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=12),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=9, max_tokens=10, repetition_penalty=1.3,
+                             logprobs=2)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    first, again = (llm.generate(prompts, params, use_tqdm=False) for _ in range(2))
+    for a, b in zip(first, again):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert all(t in entry for t, entry in zip(first[1].outputs[0].token_ids, first[1].outputs[0].logprobs))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    out = llm.generate(["x"], SamplingParams(max_tokens=40, temperature=0,
+                                             structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    assert set(json.loads(out[0].outputs[0].text)) == {"a"}
+    engine = llm.llm_engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("1")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+    assert _all_free(llm)
