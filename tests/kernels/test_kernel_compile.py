@@ -33,6 +33,12 @@ SM90_SHARED = 232448  # the most shared memory one block may take on sm_90 (227 
 # what the Gated DeltaNet kernels' signatures share
 _GDN_SIG = dict(K="*bf16", G="*fp32", QSL="*i32", stride_qt="i32", stride_qh="i32", stride_kt="i32", stride_kh="i32",
                 stride_gt="i32", stride_bt="i32", dk="i32", dv="i32", eps="fp32")
+# the multi-LoRA kernels' (kernels/lora/lora.py): bf16 activations and stacks, the float32 split-K buffer
+_LORA_SHRINK_SIG = dict(X="*bf16", A="*bf16", BUF="*fp32", SORTED="*i32", COUNTS="*i32", L="i32", K="i32",
+                        k_part="i32", stride_xt="i32", stride_al="i32", stride_as="i32", stride_ar="i32",
+                        stride_bk="i32", stride_bs="i32", stride_bt="i32")
+_LORA_EXPAND_SIG = dict(BUF="*fp32", B="*bf16", OUT="*bf16", SORTED="*i32", COUNTS="*i32", L="i32", stride_bk="i32",
+                        stride_bs="i32", stride_bt="i32", stride_wl="i32", stride_wn="i32", stride_ot="i32")
 BUILDS = {
     "silu": ("minfer.kernels.activation", "_act_and_mul_kernel",
              dict(X="*bf16", OUT="*bf16", stride_x="i32", stride_o="i32", inter="i32"),
@@ -107,6 +113,24 @@ BUILDS = {
                                     stride_ot="i32", stride_oh="i32", stride_ss="i32", stride_sh="i32",
                                     scale="fp32"),
                                dict(GROUP=2, DK=128, BV=64, BT=64, L2NORM=True, PREC="tf32x3"), dict(num_stages=1)),
+    # multi-LoRA (llama-3.1-8b, rank 16, 8 slots) with the launchers' options: the shrink at decode (16-row
+    # blocks, 128-wide K tiles) and at prefill (64-row blocks); the expand of qkv's three shards in one launch
+    # (4096 / 1024 / 1024 columns: the shard geometry as constexpr tuples) after a split-K of 4, and of gate_up
+    # at prefill; the expand's float32 product in tf32x3 (dot_mode(float32) on a GPU)
+    "lora_shrink_decode": ("minfer.kernels.lora.lora", "_lora_shrink_kernel", _LORA_SHRINK_SIG,
+                           dict(RANK=16, R_TILES=1, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, L_PAD=8, UPCAST=False,
+                                PRECISION="tf32")),
+    "lora_shrink_prefill": ("minfer.kernels.lora.lora", "_lora_shrink_kernel", _LORA_SHRINK_SIG,
+                            dict(RANK=16, R_TILES=1, BLOCK_M=64, BLOCK_R=16, BLOCK_K=64, L_PAD=8, UPCAST=False,
+                                 PRECISION="tf32")),
+    "lora_expand_qkv_decode": ("minfer.kernels.lora.lora", "_lora_expand_kernel", _LORA_EXPAND_SIG,
+                               dict(N_SHARDS=3, TILE_STARTS=(0, 64, 80, 96), B_ROWS=(0, 4096, 5120),
+                                    OUT_COLS=(0, 4096, 5120), SIZES=(4096, 1024, 1024), RANK=16, SPLIT_K=4,
+                                    BLOCK_M=16, BLOCK_N=64, BLOCK_R=16, L_PAD=8, PRECISION="tf32x3")),
+    "lora_expand_gate_up_prefill": ("minfer.kernels.lora.lora", "_lora_expand_kernel", _LORA_EXPAND_SIG,
+                                    dict(N_SHARDS=2, TILE_STARTS=(0, 224, 448), B_ROWS=(0, 14336),
+                                         OUT_COLS=(0, 14336), SIZES=(14336, 14336), RANK=16, SPLIT_K=1,
+                                         BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, L_PAD=8, PRECISION="tf32x3")),
 }
 
 
