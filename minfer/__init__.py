@@ -14,8 +14,9 @@ from minfer.version import __version__  # noqa: F401 - minfer.__version__
 
 if TYPE_CHECKING:
     from minfer.llm import LLM
+    from minfer.lora.request import LoRARequest
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from minfer.llm import LLM
 
         return LLM
+    if name == "LoRARequest":  # its package loads torch
+        from minfer.lora.request import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -275,6 +275,11 @@ class EngineConfig:
         "prompt_lookup_min, prompt_lookup_max), draft_model (model, num_speculative_tokens); "
         f"disable_by_batch_size (default {DEFAULT_DISABLE_BY_BATCH_SIZE}): no speculation in a step of that many "
         "sequences or more")
+    enable_lora: bool = _knob(False, "serve LoRA adapters (PEFT format) beside the base model: a request names one "
+                              "with lora_request, or on the server by its model name")
+    max_loras: int = _knob(1, "LoRA: adapters resident on the device at once (the most distinct ones in a step)")
+    max_lora_rank: int = _knob(16, "LoRA: the largest adapter rank accepted (every slot is this wide)")
+    max_cpu_loras: int | None = _knob(None, "LoRA: adapters kept loaded in host memory (default max_loras)")
     structured_outputs_compile_timeout: float = _knob(30.0, "structured outputs: seconds a grammar may take to "
                                                       "compile (in its compiler process, which is killed past "
                                                       "them); the request then fails naming this flag")
@@ -298,6 +303,12 @@ class EngineConfig:
         self.kv_cache_dtype = _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_int("seed", self.seed, 0)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        _check_int("max_loras", self.max_loras, 1, 256)
+        _check_int("max_lora_rank", self.max_lora_rank, 1, 512)
+        if self.max_cpu_loras is not None:
+            _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from minfer.config import EngineConfig
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import PromptType
+from minfer.lora.request import LoRARequest
 from minfer.outputs import RequestOutput, RequestOutputKind
 from minfer.reasoning import grammar_gate, parse_whole, reasoning_parser_class
 from minfer.sampling_params import SamplingParams
@@ -74,13 +75,25 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
-        return self._generate(prompts, sampling_params, use_tqdm)
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. ``lora_request``: the LoRA adapter every
+        prompt runs through, or one per prompt (None: the base model; needs ``enable_lora=True``)."""
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and check an adapter ahead of its requests (False: loaded already)."""
+        return self._engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self._engine.list_loras())
 
     def _generate(self, prompts: PromptType | Sequence[PromptType],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None, use_tqdm: bool,
-                  reasoning: str | None = None) -> list[RequestOutput]:
+                  reasoning: str | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """``generate``; ``reasoning``: the reasoning parser's name, whose end of reasoning structured outputs wait
         for (``grammar_gate``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -92,13 +105,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         engine = self._engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 ids.append(str(self._counter))
                 self._counter += 1
-                request = engine.processor.process(ids[-1], prompt, p)
+                request = engine.processor.process(ids[-1], prompt, p, lora_request=lora)
                 if reasoning is not None and p.structured_outputs is not None:
                     request.grammar_after = grammar_gate(engine.tokenizer, request.prompt_token_ids, reasoning)
                 engine.add_processed_request(request)
@@ -112,7 +128,8 @@ class LLM:
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              tools: list[dict] | None = None, reasoning_parser: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to each conversation (``tools``: OpenAI-style function specs
         the template shows the model; ``chat_template_kwargs``: more template variables, e.g. gpt-oss's
         ``reasoning_effort``), then generate; for calls that must parse, constrain the output with
@@ -122,7 +139,8 @@ class LLM:
         structured outputs then constrain the answer only, from the end of the reasoning on, as the server does.
         ``gpt_oss`` reads harmony's special-token markers, so its completions are decoded with them kept
         (``skip_special_tokens=False``) and the parser takes them out; a function call is not in ``text`` (the
-        server's tool-call parser reads calls; offline, decode ``token_ids``)."""
+        server's tool-call parser reads calls; offline, decode ``token_ids``). ``lora_request``: as ``generate``'s,
+        one for every conversation or one each."""
         parser = reasoning_parser_class(reasoning_parser) if reasoning_parser is not None else None
         if parser is not None and parser.needs_special_tokens:
             sampling_params = dataclasses.replace(sampling_params or self.get_default_sampling_params(),
@@ -136,7 +154,8 @@ class LLM:
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        outputs = self._generate(prompts, sampling_params, use_tqdm, reasoning=reasoning_parser)
+        outputs = self._generate(prompts, sampling_params, use_tqdm, reasoning=reasoning_parser,
+                                 lora_request=lora_request)
         if parser is not None:
             for completion in (c for out in outputs for c in out.outputs):
                 reasoning, content = parse_whole(parser(), completion.text)

@@ -75,7 +75,7 @@ class BlockManager:
         bs = self.block_size
         self.queried_tokens += seq.num_tokens
         keys: list[tuple[int, tuple]] = []
-        prev: int | None = None
+        prev: int | None = _salt(seq)
         for i in range((seq.num_tokens - 1) // bs):
             key = (prev, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             prev = hash(key)
@@ -168,7 +168,7 @@ class BlockManager:
             return
         bs, hashes = self.block_size, seq.block_hashes
         for i in range(len(hashes), min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs):
-            key = (hashes[-1] if hashes else None, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            key = (hashes[-1] if hashes else _salt(seq), tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             h = hash(key)
             hashes.append(h)
             for g, table in enumerate(seq.block_tables):
@@ -245,3 +245,9 @@ def _runs(hits: list[int | None]) -> list[int]:
         n = n + 1 if b is not None else 0
         runs.append(n)
     return runs
+
+
+def _salt(seq: Sequence) -> int | None:
+    """What a sequence's first block chains from: its LoRA adapter (the same tokens through another adapter make
+    other K/V), None for the base model."""
+    return -seq.lora_id if seq.lora_id else None

@@ -14,6 +14,7 @@ tensor parallelism every rank captures the same buckets, the collectives inside 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,10 +34,12 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device, forward: ModelForward | None = None, num_groups: int = 1,
-                 state_slots: int = 0) -> None:
+                 state_slots: int = 0, lora: Any = None) -> None:
         """``num_groups``: the KV groups, each with its own slot mapping and block tables. ``state_slots``: the
-        state cache's slots when the model has recurrent layers (the last one takes the padding rows)."""
+        state cache's slots when the model has recurrent layers (the last one takes the padding rows). ``lora``:
+        the engine's ``LoRAManager``, whose static token-to-slot buffers the graphs read (refilled each replay)."""
         self.model = model
+        self.lora = lora
         self.forward = model if forward is None else forward  # the runner's: Ops.model_forward(model)
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -76,6 +79,8 @@ class DecodeGraphs:
         pool = None
         for b in reversed(self.sizes):
             meta = self._meta(b)
+            if self.lora is not None:
+                self.lora.use_static(b)
             self._forward(b, meta)  # compile kernels, settle allocations
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -84,6 +89,8 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
+        if self.lora is not None:
+            self.lora.state.meta = None  # eager forwards set their own
         logger.info("captured %d decode CUDA graphs (batch %d..%d)", len(self.graphs), self.sizes[0], self.max_batch)
 
     def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -96,7 +103,8 @@ class DecodeGraphs:
 
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, src_rows: np.ndarray,
             ctx_lens: np.ndarray, tables: np.ndarray, prev_tokens: torch.Tensor | None,
-            state_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            state_rows: np.ndarray | None = None, lora_slots: np.ndarray | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the smallest bucket that holds this decode batch of ``n`` sequences (host arrays; a row
         with ``src_rows[i] >= 0`` takes its input id from ``prev_tokens[src_rows[i]]``, on the device).
         The inputs go up packed in one copy and one kernel scatters them into the graph's buffers
@@ -112,10 +120,14 @@ class DecodeGraphs:
                             self.slot_mapping[:, :b], self.context_lens[:b], self.block_tables[:, :b])
         if self.spare_slot >= 0:  # recurrent layers: the rows' state slots (``state_rows``), padding to the spare
             self._stage_state(n, b, state_rows, ctx_lens)
+        if self.lora is not None:  # each row's LoRA slot (``lora_slots``), the padding rows' none
+            self.lora.stage(lora_slots, n, b)
         if b in self.graphs:
             self.graphs[b].replay()
             hidden = self.outputs[b]
         else:  # uncaptured: the same buffers, eagerly
+            if self.lora is not None:
+                self.lora.use_static(b)
             hidden = self._forward(b, self._meta(b))
         return hidden[:n], self.logits[:n]
 

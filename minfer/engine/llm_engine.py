@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from typing import Any
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from minfer.config import EngineConfig
@@ -35,6 +36,7 @@ from minfer.engine.output_processor import OutputProcessor
 from minfer.engine.processor import EngineRequest, Processor, PromptType
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
 from minfer.engine.sequence import Sequence, SequenceStatus
+from minfer.engine.lora_manager import EngineLoRA
 from minfer.engine.spec.draft_probs import DraftProbs
 from minfer.engine.spec.complete import complete_speculative
 from minfer.engine.spec.factory import make_draft, make_speculator
@@ -47,7 +49,7 @@ from minfer.sampling_params import SamplingParams
 logger = logging.getLogger("minfer")
 
 
-class LLMEngine:
+class LLMEngine(EngineLoRA):
     def __init__(self, config: EngineConfig, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         """``output_kind`` says what ``step`` returns (see ``OutputProcessor``): finished requests only
         (``LLM``), whole outputs every step, or only what is new (the server)."""
@@ -86,7 +88,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching and not recurrent, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   fork_samples=not recurrent)
+                                   fork_samples=not recurrent, max_loras=config.max_loras if config.enable_lora else 0)
         try:
             self.speculator = make_speculator(config, self.runner, draft)
         except Exception:  # a configuration refused here, on rank 0: the workers must not outlive it
@@ -120,17 +122,20 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; errors here leave the engine untouched."""
+                    arrival_time: float | None = None, lora_request: Any = None) -> None:
+        """Validate and queue a request (``lora_request``: a ``minfer.lora.LoRARequest`` it runs through); errors
+        here leave the engine untouched."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.add_processed_request(self.processor.process(request_id, prompt, params, arrival_time))
+        self.add_processed_request(self.processor.process(request_id, prompt, params, arrival_time, lora_request))
 
     def add_processed_request(self, request: EngineRequest) -> None:
         """Queue a request that a ``Processor`` (this engine's, or a copy of it elsewhere) has checked."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        params = request.params
+        params, lora = request.params, request.lora_request
+        if lora is not None:
+            self.add_lora(lora)  # LoRA on and the adapter loads, before anything is queued
         seqs = []
         for i in range(params.n):
             if params.seed is None:
@@ -139,7 +144,8 @@ class LLMEngine:
                 seed = params.seed if i == 0 else hash((params.seed, i)) & (2**63 - 1)
             seqs.append(Sequence(self._next_seq_id, request.request_id, i, request.prompt_token_ids, params, seed,
                                  self.eos_token_ids, request.max_total_tokens,
-                                 grammar_after=request.grammar_after if params.structured_outputs is not None else None))
+                                 grammar_after=request.grammar_after if params.structured_outputs is not None else None,
+                                 lora_request=lora, lora_id=lora.lora_int_id if lora is not None else 0))
             self._next_seq_id += 1
         self.requests[request.request_id] = seqs
         self.output_processor.add_request(request, seqs)
@@ -380,7 +386,7 @@ class LLMEngine:
             "num_constrained_running": sum(s.grammar is not None for s in sched.running) if self._constrained else 0,
             "num_grammars_compiling": len(self._compiling),
             "grammar_compile_seconds": self._grammars.stats() if self._grammars is not None else compile_histogram(),
-            **(self.speculator.stats() if self.speculator is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}), **self._lora_stats(),
         }
 
 

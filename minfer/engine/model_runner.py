@@ -31,6 +31,7 @@ from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.input_batch import InputBatch, SamplingMetadata
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
 from minfer.engine.kv_sizing import count_kv_blocks, profile_lengths
+from minfer.engine.lora_manager import LoRAManager
 from minfer.engine.sampler import DeviceSample, Sampler, SpecSample
 from minfer.engine.prompt_logprobs import prompt_logprob_chunks, prompt_logprobs
 from minfer.engine.spec.draft_probs import DraftProbs, ragged_arange
@@ -66,10 +67,9 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int,
                  tp: TensorParallel = SINGLE, channel: StepChannel | None = None,
                  device: torch.device | None = None, draft: "DraftModel | Eagle3Drafter | None" = None) -> None:
-        """``tp``, ``channel`` and ``device``: this rank's group, the step channel and its GPU under
-        tensor parallelism (every rank constructs its runner at the same time: start-up runs collectives).
-        ``draft``: speculative decoding's draft model or EAGLE-3 head, loaded already: its cache takes as many
-        blocks as the target's, so the block count divides the budget by both blocks' bytes."""
+        """``tp``, ``channel`` and ``device``: this rank's group, the step channel and its GPU under tensor
+        parallelism (every rank constructs its runner at once: start-up runs collectives). ``draft``: speculative
+        decoding's drafter, loaded already: its cache takes as many blocks as the target's."""
         self.model_config = model_config
         self.config = config
         self.tp, self.channel = tp, channel
@@ -85,6 +85,8 @@ class ModelRunner:
         logger.info("start-up: load weights took %.2f s", time.perf_counter() - started)
         if draft is not None:  # an EAGLE-3 head taps the target's layers: before the profile and the graphs
             draft.prepare_target(self.model)
+        self.lora = LoRAManager(config, model_config, self.model, self.dtype, self.device, self.ops,
+                                config.max_num_seqs) if config.enable_lora else None  # before the fused forward
         self._rank_min(0)  # every rank has its shard: no collective below waits out a slow load
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
         self.sampler = Sampler(self.device, self.ops)
@@ -125,8 +127,7 @@ class ModelRunner:
             logger.info("start-up: kernel warm-up took %.2f s", time.perf_counter() - started)
 
     def _rank_min(self, value: int) -> int:
-        """The smallest ``value`` over the tensor-parallel ranks, through the channel's group (no time
-        limit: ranks reach this after start-up work of different lengths)."""
+        """The smallest ``value`` over the tensor-parallel ranks (no time limit: start-up work differs by rank)."""
         if self.channel is None:
             return value
         t = torch.tensor([value], dtype=torch.int64)
@@ -175,13 +176,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def warm_up_kernels(self, model: torch.nn.Module, forward: Any, width: int = 64) -> None:
-        """Compile the Triton variants that eager (mixed prefill + decode) steps use before the first
-        request, not in the middle of serving: on a GPU each costs seconds, and together they took
-        about half the wall time of a first workload-A run on a fresh machine. Steps of 1, 7, 16 and
-        49 tokens cover decodes with and without split-K, prompt chunks, and every integer
-        specialisation class (1, multiples of 16, other).
-        They write garbage into block 0, which no sequence holds yet. ``model`` and ``forward``: the target's, or
-        a draft model's (speculative decoding), over this runner's block tables; ``width``: each row's blocks."""
+        """Compile the Triton variants eager (mixed prefill + decode) steps use before the first request, not while
+        serving (on a GPU each costs seconds: half a first workload-A run's wall time). Steps of 1, 7, 16 and 49
+        tokens cover decodes with and without split-K, prompt chunks and every integer specialisation class; they
+        write garbage into block 0, which no sequence holds yet. ``model`` and ``forward``: the target's, or a
+        drafter's, over this runner's block tables; ``width``: each row's blocks."""
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
             q_lens = [1] * num_decodes + ([chunk] if chunk else [])
             ctx = [width * self.block_size - 8] * num_decodes + ([chunk] if chunk else [])
@@ -201,7 +200,7 @@ class ModelRunner:
             return None
         graphs = DecodeGraphs(self.model, self.config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
                               self.block_size, self.device, forward=self.forward, num_groups=self.num_kv_groups,
-                              state_slots=self.config.max_num_seqs + 1 if self.state_layers else 0)
+                              state_slots=self.config.max_num_seqs + 1 if self.state_layers else 0, lora=self.lora)
         graphs.capture()
         return graphs
 
@@ -210,11 +209,10 @@ class ModelRunner:
         self.input_batch.free(seq_ids)
 
     def prepare(self, batch: SchedulerOutput) -> StepArrays:
-        """Flatten the step on the host: per-token ids, positions and slots, per-sequence tables.
-        Per-sequence facts are read with one plain list comprehension each (no properties, no
-        generators): at 256 sequences this loop over Python objects is most of the cost. A speculative
-        step's sequences append their drafted tokens after their last known one; every row from the last
-        known token on gives logits (the target's distribution at each drafted position and after the last)."""
+        """Flatten the step on the host: per-token ids, positions, slots (and LoRA slots), per-sequence tables.
+        Per-sequence facts are read with one plain list comprehension each (no properties, no generators): at 256
+        sequences this loop is most of the cost. A speculative step's sequences append their drafts after their
+        last known token; every row from it on gives logits (the target's at each drafted position and after)."""
         seqs, nd = batch.seqs, batch.num_decodes
         rows = self.input_batch.rows(seqs)
         q_list = [s.num_scheduled_tokens for s in seqs]
@@ -246,8 +244,9 @@ class ModelRunner:
             k = spec_lens[samples]
             logit_rows = np.repeat(logit_rows - k, k + 1) + ragged_arange(k + 1)
             verify = bool((q_lens == 1 + spec_lens).all())
+        lora = np.repeat(self.lora.step_slots(seqs), q_lens) if self.lora is not None else None  # each token's
         return StepArrays(ids, positions, slots, tables, ends.astype(np.int32), q_lens, cu,
-                          logit_rows, nd, fill_dst, fill_src, rows, num_tokens, samples, spec_lens, verify)
+                          logit_rows, nd, fill_dst, fill_src, rows, num_tokens, samples, spec_lens, verify, lora)
 
     def _upload(self, dtype: torch.dtype, *arrays: np.ndarray) -> list[torch.Tensor]:
         """Copy ``arrays`` to the device as ``dtype`` in one transfer, through pinned memory on CUDA
@@ -357,7 +356,7 @@ class ModelRunner:
             src_rows = np.full(len(a.ids), -1, dtype=np.int64)
             src_rows[a.fill_dst] = a.fill_src  # a decode's one token is its row
             hidden, logits = self.graphs.run(a.ids, a.positions, a.slots, src_rows, a.ctx_lens, a.tables, prev_tokens,
-                                             a.batch_rows)
+                                             a.batch_rows, a.lora_slots)
             if len(a.logit_rows) != len(logits):
                 rows, = self._upload(torch.int64, a.logit_rows)
                 logits = logits[rows]
@@ -366,6 +365,8 @@ class ModelRunner:
             torch.int64, a.ids, a.positions, a.logit_rows, a.fill_dst, a.fill_src, *a.slots)
         if len(a.fill_dst):
             ids.index_copy_(0, fill_dst, prev_tokens.index_select(0, fill_src))
+        if self.lora is not None:
+            self.lora.set_eager(a.lora_slots, self._upload)
         return self.forward(ids, positions, self._metadata(a, slots)), None, rows
 
     @torch.no_grad()

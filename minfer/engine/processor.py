@@ -41,6 +41,7 @@ class EngineRequest:
     arrival_time: float
     # structured outputs apply only after these tokens (a reasoning model's end of thinking: reasoning.grammar_gate)
     grammar_after: tuple[int, ...] | None = None
+    lora_request: Any = None  # the LoRA adapter it runs through (``minfer.lora.LoRARequest``), None: the base model
 
 
 class Processor:
@@ -111,13 +112,19 @@ class Processor:
         raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> EngineRequest:
-        """Tokenize and check; raises ``PromptError`` (or another ValueError/TypeError) naming the field."""
+                arrival_time: float | None = None, lora_request: Any = None) -> EngineRequest:
+        """Tokenize and check; raises ``PromptError`` (or another ValueError/TypeError) naming the field.
+        ``lora_request``: a ``minfer.lora.LoRARequest`` (whether the engine serves it, the engine checks)."""
+        from minfer.lora.request import LoRARequest
+
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         params = params or self.default_sampling_params()
         text, ids = self.tokenize(prompt)
         max_total = self.check_prompt(ids, params.max_tokens)
         self.check_params(params)
-        return EngineRequest(request_id, text, ids, params, max_total, arrival_time or time.time())
+        return EngineRequest(request_id, text, ids, params, max_total, arrival_time or time.time(),
+                             lora_request=lora_request)
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: limits that depend on the model."""

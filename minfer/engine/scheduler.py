@@ -62,9 +62,12 @@ def _context_len(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 fork_samples: bool = True) -> None:
+                 fork_samples: bool = True, max_loras: int = 0) -> None:
         """``fork_samples``: a request's samples fork from sample 0's prompt (off for models with recurrent
-        state, where each sample computes its own: ``engine/state_cache.py``)."""
+        state, where each sample computes its own: ``engine/state_cache.py``). ``max_loras``: the most LoRA
+        adapters the running sequences may use (0: LoRA off); a waiting sequence of another adapter waits while
+        they are all in use, and those behind it of adapters in use (or none) go ahead of it."""
+        self.max_loras = max_loras
         self.block_manager = block_manager
         self.fork_samples = fork_samples
         self.max_num_seqs = max_num_seqs
@@ -155,10 +158,15 @@ class Scheduler:
             budget -= num_new
             i += 1
         # Admit new work only when the running set fits: after a preemption, memory is short.
+        adapters = {s.lora_id for s in self.running if s.lora_id} if self.max_loras and self.waiting else set()
+        skipped: list[Sequence] = []  # of an adapter that would be one too many: they keep their place in line
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last sampled token was in flight: recompute once it is known
+            if seq.lora_id and seq.lora_id not in adapters and len(adapters) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.params.prompt_logprobs is None and not seq.block_tables:  # forked samples hold blocks
                 self.block_manager.match_prefix(seq)  # (prompt logprobs need every position computed)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -171,6 +179,9 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(seq)
             budget -= num_new
+            if seq.lora_id:
+                adapters.add(seq.lora_id)
+        self.waiting.extendleft(reversed(skipped))
         # Decodes go longest context first: the decode kernel's programs start in row order, so the long
         # ones start first and the short ones fill the gaps at the end (the longest-processing-time rule).
         freed, self._freed = self._freed, []

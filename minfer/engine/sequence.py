@@ -68,6 +68,8 @@ class Sequence:
     # speculative decoding: the tokens drafted for this step, scheduled after the last known token and verified by
     # the step's forward; never in ``token_ids`` (those that the target accepts are appended when the step completes)
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: Any = None  # the LoRA adapter it runs through (``minfer.lora.LoRARequest``), None: the base model
+    lora_id: int = 0  # that adapter's ``lora_int_id`` (0: none), what the scheduler and the prefix cache key on
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

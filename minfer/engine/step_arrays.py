@@ -27,6 +27,7 @@ class StepArrays:
     samples: np.ndarray | None = None  # [S] bool: the sequence reaches its last token and samples
     spec_lens: np.ndarray | None = None  # [S] int64: drafted tokens each sequence verifies (a speculative step)
     verify: bool = False  # a speculative step without prompt chunks: it runs as one-token rows (``as_decode_rows``)
+    lora_slots: np.ndarray | None = None  # [T] each token's LoRA adapter slot (-1: none); None without LoRA
 
     def message(self, prompt_logprob_rows: np.ndarray) -> list[np.ndarray]:
         """The arrays a follower needs to run the same forward (``StepChannel``), with the hidden-state
@@ -66,7 +67,7 @@ def as_decode_rows(a: StepArrays) -> StepArrays:
     return StepArrays(a.ids, a.positions, a.slots, np.ascontiguousarray(a.tables[:, seq_of_token]),
                       (a.positions + 1).astype(np.int32), np.ones(n, dtype=np.int64), np.arange(n + 1),
                       a.logit_rows, n, a.fill_dst, a.fill_src,
-                      a.batch_rows[seq_of_token] if a.batch_rows is not None else None)
+                      a.batch_rows[seq_of_token] if a.batch_rows is not None else None, lora_slots=a.lora_slots)
 
 
 def synthetic_step(q_lens: list[int], ctx_lens: list[int], tables: np.ndarray, groups: int = 1) -> StepArrays:

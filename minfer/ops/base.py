@@ -6,13 +6,14 @@ layers call these names and never ask which backend runs them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from minfer.kernels.linear_attention.gated_delta_ref import (causal_conv1d_ref, gated_delta_rule_ref, gated_rms_norm_ref,
                                                           gdn_gates_ref)
+from minfer.kernels.lora.lora_ops import add_lora
 from minfer.kernels.moe.moe_ref import fused_moe_ref
 from minfer.kernels.quant.fp8_ref import FP8_DTYPE, FP8_GROUP, FP8_MAX, FP8_MIN_SCALE, dequantize_fp8, group_amax
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, MoeExperts, PagedKVCache, RopeInputs
@@ -166,6 +167,12 @@ class Ops(ABC):
         in float32 (its recurrent step for one-token sequences, its chunked form for longer ones)."""
         g, beta = gdn_gates_ref(a, b, A_log, dt_bias)
         return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, slots, has_state, use_qk_l2norm, scale)
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, meta: Any,
+                 shard_sizes: tuple[int, ...]) -> None:
+        """``out[t] += x[t]·A[slot_t]ᵀ·B[slot_t]ᵀ`` shard by shard, in place, for the step's LoRA grouping ``meta``
+        (``kernels/lora/lora_meta.LoraMeta``; slot -1: nothing added). Layouts: ``kernels/lora/lora_ops.add_lora``."""
+        add_lora(out, x, a_stack, b_stack, meta, shard_sizes, use_triton=False)
 
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """The Gated DeltaNet's output norm: each head of x [T, H, D] RMS-normalised, times ``weight`` [D], times

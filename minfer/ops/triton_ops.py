@@ -4,6 +4,8 @@ Imported only when the Triton ops are chosen (``select_ops``), so the torch path
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
+from minfer.kernels.lora.lora_ops import add_lora
 from minfer.kernels.moe.moe import fused_moe
 from minfer.kernels.moe.moe_args import use_moe_decode
 from minfer.kernels.moe.moe_decode import fused_moe_decode
@@ -131,6 +134,11 @@ class TritonOps(Ops):
         """One-token steps take the fused matrix-vector forward (``one_token.py``), the others the model; a
         family of another layer layout than those it knows (``fused_one_token = None``) runs its own forward."""
         return OneTokenFusedForward(model) if getattr(model, "fused_one_token", None) else model
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor, meta: Any,
+                 shard_sizes: tuple[int, ...]) -> None:
+        """The shrink and expand kernels (a program per block of one adapter's tokens; CUDA-graph capturable)."""
+        add_lora(out, x, a_stack, b_stack, meta, shard_sizes, use_triton=True)
 
     def causal_conv1d(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                       query_start_loc: torch.Tensor, slots: torch.Tensor, has_state: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,8 @@ from minfer.ops import Ops
 
 
 class FusedLinear(nn.Module):
+    lora: Any = None  # LoRA adapters added after the base product (``layers/lora.py``), None without
+
     def __init__(self, in_features: int, shard_sizes: list[int], bias: bool, dtype: torch.dtype, *,
                  rows_from: list[int] | None = None, cols_from: int | None = None,
                  tp: TensorParallel = SINGLE, method: LinearMethod = UNQUANTIZED, ops: Ops | None = None) -> None:
@@ -51,8 +53,9 @@ class FusedLinear(nn.Module):
 
     @property
     def input_quant(self) -> ActivationQuant | None:
-        """The format the layer before should emit this layer's input in (None: the model dtype)."""
-        return self.method.input_quant
+        """The format the layer before should emit this layer's input in (None: the model dtype, which LoRA
+        adapters read too)."""
+        return self.method.input_quant if self.lora is None else None
 
     def checkpoint_keys(self) -> list[tuple[str, int]]:
         """(attribute, stacked matrix) for every tensor the checkpoint must supply."""
@@ -87,4 +90,7 @@ class FusedLinear(nn.Module):
         return self.tp.all_reduce(y)
 
     def forward(self, x: Activation) -> torch.Tensor:
-        return self.reduce(self.method.apply(self, x, self.bias))
+        y = self.method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.add(y, x)
+        return self.reduce(y)
