@@ -129,6 +129,15 @@ def pair(target: str, draft: str, k: int, max_tokens: int, n: int) -> None:
                     "acceptance per position"], rows)
 
 
+def _batch1_speed(llm: LLM, prompt: dict, params: SamplingParams) -> tuple[list[int], float, dict]:
+    """One request after a warm-up run: its tokens, decode tok/s (after the first token) and the engine's stats."""
+    llm.generate([prompt], params, use_tqdm=False)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    m = out.metrics
+    tokens = out.outputs[0].token_ids
+    return tokens, (len(tokens) - 1) / (m.finished_time - m.first_token_time), llm.get_stats()
+
+
 def batch1(shape: str, k: int, max_tokens: int) -> None:
     """Batch-1 decode on the shape (random weights) with and without n-gram drafts, the prompt a 64-token run said
     four times: what the random model then writes decides the acceptance, reported beside the speed."""
@@ -140,12 +149,8 @@ def batch1(shape: str, k: int, max_tokens: int) -> None:
     for name, spec in [("none", None), ("ngram", {"method": "ngram", "num_speculative_tokens": k,
                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})]:
         llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, speculative_config=spec)
-        llm.generate([prompt], params, use_tqdm=False)  # warm-up
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        m = out.metrics
-        speed = (len(out.outputs[0].token_ids) - 1) / (m.finished_time - m.first_token_time)
+        _, speed, s = _batch1_speed(llm, prompt, params)
         base = base or speed
-        s = llm.get_stats()
         rows.append([name, f"{speed:.1f}", f"{speed / base:.2f}×",
                      f"{s['spec_decode_acceptance_rate']:.3f}" if spec else "—",
                      f"{s['spec_decode_mean_acceptance_length']:.2f}" if spec else "—"])
@@ -184,12 +189,8 @@ def eagle(shape: str, k: int, max_tokens: int) -> None:
     for name, spec in [("none", None), (f"eagle3, k={k}", {"method": "eagle3", "model": head,
                                                            "num_speculative_tokens": k})]:
         llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, speculative_config=spec)
-        llm.generate([prompt], params, use_tqdm=False)  # warm-up
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        m = out.metrics
-        speed = (len(out.outputs[0].token_ids) - 1) / (m.finished_time - m.first_token_time)
+        _, speed, s = _batch1_speed(llm, prompt, params)
         base = base or speed
-        s = llm.get_stats()
         per_step = s["spec_decode_mean_acceptance_length"] if spec else 1.0
         step_ms = 1000 * per_step / speed
         rows.append([name, f"{speed:.1f}", f"{step_ms:.2f}", f"{step_ms * base / 1000:.3f}×",
@@ -231,14 +232,9 @@ def ceiling(shape: str, ks: list[int], max_tokens: int) -> None:
         drafter = llm.llm_engine.speculator.drafter if spec else None
         if drafter is not None:
             repeat_last_token(drafter.model, target.embed_tokens.weight)
-        llm.generate([prompt], params, use_tqdm=False)  # warm-up
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        tokens = out.outputs[0].token_ids
+        tokens, speed, s = _batch1_speed(llm, prompt, params)
         reference = reference or tokens
-        m = out.metrics
-        speed = (len(tokens) - 1) / (m.finished_time - m.first_token_time)
         base = base or speed
-        s = llm.get_stats()
         rows.append([name, f"{speed:.1f}", f"{speed / base:.2f}×", "yes" if tokens == reference else "NO",
                      f"{s['spec_decode_acceptance_rate']:.3f}" if spec else "—",
                      f"{s['spec_decode_mean_acceptance_length']:.2f}" if spec else "—"])

@@ -39,6 +39,26 @@ _NONE = np.zeros(0, dtype=np.int64)
 GRAPH_CATCH_UP = 8  # a catch-up of at most this many tokens a sequence runs as decode rows in a graph
 
 
+def attach_to_target(drafter: Any, runner: Any, what: str, graph_rows: int, forward: Any) -> None:
+    """A drafter's KV cache beside the target's: as many blocks, addressed through the target's full-attention
+    group's block tables (``drafter.group``); its decode graphs of up to ``graph_rows`` rows when the target
+    captures graphs, and its eager kernel variants compiled, both before the first request."""
+    windows = runner.kv_spec.windows
+    if 0 not in windows:
+        raise ValueError(f"speculative_config: {what} needs a target with full-attention layers (its KV groups' "
+                         f"windows are {list(windows)})")
+    drafter.runner, drafter.group = runner, windows.index(0)
+    allocate_kv_cache(drafter.model.attention_layers(), drafter.kv_spec, runner.num_kv_blocks, drafter.device)
+    if runner.graphs is not None:
+        started = time.perf_counter()
+        drafter.graphs = DecodeGraphs(drafter.model, graph_rows, runner.input_batch.block_tables.shape[2],
+                                      drafter.block_size, drafter.device, forward=forward)
+        drafter.graphs.capture()
+        logger.info("start-up: %s's graph capture took %.2f s", what, time.perf_counter() - started)
+    if drafter.device.type == "cuda" and drafter.ops.name == "triton":
+        runner.warm_up_kernels(drafter.model, forward)
+
+
 class DraftModel:
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, target: ModelConfig, max_model_len: int,
                  device: torch.device, tp: TensorParallel = SINGLE) -> None:
@@ -75,20 +95,7 @@ class DraftModel:
 
     def attach(self, runner: Any) -> None:
         """Allocate the draft's cache with the target's block count and read the target's block tables."""
-        windows = runner.kv_spec.windows
-        if 0 not in windows:
-            raise ValueError("speculative_config: a draft model needs a target with full-attention layers (its "
-                             f"KV groups' windows are {list(windows)})")
-        self.runner, self.group = runner, windows.index(0)
-        allocate_kv_cache(self.model.attention_layers(), self.kv_spec, runner.num_kv_blocks, self.device)
-        if runner.graphs is not None:  # the target captures graphs: so does the draft, over its cache
-            started = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, runner.config.max_num_seqs, runner.input_batch.block_tables.shape[2],
-                                       self.block_size, self.device, forward=self.forward)
-            self.graphs.capture()
-            logger.info("start-up: the draft model's graph capture took %.2f s", time.perf_counter() - started)
-        if self.device.type == "cuda" and self.ops.name == "triton":  # its eager variants compile now too
-            runner.warm_up_kernels(self.model, self.forward)
+        attach_to_target(self, runner, "a draft model", runner.config.max_num_seqs, self.forward)
 
     def prepare_target(self, model: Any) -> None:
         """Nothing: a draft model reads only the tokens (an EAGLE-3 head taps the target here)."""

@@ -28,9 +28,9 @@ from safetensors import safe_open
 
 from minfer.config import EngineConfig, ModelConfig
 from minfer.distributed import TensorParallel
-from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache
+from minfer.engine.kv_cache import KVCacheSpec
 from minfer.engine.sequence import Sequence
-from minfer.engine.spec.draft_model import GRAPH_CATCH_UP
+from minfer.engine.spec.draft_model import GRAPH_CATCH_UP, attach_to_target
 from minfer.engine.spec.draft_probs import DraftProbs, collect_drafts
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.step_arrays import StepArrays, as_decode_rows, token_layout
@@ -113,20 +113,7 @@ class Eagle3Drafter:
 
     def attach(self, runner: Any) -> None:
         """Allocate the head's cache with the target's block count and read the target's block tables."""
-        windows = runner.kv_spec.windows
-        if 0 not in windows:
-            raise ValueError("speculative_config: an EAGLE-3 head needs a target with full-attention layers (its "
-                             f"KV groups' windows are {list(windows)})")
-        self.runner, self.group = runner, windows.index(0)
-        allocate_kv_cache(self.model.attention_layers(), self.kv_spec, runner.num_kv_blocks, self.device)
-        if runner.graphs is not None:  # the target captures graphs: so does the head, over its cache
-            started = time.perf_counter()
-            self.graphs = DecodeGraphs(self.model, self.graph_rows, runner.input_batch.block_tables.shape[2],
-                                       self.block_size, self.device, forward=self._graph_forward)
-            self.graphs.capture()
-            logger.info("start-up: the EAGLE-3 head's graph capture took %.2f s", time.perf_counter() - started)
-        if self.device.type == "cuda" and self.ops.name == "triton":  # its eager variants compile now too
-            runner.warm_up_kernels(self.model, self._graph_forward)
+        attach_to_target(self, runner, "an EAGLE-3 head", self.graph_rows, self._graph_forward)
 
     def forget(self, seq_ids: list[int]) -> None:
         """Nothing to drop: a sequence's head KV lives in its blocks, rewritten from the features it is fed."""
