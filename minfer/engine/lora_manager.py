@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from minfer.config import EngineConfig, ModelConfig
+from minfer.distributed import SINGLE, Command, StepChannel, TensorParallel
 from minfer.engine.sequence import Sequence
 from minfer.kernels.lora.lora_meta import LoraMeta, build_lora_meta
 from minfer.lora.layout import BaseLinears
@@ -27,14 +28,17 @@ from minfer.ops import Ops
 
 class LoRAManager:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model: Any, dtype: torch.dtype,
-                 device: torch.device, ops: Ops, max_rows: int) -> None:
+                 device: torch.device, ops: Ops, max_rows: int, tp: TensorParallel = SINGLE,
+                 channel: StepChannel | None = None) -> None:
         """Allocate ``max_loras`` slots (before the memory profile, which then counts them) and wrap ``model``'s
-        projections; ``max_rows``: the most rows a captured graph runs."""
-        if config.tensor_parallel_size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        projections; ``max_rows``: the most rows a captured graph runs. Under tensor parallelism each rank's slots
+        hold its share of every adapter (split as the base layers are; a row-parallel layer's partial product
+        takes its share of A and the whole B before the sum over ranks); rank 0 chooses the slots and sends each
+        write down ``channel`` (``Command.LORA``), and the token slots go with each step."""
         self.max_loras = config.max_loras
+        self.channel = channel
         self.slots = LoRASlots(BaseLinears.from_model_config(model_config), config.max_loras, config.max_lora_rank,
-                               dtype, device, config.max_cpu_loras)
+                               dtype, device, config.max_cpu_loras, tp)
         self.state = LoRAState(ops)
         attach_lora(model, self.slots.stacks, self.state)
         self.device = device
@@ -54,8 +58,18 @@ class LoRAManager:
 
     # ---- steps ------------------------------------------------------------------------------
     def step_slots(self, seqs: list[Sequence]) -> np.ndarray:
-        """Each sequence's slot (-1: the base model), its adapter made resident."""
-        return np.asarray(self.slots.activate([s.lora_request for s in seqs]), dtype=np.int64)
+        """Each sequence's slot (-1: the base model), its adapter made resident (and on every rank)."""
+        slots = np.asarray(self.slots.activate([s.lora_request for s in seqs]), dtype=np.int64)
+        for slot, request in self.slots.take_placed():
+            if self.channel is not None:
+                self.channel.send(Command.LORA, [np.array([slot, request.lora_int_id]), _encode(request.lora_name),
+                                                 _encode(request.lora_path)])
+        return slots
+
+    def follow(self, arrays: list[np.ndarray]) -> None:
+        """A tensor-parallel worker's part of rank 0's slot write (``Command.LORA``)."""
+        (slot, lora_id), name, path = arrays[0].tolist(), _decode(arrays[1]), _decode(arrays[2])
+        self.slots.place(LoRARequest(name, lora_id, path), slot)
 
     def set_eager(self, token_slots: np.ndarray | None, upload: Any) -> None:
         """An eager forward's grouping (None when no token has an adapter: the projections skip the kernels)."""
@@ -77,6 +91,14 @@ class LoRAManager:
         s = self.static
         build_lora_meta(slots.to(self.device, non_blocking=True), self.max_loras,
                         out=LoraMeta(s.token_slots[:rows], s.sorted_tokens[:rows], s.slot_counts))
+
+
+def _encode(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)
+
+
+def _decode(words: np.ndarray) -> str:
+    return words.astype(np.uint8).tobytes().decode()
 
 
 class EngineLoRA:

@@ -86,7 +86,7 @@ class ModelRunner:
         if draft is not None:  # an EAGLE-3 head taps the target's layers: before the profile and the graphs
             draft.prepare_target(self.model)
         self.lora = LoRAManager(config, model_config, self.model, self.dtype, self.device, self.ops,
-                                config.max_num_seqs) if config.enable_lora else None  # before the fused forward
+                                config.max_num_seqs, tp, channel) if config.enable_lora else None  # before the forward
         self._rank_min(0)  # every rank has its shard: no collective below waits out a slow load
         self.forward = self.ops.model_forward(self.model)  # fused at one token on the Triton ops
         self.sampler = Sampler(self.device, self.ops)
@@ -117,10 +117,7 @@ class ModelRunner:
         if self.num_kv_groups > 1:
             logger.info("hybrid KV cache: %d groups of %d layers, windows %s", self.num_kv_groups,
                         spec.pages_per_block, [g.window for g in spec.kv_groups])
-        started = time.perf_counter()
         self.graphs = self._capture_graphs()
-        if self.graphs is not None:
-            logger.info("start-up: graph capture took %.2f s", time.perf_counter() - started)
         if self.device.type == "cuda" and self.ops.name == "triton":
             started = time.perf_counter()
             self.warm_up_kernels(self.model, self.forward)
@@ -177,10 +174,9 @@ class ModelRunner:
     @torch.no_grad()
     def warm_up_kernels(self, model: torch.nn.Module, forward: Any, width: int = 64) -> None:
         """Compile the Triton variants eager (mixed prefill + decode) steps use before the first request, not while
-        serving (on a GPU each costs seconds: half a first workload-A run's wall time). Steps of 1, 7, 16 and 49
-        tokens cover decodes with and without split-K, prompt chunks and every integer specialisation class; they
-        write garbage into block 0, which no sequence holds yet. ``model`` and ``forward``: the target's, or a
-        drafter's, over this runner's block tables; ``width``: each row's blocks."""
+        serving (on a GPU each costs seconds). Steps of 1, 7, 16 and 49 tokens cover decodes with and without
+        split-K, prompt chunks and every integer specialisation class; they write garbage into block 0, which no
+        sequence holds yet. ``model``, ``forward``: the target's or a drafter's; ``width``: each row's blocks."""
         for num_decodes, chunk in ((1, 0), (3, 4), (1, 15), (40, 9)):
             q_lens = [1] * num_decodes + ([chunk] if chunk else [])
             ctx = [width * self.block_size - 8] * num_decodes + ([chunk] if chunk else [])
@@ -198,10 +194,12 @@ class ModelRunner:
     def _capture_graphs(self) -> DecodeGraphs | None:
         if self.device.type != "cuda" or not self.ops.cuda_graphs or self.config.enforce_eager:
             return None
+        started = time.perf_counter()
         graphs = DecodeGraphs(self.model, self.config.max_num_seqs, cdiv(self.max_model_len, self.block_size),
                               self.block_size, self.device, forward=self.forward, num_groups=self.num_kv_groups,
                               state_slots=self.config.max_num_seqs + 1 if self.state_layers else 0, lora=self.lora)
         graphs.capture()
+        logger.info("start-up: graph capture took %.2f s", time.perf_counter() - started)
         return graphs
 
     def free_rows(self, seq_ids: list[int]) -> None:
@@ -380,6 +378,8 @@ class ModelRunner:
                 prev_tokens = self._follow_step(*StepArrays.from_message(arrays), prev_tokens)
             elif command is Command.DRAFT:
                 drafts = self.draft.follow(arrays, drafts)
+            elif command is Command.LORA:
+                self.lora.follow(arrays)
             elif command is Command.COPY_BLOCKS:
                 self._copy_blocks(arrays[0])
             elif command is Command.SHUTDOWN:

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+_NONE = np.zeros(0, dtype=np.int64)
+
+
 @dataclass(slots=True)
 class StepArrays:
     """A step's inputs on the host, built with numpy over per-sequence arrays."""
@@ -34,14 +37,15 @@ class StepArrays:
         row ranges whose logits prompt logprobs read (``[k, 2]``)."""
         return [self.ids, self.positions, self.slots, self.tables, self.ctx_lens, self.q_lens, self.cu,
                 self.logit_rows, self.fill_dst, self.fill_src, np.array([self.num_decodes, self.verify]),
-                prompt_logprob_rows, self.batch_rows]
+                prompt_logprob_rows, self.batch_rows, _NONE if self.lora_slots is None else self.lora_slots]
 
     @classmethod
     def from_message(cls, arrays: list[np.ndarray]) -> tuple["StepArrays", np.ndarray]:
         """(The step, the prompt-logprob row ranges); the batch rows are the state slots of recurrent layers."""
-        ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp, rows = arrays
+        ids, positions, slots, tables, ctx_lens, q_lens, cu, logit_rows, fill_dst, fill_src, nd, plp, rows, lora = arrays
         return cls(ids, positions, slots, tables.astype(np.int32), ctx_lens.astype(np.int32), q_lens, cu,
-                   logit_rows, int(nd[0]), fill_dst, fill_src, rows, verify=bool(nd[1])), plp
+                   logit_rows, int(nd[0]), fill_dst, fill_src, rows, verify=bool(nd[1]),
+                   lora_slots=lora if len(lora) else None), plp
 
 
 def token_layout(q_lens: np.ndarray, starts: np.ndarray, tables: np.ndarray, block_size: int

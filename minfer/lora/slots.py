@@ -82,6 +82,8 @@ class LoRASlots:
         self._resident: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self._cpu: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # least recent first
         self._running: frozenset[int] = frozenset()  # the last activated batch's adapters
+        # the slots ``activate`` wrote since the last ``take_placed`` (tensor-parallel followers write them too)
+        self._placed: list[tuple[int, LoRARequest]] = []
 
     def slot_of(self, lora_int_id: int) -> int | None:
         """The slot holding adapter ``lora_int_id``, or None when it is not resident."""
@@ -117,10 +119,21 @@ class LoRASlots:
             if lora_id not in self._resident:
                 slot = self._take_slot(keep)
                 self._write(slot, self._cpu[lora_id][1])
+                self._placed.append((slot, self._cpu[lora_id][0]))
                 self._owner[slot], self._resident[lora_id] = lora_id, slot
             self._resident.move_to_end(lora_id)
         self._running = keep
         return [NO_SLOT if r is None else self._resident[r.lora_int_id] for r in requests]
+
+    def take_placed(self) -> list[tuple[int, LoRARequest]]:
+        """The (slot, adapter) writes of ``activate`` since the last call."""
+        placed, self._placed = self._placed, []
+        return placed
+
+    def place(self, request: LoRARequest, slot: int) -> None:
+        """A tensor-parallel follower's copy of rank 0's write: ``request``'s adapter (this rank's share) into
+        ``slot``, read from its folder (rank 0's choice of slots and host cache stands; this rank keeps neither)."""
+        self._write(slot, load_adapter(request.lora_path, self.base, self.max_lora_rank))
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter: its host copy and its slot (zeroed). False when it was not loaded."""

@@ -148,3 +148,23 @@ def test_stats_name_the_adapters(base_and_adapters):
     assert llm.get_stats()["lora_requests_info"]["running_lora_adapters"] == ["a4"]
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_tensor_parallel_adapters_equal_one_rank(base_and_adapters):
+    """tp = 2 (gloo processes): each rank holds its share of every adapter, the slot writes reach the worker
+    (Command.LORA), and the tokens and logprobs are tp = 1's."""
+    base, adapters = base_and_adapters
+    loras = [None, _request(adapters, "a4", 1), _request(adapters, "a8", 2)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64,
+                  tensor_parallel_size=tp)
+        try:
+            runs.append(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+        finally:
+            llm.shutdown()
+    for one, two in zip(*runs):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        for a, b in zip(two.outputs[0].logprobs, one.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
