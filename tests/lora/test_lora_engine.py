@@ -168,3 +168,35 @@ def test_tensor_parallel_adapters_equal_one_rank(base_and_adapters):
         assert two.outputs[0].token_ids == one.outputs[0].token_ids
         for a, b in zip(two.outputs[0].logprobs, one.outputs[0].logprobs):
             assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_adapters_with_fp8_weights_speculation_and_structured_outputs(base_and_adapters):
+    """FP8 base weights (quantized as they load): with no adapter LoRA changes nothing (its projections take their
+    input unquantized and quantize it themselves), an adapter still applies. n-gram speculation and a JSON schema
+    over an adapter's output: greedy tokens equal HF's on the merged weights, the schema holds."""
+    import json
+
+    from minfer.structured_outputs import StructuredOutputsParams
+
+    base, adapters = base_and_adapters
+    lora = _request(adapters, "a4", 1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    plain = LLM(str(base), quantization="fp8", num_kv_blocks=32).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(str(base), quantization="fp8", enable_lora=True, max_lora_rank=8, num_kv_blocks=32)
+    none, adapted = (llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=r) for r in (None, lora))
+    for p, n, a in zip(plain, none, adapted):
+        assert n.outputs[0].token_ids == p.outputs[0].token_ids
+        assert n.outputs[0].logprobs[0] == pytest.approx(p.outputs[0].logprobs[0], abs=1e-4)
+        assert a.outputs[0].logprobs[0] != pytest.approx(p.outputs[0].logprobs[0], abs=1e-2)
+    llm = LLM(str(base), enable_lora=True, max_lora_rank=8, num_kv_blocks=64, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False, lora_request=lora)
+    _check(PROMPTS, outs, [lora] * 3, base, adapters)
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    out = llm.generate(["x"], SamplingParams(max_tokens=40, temperature=0,
+                                             structured_outputs=StructuredOutputsParams(json=schema)),
+                       use_tqdm=False, lora_request=lora)
+    assert set(json.loads(out[0].outputs[0].text)) == {"a"}
+    assert _all_free(llm)
