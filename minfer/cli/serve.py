@@ -7,6 +7,7 @@ from typing import Any
 
 from minfer.engine_args import add_engine_args, engine_kwargs
 from minfer.reasoning import REASONING_PARSERS
+from minfer.server.lora_modules import LoRAModulePath, parse_lora_module
 from minfer.server.run import DEFAULT_MAX_WAITING, require_server_extra, run_server
 from minfer.server.tool_parsers import TOOL_PARSERS
 
@@ -22,6 +23,14 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {port}")
     return port
+
+
+def lora_module(text: str) -> LoRAModulePath:
+    """argparse type of ``--lora-modules``: a bad value is named when parsing, before the model loads."""
+    try:
+        return parse_lora_module(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -60,6 +69,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "qwen3 (both tags in the output), deepseek_r1 (the prompt opens <think>)")
     p.add_argument("--served-model-name", action="append", default=None,
                    help="name clients pass as `model` (repeatable; default: the model as given)")
+    p.add_argument("--lora-modules", nargs="+", action="extend", type=lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) loaded at start-up, with --enable-lora: name=path, or vLLM's "
+                        "JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; a request's `model` "
+                        "names one to run through it. Loading and unloading while serving (POST "
+                        "/v1/load_lora_adapter, /v1/unload_lora_adapter) needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true "
+                        "(or MINFER_ALLOW_RUNTIME_LORA_UPDATING)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING,
                    help="past this many requests waiting for their first token, new ones get 503 (0: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=None,
@@ -100,5 +116,5 @@ def cmd_serve(args: argparse.Namespace) -> int:
                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                trust_request_chat_template=args.trust_request_chat_template,
                reasoning_parser=args.reasoning_parser, allowed_hosts=parse_flag_list(args.allowed_hosts),
-               allowed_origins=parse_flag_list(args.allowed_origins))
+               allowed_origins=parse_flag_list(args.allowed_origins), lora_modules=args.lora_modules)
     return 0

@@ -1,25 +1,19 @@
 """AsyncLLMEngine: one background thread owns an LLMEngine; asyncio code streams from it.
 
-Why a thread and not an asyncio task: ``LLMEngine.step`` blocks for a whole forward. Run inline
-on the event loop it would freeze every HTTP connection for that long; run in a thread, the
-loop keeps accepting, parsing and streaming while torch (which releases the GIL inside its
-kernels and while waiting on the GPU) computes. The engine is not thread-safe, so exactly this
-one thread touches it: callers talk to it only through a thread-safe command queue, and it
-answers through ``loop.call_soon_threadsafe``, once per step for the whole batch of outputs.
-Measured on the CPU (8-layer test model, 48 streaming clients, 2 cores): GET /health answered
-in 6 ms (p50) beside the thread, but in 160 ms (worst 2.6 s) with ``step()`` inline on the
-loop, whose throughput also swung from 120 to 2,600 tok/s between runs as new connections
-starved between steps; the thread's stayed within 1,300-1,900 tok/s.
+Why a thread and not an asyncio task: ``LLMEngine.step`` blocks for a whole forward, which inline on the event loop
+would freeze every HTTP connection; in a thread, the loop keeps accepting, parsing and streaming while torch (which
+releases the GIL in its kernels and while waiting on the GPU) computes (CPU, 8-layer test model, 48 streaming
+clients: GET /health in 6 ms p50 beside the thread, 160 ms with ``step()`` on the loop). The engine is not
+thread-safe, so only this thread touches it: callers talk to it through a command queue (requests, aborts, which
+act before the next step, and ``call``s: LoRA loads and unloads), and it answers by ``loop.call_soon_threadsafe``,
+once per step for the whole batch of outputs. With nothing unfinished it blocks on the queue (no busy spin).
 
-When no request is unfinished the thread blocks on the command queue (no busy spin) and the
-next command wakes it. Aborts travel the same queue, so they take effect before the next step.
-If a step raises a host-side error from the values it was given (``RECOVERABLE_STEP_ERRORS``), the
-requests in flight fail with ``StepFailedError`` and the loop goes on with an empty engine. If the
-loop raises anything else, or a tensor-parallel worker dies (an idle loop is woken to it), the engine is
-dead: every in-flight stream and every later request fails with ``EngineDeadError``, ``healthy`` turns
-False and ``on_dead`` is called (the server exits there); nothing waits forever. What a client reads of
-the failure is its ``failure`` summary, never the error's own text (a device's or gloo's message can hold
-build paths), which goes to the log.
+If a step raises a host-side error from the values it was given (``RECOVERABLE_STEP_ERRORS``), the requests in
+flight fail with ``StepFailedError`` and the loop goes on with an empty engine. If the loop raises anything else, or
+a tensor-parallel worker dies (an idle loop is woken to it), the engine is dead: every in-flight stream, call and
+later request fails with ``EngineDeadError``, ``healthy`` turns False and ``on_dead`` is called (the server exits
+there); nothing waits forever. A client reads the ``failure`` summary, never the error's own text (a device's or
+gloo's message can hold build paths), which goes to the log.
 """
 from __future__ import annotations
 
@@ -35,6 +29,7 @@ from typing import Any, Callable, Protocol
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import EngineRequest, Processor
 from minfer.engine.tp_workers import TensorParallelError
+from minfer.lora.request import LoRARequest
 from minfer.outputs import RequestOutput, RequestOutputKind
 
 logger = logging.getLogger("minfer.async_engine")
@@ -69,13 +64,11 @@ class EngineObserver(Protocol):
 
 
 class RequestStream:
-    """The outputs of one request not yet read, joined into one, read on the event loop.
-
-    The engine runs in delta mode (``RequestOutputKind.DELTA``): an unfinished request's output
-    holds only its new tokens, the finished one everything. ``put`` joins a delta onto the unread
-    output instead of queueing it (a finished output replaces it), which bounds what is kept per
-    request whatever the client's pace and lets a slow client receive several tokens in one chunk.
-    """
+    """The outputs of one request not yet read, joined into one, read on the event loop. The engine runs in delta
+    mode (``RequestOutputKind.DELTA``): an unfinished request's output holds only its new tokens, the finished one
+    everything. ``put`` joins a delta onto the unread output instead of queueing it (a finished output replaces it),
+    which bounds what is kept per request whatever the client's pace and lets a slow client get several tokens in one
+    chunk."""
 
     __slots__ = ("request_id", "started", "finished", "_latest", "_error", "_event")
 
@@ -112,9 +105,9 @@ class RequestStream:
 
 
 def join_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """``new`` with the tokens and logprobs of ``old`` (an earlier, unread output) in front where
-    ``new`` is a delta that continues it; ``old``'s lists are extended in place (the engine thread
-    made them for this stream alone). A whole output (``token_offset`` 0) replaces ``old``."""
+    """``new`` with the tokens and logprobs of ``old`` (an earlier, unread output) in front where ``new`` is a delta
+    that continues it; ``old``'s lists are extended in place (the engine thread made them for this stream alone).
+    A whole output (``token_offset`` 0) replaces ``old``."""
     for o, n in zip(old.outputs, new.outputs):
         if n.token_offset > o.token_offset:
             o.token_ids += n.token_ids
@@ -127,12 +120,9 @@ def join_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLMEngine:
-    """Serve an ``LLMEngine`` to asyncio callers from a background thread.
-
-    ``max_waiting_requests`` bounds the requests admitted but not yet producing a token
-    (queued or in prefill); past it ``add_request`` raises ``QueueFullError``. ``processor`` is the
-    event loop's own copy of the engine's: requests are checked there, before they are queued.
-    """
+    """Serve an ``LLMEngine`` to asyncio callers from a background thread. ``max_waiting_requests`` bounds the
+    requests admitted but not yet producing a token (queued or in prefill); past it ``add_request`` raises
+    ``QueueFullError``. ``processor``: the event loop's copy of the engine's, which checks requests before queueing."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
         if engine.output_kind is not RequestOutputKind.DELTA:  # RequestStream.put joins deltas
@@ -152,6 +142,7 @@ class AsyncLLMEngine:
         self._stats: dict[str, Any] = engine.get_stats()
         self._token_times: deque[tuple[float, int]] = deque()  # (time, new tokens) of the last second's steps
         self._num_tokens: dict[str, int] = {}  # engine thread: output tokens so far per request
+        self._calls: set[asyncio.Future[Any]] = set()  # ``call``s the engine thread has not answered yet
 
     # ---- lifecycle (event loop side) ------------------------------------------------------
     def start(self) -> None:
@@ -198,9 +189,8 @@ class AsyncLLMEngine:
         return f"the engine step raised {type(error).__name__}"
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters as of its last step with the KV usage and prefix-cache hit rate
-        derived from them, the output rate over the last second, and the server's waiting count.
-        (``list(deque)`` copies atomically under the GIL.)"""
+        """The engine's counters as of its last step with the KV usage and prefix-cache hit rate derived from them,
+        the output rate over the last second, and the server's waiting count (``list(deque)`` copies atomically)."""
         now = time.time()
         recent = sum(n for t, n in list(self._token_times) if t > now - 1.0)
         s = self._stats
@@ -210,10 +200,30 @@ class AsyncLLMEngine:
                     generation_tokens_per_s=float(recent), num_waiting_requests=self._num_waiting,
                     num_streams=len(self._streams))
 
+    # ---- engine calls: LoRA adapters (event loop side) --------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:  # a bad adapter raises LoRAAdapterError here
+        return await self.call(lambda engine: engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:  # refused (ValueError) while requests use it
+        return await self.call(lambda engine: engine.remove_lora(lora_int_id))
+
+    async def list_loras(self) -> dict[int, LoRARequest]:
+        return await self.call(lambda engine: engine.list_loras())
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` on the engine thread, between two steps, in order with the requests and aborts queued
+        before it; what it raises is raised here and the engine goes on (an ``Exception``, not a dead engine)."""
+        if not self.healthy:
+            raise EngineDeadError(f"the engine has stopped: {self.failure} (the server log has the details)")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls.add(future)  # failed with the streams if the engine dies first
+        self._commands.put(("call", fn, future))
+        future.add_done_callback(self._calls.discard)
+        return await future
+
     # ---- requests (event loop side) -------------------------------------------------------
     def add_request(self, request: EngineRequest) -> RequestStream:
-        """Queue a request (checked by ``self.processor``) for the engine thread and return the stream
-        its outputs arrive on."""
+        """Queue a request (checked by ``self.processor``) for the engine thread; its outputs arrive on the stream."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.failure} (the server log has the details)")
         limit = self.max_waiting_requests
@@ -258,8 +268,9 @@ class AsyncLLMEngine:
             stream.fail(error)
 
     def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._fail(request_id, error)
+        self._fail_each(list(self._streams), error)
+        for future in list(self._calls):
+            _settle(future, None, error)
 
     def _call_on_loop(self, fn: Any, *args: Any) -> None:
         try:
@@ -355,6 +366,12 @@ class AsyncLLMEngine:
                     self.engine.add_processed_request(request)
                 except (ValueError, TypeError) as exc:  # a bad request, not a broken engine
                     self._call_on_loop(self._fail, request.request_id, exc)
+            elif kind == "call":
+                try:
+                    result, error = cmd[1](self.engine), None
+                except Exception as exc:  # noqa: BLE001 - the caller's to report (a bad adapter); the engine goes on
+                    result, error = None, exc
+                self._call_on_loop(_settle, cmd[2], result, error)
 
     def _count_new_tokens(self, outputs: list[RequestOutput]) -> list[int]:
         counts = self._num_tokens
@@ -375,3 +392,9 @@ class AsyncLLMEngine:
         while window[0][0] < now - 1.0:
             window.popleft()
         self._stats = self.engine.get_stats()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Answer a ``call`` on the event loop, unless its caller has gone (cancelled) or it was answered already."""
+    if not future.done():
+        future.set_result(result) if error is None else future.set_exception(error)

@@ -2,6 +2,7 @@
 the API docs (served from a packaged copy, so /docs works offline)."""
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
@@ -17,9 +18,11 @@ from minfer.engine.llm_engine import LLMEngine
 from minfer.server.auth import APIKeyMiddleware
 from minfer.server.chat import create_chat_completion
 from minfer.server.completions import create_completion
-from minfer.server.errors import APIError, install_error_handlers
+from minfer.server.errors import install_error_handlers
 from minfer.server.hosts import HostAllowList, HostOriginMiddleware, check_origins
 from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
+from minfer.server.lora import lora_router
+from minfer.server.lora_modules import LoRAModulePath, check_lora_modules, runtime_updating_allowed
 from minfer.server.metrics import ServerMetrics
 from minfer.server.offload import ClientGone, OffloadedBodyRoute
 from minfer.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,7 +45,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, on_engine_dead: Callable[[str], None] | None = None,
               trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
-              allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = ()) -> FastAPI:
+              allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
+              lora_modules: Sequence[LoRAModulePath] = (), allow_runtime_lora_updating: bool | None = None) -> FastAPI:
     """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
@@ -63,20 +67,36 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
     names, addresses, ``.suffix`` patterns, ``*``); any other is a 400 before anything else runs (DNS rebinding).
     ``allowed_origins``: pages on other origins (``scheme://host[:port]``, or ``*``) that may call the API from a
     browser: they get CORS headers; a browser request from any other origin but the server's own is a 400.
+    ``lora_modules``: LoRA adapters (``--lora-modules``, the engine built with ``enable_lora``) loaded here, before
+    the engine thread starts, with ids 1, 2, ...; a request's ``model`` names one to run through it. The first that
+    fails stops start-up with a ValueError naming it. ``allow_runtime_lora_updating``: POST /v1/load_lora_adapter and
+    /v1/unload_lora_adapter work (with ``enable_lora``); None: as ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (or
+    ``MINFER_ALLOW_RUNTIME_LORA_UPDATING``) says.
     """
     allowed_hosts, allowed_origins = tuple(allowed_hosts), check_origins(allowed_origins)
     HostAllowList(allowed_hosts)  # a bad pattern fails here, before the engine thread starts
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_flag(reasoning_parser)
+    served_names = served_model_names or [str(engine.config.model)]
+    check_lora_modules(lora_modules, served_names, engine.config.enable_lora)
+    runtime_lora = runtime_updating_allowed() if allow_runtime_lora_updating is None else allow_runtime_lora_updating
     if chat_template is not None:
         if engine.processor.tokenizer is None:
             raise ValueError("--chat-template needs a tokenizer, but the server runs with --skip-tokenizer-init")
         engine.processor.tokenizer.chat_template = chat_template
     async_engine = AsyncLLMEngine(engine, max_waiting_requests)
-    ctx = ServerContext(async_engine, served_model_names or [str(engine.config.model)],
+    ctx = ServerContext(async_engine, served_names,
                         auto_tool_parser=tool_call_parser if enable_auto_tool_choice else None,
                         trust_request_chat_template=trust_request_chat_template,
                         reasoning_parser=reasoning_parser)
+    try:
+        ctx.loras.load_static(engine, lora_modules)
+    except BaseException:
+        ctx.close()
+        raise
+    if runtime_lora and engine.config.enable_lora:
+        logging.getLogger("minfer.server").warning(
+            "runtime LoRA updating is on: a client with the API key can load any adapter folder on this machine")
     metrics = ServerMetrics(async_engine.stats, lambda: async_engine.healthy, ctx.model_name, ctx.max_model_len)
     async_engine.observer = metrics
     async_engine.on_dead = on_engine_dead
@@ -120,21 +140,24 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
         return await create_chat_completion(ctx, req, raw)
 
     app.include_router(openai_routes)
+    app.include_router(lora_router(ctx.loras, runtime_lora))
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=ctx.created, max_model_len=ctx.max_model_len)
+        """vLLM's fields: an adapter's ``root`` is its folder and its ``parent`` the served model it adapts."""
+        adapter = ctx.loras.adapters.get(name) if name not in ctx.served_model_names else None
+        if adapter is not None:
+            return ModelCard(id=name, created=ctx.created, max_model_len=ctx.max_model_len,
+                             root=adapter.request.lora_path, parent=adapter.parent)
+        return ModelCard(id=name, created=ctx.created, max_model_len=ctx.max_model_len, root=str(engine.config.model))
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[card(name) for name in ctx.served_model_names])
+        return ModelList(data=[card(name) for name in [*ctx.served_model_names, *ctx.loras.names()]])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
     async def model(model_id: str) -> ModelCard:
         """A path parameter: hub ids hold a slash (``client.models.retrieve("org/name")``)."""
-        if model_id not in ctx.served_model_names:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
-                                f"{ctx.served_model_names}", "model", "model_not_found")
-        return card(model_id)
+        return card(ctx.check_model(model_id))
 
     app.include_router(tokenize_router(ctx))
 

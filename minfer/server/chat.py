@@ -138,6 +138,7 @@ def needs_trace(req: ChatCompletionRequest) -> bool:
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
     model = ctx.check_model(req.model)
+    lora = ctx.lora_request(model)  # None: the base model
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_k = (req.top_logprobs or 0) if req.logprobs else None
     tok = ctx.require_tokenizer("chat", "messages")
@@ -166,7 +167,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         check_chat_size(ctx, req)
         text = render_chat(p.tokenizer, req, plan.tools, budget if traced else None)
         # the template places BOS itself: no special tokens are added unless the request asks for them
-        request = process(p, cid, text, None, params, "messages", req.add_special_tokens)
+        request = process(p, cid, text, None, params, "messages", req.add_special_tokens, lora)
         if ctx.reasoning_parser is not None and params.structured_outputs is not None:  # reasoning runs free
             request.grammar_after = grammar_gate(p.tokenizer, request.prompt_token_ids, ctx.reasoning_parser)
         return request

@@ -28,6 +28,7 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     model = ctx.check_model(req.model)
+    lora = ctx.lora_request(model)  # None: the base model
     prompts = _prompts(req.prompt)
     ctx.check_count(len(prompts), req.n)  # before any work that grows with the batch
     if any(isinstance(p, str) for p in prompts):
@@ -42,7 +43,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     def prepare(p: Processor) -> list[Any]:
         return [process(p, f"{cid}-{i}", prompt if isinstance(prompt, str) else None,
                         None if isinstance(prompt, str) else prompt, params,
-                        "prompt" if len(prompts) == 1 else f"prompt[{i}]", req.add_special_tokens)
+                        "prompt" if len(prompts) == 1 else f"prompt[{i}]", req.add_special_tokens, lora)
                 for i, prompt in enumerate(prompts)]
 
     requests = await ctx.offload(prepare)

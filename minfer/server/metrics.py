@@ -14,6 +14,7 @@ Each app gets its own registry, so several servers (tests) can live in one proce
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -106,6 +107,8 @@ class _EngineStateCollector(Collector):
             yield family
         if "spec_decode_num_drafts" in s:
             yield from self._spec_decode(s)
+        if "lora_requests_info" in s:
+            yield _lora_info(s["lora_requests_info"])
 
     def _spec_decode(self, s: dict[str, Any]) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (present when the engine speculates)."""
@@ -122,6 +125,18 @@ class _EngineStateCollector(Collector):
         for position, value in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
             family.add_metric([*self.labels, str(position)], value)
         yield family
+
+
+def _lora_info(info: dict[str, Any]) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``: the adapters of the running and of the waiting requests (names joined
+    by commas) and ``max_lora`` as labels, the time as the value, so that a reader (the Gateway API inference
+    extension's LoRA affinity) takes the newest series. Rendered at scrape time from the engine's latest snapshot:
+    one series, the current one, not one per label set ever seen as vLLM's live gauge keeps."""
+    family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                               labels=("max_lora", "waiting_lora_adapters", "running_lora_adapters"))
+    family.add_metric([str(info["max_lora"]), ",".join(info["waiting_lora_adapters"]),
+                       ",".join(info["running_lora_adapters"])], time.time())
+    return family
 
 
 def _snapshot_histogram(name: str, doc: str, snapshot: dict[str, Any] | None) -> HistogramMetricFamily:

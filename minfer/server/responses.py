@@ -107,10 +107,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """vLLM's card: ``root`` is the base model's checkpoint or an adapter's folder, ``parent`` (adapters only) the
+    served model the adapter runs on."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "minfer"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int
 
 

@@ -12,6 +12,7 @@ import signal
 import threading
 from typing import Any
 
+from minfer.server.lora_modules import LoRAModulePath, check_lora_modules
 from minfer.server.reasoning import check_reasoning_flag
 from minfer.server.tool_parsers import check_tool_flags
 
@@ -36,7 +37,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                chat_template: str | None = None, max_request_bytes: int | None = None,
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
-               allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None) -> None:
+               allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
+               lora_modules: list[LoRAModulePath] | None = None) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
     the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
@@ -49,6 +51,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     before the model loads).
     ``allowed_hosts``: see ``build_app``; None: the loopback names alone on a loopback ``host``, else ``*``.
     ``allowed_origins``: see ``build_app`` (both are checked before the model loads).
+    ``lora_modules``: see ``build_app`` (their names and ``enable_lora`` are checked before the model loads, the
+    adapters themselves once it has).
     """
     require_server_extra()
     try:
@@ -86,6 +90,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         model, names = str(builtin), served_model_names or ["minfer-builtin"]
     else:
         names = served_model_names or [model]
+    check_lora_modules(lora_modules or [], names, bool(engine_kwargs.get("enable_lora", False)))
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
     engine = LLMEngine(config, RequestOutputKind.DELTA)  # the server streams deltas
     # uvicorn handles SIGTERM while it serves, shuts down gracefully, then restores the handler it found and
@@ -109,7 +114,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                         on_engine_dead=engine_dead, trust_request_chat_template=trust_request_chat_template,
                         reasoning_parser=reasoning_parser, allowed_hosts=hosts, allowed_origins=origins,
-                        **limit)
+                        lora_modules=lora_modules or (), **limit)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                                timeout_graceful_shutdown=5, http=http_protocol()))
         try:

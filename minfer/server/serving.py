@@ -34,10 +34,12 @@ from pydantic import BaseModel
 from minfer.engine.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream,
                                         StepFailedError)
 from minfer.engine.processor import EngineRequest, Processor, PromptError
+from minfer.lora.request import LoRARequest
 from minfer.outputs import RequestOutput
 from minfer.sampling_params import SamplingParams, StructuredOutputsParams
 from minfer.server.chat_template import RENDER_TIMEOUT_S, RenderBudget
 from minfer.server.errors import APIError, bad_request, error_body
+from minfer.server.lora import LoRARegistry
 from minfer.server.offload import ClientGone, WorkPool, parse_body, until_disconnect
 from minfer.server.request_fields import SamplingFields
 from minfer.server.stream import DONE, sse
@@ -86,6 +88,7 @@ class ServerContext:
         self._check = WorkPool("check", CHECK_WORKERS)
         self._parse = WorkPool("parse", PARSE_WORKERS)
         self._renders: set[RenderBudget] = set()  # in flight: cancelled when the server stops
+        self.loras = LoRARegistry(self.engine, self.served_model_names)  # the adapters a ``model`` may name
 
     async def offload(self, fn: Callable[[Processor], T], on_cancel: Callable[[], None] | None = None) -> T:
         """``fn(processor)`` on the tokenizer pool, with a processor (and tokenizer) no other thread uses now."""
@@ -135,10 +138,16 @@ class ServerContext:
 
     # ---- checks ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
-        if name is not None and name not in self.served_model_names:
+        """The served name (the model's, or a LoRA adapter's: ``lora_request``) a request's ``model`` means."""
+        if name is not None and name not in self.served_model_names and self.loras.get(name) is None:
+            adapters = f" and the LoRA adapters {self.loras.names()}" if self.loras.adapters else ""
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{self.served_model_names}", "model", "model_not_found")
+                                f"{self.served_model_names}{adapters}", "model", "model_not_found")
         return name or self.model_name
+
+    def lora_request(self, model: str) -> LoRARequest | None:
+        """The adapter a checked ``model`` name runs through; None: the base model."""
+        return self.loras.get(model)
 
     def require_tokenizer(self, what: str, param: str) -> Any:
         if self.tokenizer is None:
@@ -184,11 +193,19 @@ class ServerContext:
 
     # ---- running requests -----------------------------------------------------------------
     def submit(self, requests: list[EngineRequest]) -> list[RequestStream]:
-        """Queue the requests; all or none."""
+        """Queue the requests; all or none. One that runs through a LoRA adapter unloaded while it was being
+        prepared is a 404, as its ``model`` would be now."""
+        for request in requests:
+            lora = request.lora_request
+            if lora is not None and not self.loras.is_served(lora):
+                raise APIError(404, f"the model {lora.lora_name!r} (a LoRA adapter) was unloaded", "model",
+                               "model_not_found")
         streams: list[RequestStream] = []
         try:
             for request in requests:
                 streams.append(self.engine.add_request(request))
+                if request.lora_request is not None:
+                    self.loras.hold(request.request_id, request.lora_request)
         except QueueFullError as exc:
             self.abort(streams)
             raise APIError(503, f"the server is overloaded: {exc}; retry in {self.retry_after_s} s",
@@ -199,19 +216,23 @@ class ServerContext:
         return streams
 
     def abort(self, streams: list[RequestStream]) -> None:
+        """End the requests (those not finished are aborted); every request's way out, whatever ended it."""
         for stream in streams:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
+            self.loras.release(stream.request_id)
 
 
 def process(processor: Processor, request_id: str, text: str | None, ids: list[int] | None,
-            params: SamplingParams, param: str, add_special_tokens: bool = True) -> EngineRequest:
+            params: SamplingParams, param: str, add_special_tokens: bool = True,
+            lora_request: LoRARequest | None = None) -> EngineRequest:
     """Tokenize ``text`` unless ``ids`` are given, then the engine's own checks (``Processor``), before the
     request is queued; ``param`` names the prompt field in the error. Run on the tokenizer pool."""
     try:
         if ids is None:
             ids = encode(processor, text or "", param, add_special_tokens)
-        return processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+        return processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                 lora_request=lora_request)
     except PromptError as exc:
         name = param if exc.field == "prompt" else exc.field
         message = str(exc) if str(exc).startswith(name) else f"{name}: {exc}"
