@@ -106,6 +106,7 @@ class EngineLoRA:
 
     runner: Any
     scheduler: Any
+    _compiling: dict[str, Any]
 
     def _lora(self) -> LoRAManager:
         if self.runner.lora is None:
@@ -117,8 +118,10 @@ class EngineLoRA:
         return self._lora().add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its requests still queued or running fail on their next step: abort them first)."""
-        if any(s.lora_id == lora_int_id for s in (*self.scheduler.running, *self.scheduler.waiting)):
+        """Forget an adapter; refused while a request of it is queued, compiling its grammar or running (a later
+        step would load it again from its folder): finish or abort those first."""
+        compiling = (s for _, seqs in self._compiling.values() for s in seqs)
+        if any(s.lora_id == lora_int_id for s in (*self.scheduler.running, *self.scheduler.waiting, *compiling)):
             raise ValueError(f"LoRA adapter {lora_int_id} has requests in flight: finish or abort them first")
         return self._lora().remove(lora_int_id)
 
