@@ -1,5 +1,7 @@
-"""The LoRA kernels' tiles on the GPU: shrink and expand times for each block_m (and the expand's BLOCK_N) at
-llama-3.1-8b's four fused layers, rank 16, 1 and 8 adapters, over decode-batch token counts.
+"""The LoRA kernels' launches as an eager step makes them: shrink and expand called back to back from Python (no
+CUDA graph) for each block_m (and the expand's BLOCK_N) at llama-3.1-8b's four fused layers, rank 16, 1 and 8
+adapters, over decode-batch token counts. On an H200 every pair takes 73-160 µs, its host launch cost, against
+7-30 µs of GPU work (benchmarks/RESULTS.md): timing tiles needs graph replays (``bench_lora.py kernels``).
 
 Usage (GPU): PYTHONPATH=. python3 dev/lora_tiles.py   — writes every setting's µs to $OUT/lora_tiles.md and
 prints, for each layer, token count and adapter count, the default's time (block_m 16 to 256 tokens, BLOCK_N 64)
