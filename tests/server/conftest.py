@@ -47,15 +47,17 @@ class LiveServer:
     def __init__(self, model_dir: Path, max_waiting_requests: int | None = 1024, api_key: str | None = None,
                  chat_template: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
                  trust_request_chat_template: bool = True, allowed_hosts: tuple[str, ...] = (),
-                 allowed_origins: tuple[str, ...] = (), http: str = "auto", **engine_args: Any) -> None:
+                 allowed_origins: tuple[str, ...] = (), http: str = "auto", app_args: dict[str, Any] | None = None,
+                 **engine_args: Any) -> None:
         """``trust_request_chat_template`` is on by default: the shared server's tests send templates.
-        ``http``: uvicorn's HTTP protocol under ``http_protocol`` (as ``minfer serve`` runs it)."""
+        ``http``: uvicorn's HTTP protocol under ``http_protocol`` (as ``minfer serve`` runs it); ``app_args``: more
+        of ``build_app``'s arguments (LoRA modules, ...)."""
         self.engine = LLMEngine(EngineConfig(model=str(model_dir), **{**ENGINE_ARGS, **engine_args}),
                                 RequestOutputKind.DELTA)
         self.app = build_app(self.engine, [MODEL_NAME], max_waiting_requests, api_key=api_key,
                              chat_template=chat_template, max_request_bytes=max_request_bytes,
                              trust_request_chat_template=trust_request_chat_template,
-                             allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
+                             allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, **(app_args or {}))
         self.ctx = self.app.state.ctx
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,7 +19,6 @@ transformers = pytest.importorskip("transformers")
 
 import httpx  # noqa: E402
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 
 from minfer import LLM, SamplingParams  # noqa: E402
 from minfer.cli import main  # noqa: E402
@@ -33,7 +30,7 @@ from minfer.outputs import RequestOutputKind  # noqa: E402
 from minfer.server.app import build_app  # noqa: E402
 from minfer.server.lora_modules import (LoRAModulePath, check_lora_modules, parse_lora_module,  # noqa: E402
                                         runtime_updating_allowed)
-from .conftest import ENGINE_ARGS, MODEL_NAME  # noqa: E402
+from .conftest import ENGINE_ARGS, MODEL_NAME, LiveServer  # noqa: E402
 
 LORA_ARGS: dict[str, Any] = dict(ENGINE_ARGS, enable_lora=True, max_loras=2, max_lora_rank=8)
 KEY = "lora-test-key"
@@ -57,33 +54,18 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
             "wide": _write_adapter(tiny_model, root / "wide", 3, 16, ["q_proj"])}  # rank past max_lora_rank
 
 
-class LoRAServer:
-    """The app on uvicorn in a thread, built with LoRA arguments (``conftest.LiveServer`` takes none)."""
+class LoRAServer(LiveServer):
+    """The shared live server's set-up with LoRA's engine and app arguments."""
 
     def __init__(self, model_dir: Path, lora_modules: list[LoRAModulePath], runtime: bool, **app_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model_dir), **LORA_ARGS), RequestOutputKind.DELTA)
-        self.app = build_app(self.engine, [MODEL_NAME], lora_modules=lora_modules,
-                             allow_runtime_lora_updating=runtime, **app_args)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the test server did not start"
-            time.sleep(0.01)
+        super().__init__(model_dir, app_args=dict(lora_modules=lora_modules, allow_runtime_lora_updating=runtime),
+                         **app_args, **{k: v for k, v in LORA_ARGS.items() if k not in ENGINE_ARGS})
 
     def engine_loras(self) -> dict[int, str]:
         """The engine's adapters (id: name), read on the engine thread (``AsyncLLMEngine.list_loras``)."""
         engine = self.app.state.ctx.engine
         loras = asyncio.run_coroutine_threadsafe(engine.list_loras(), engine._loop).result(10)
         return {i: r.lora_name for i, r in loras.items()}
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
 
 
 @pytest.fixture(scope="module")
