@@ -28,7 +28,6 @@ class Command(IntEnum):
     SHUTDOWN = 3
     DRAFT = 4  # run the draft model's forward (and its LM-head gather) on these inputs: speculative decoding
     LORA = 5  # write a LoRA adapter (slot, id, name, path) into a slot, as rank 0 did: multi-LoRA serving
-    READY = 4  # start-up: every rank loaded its shard; carries nothing
 
 
 def pack(command: int, arrays: list[np.ndarray]) -> np.ndarray:
