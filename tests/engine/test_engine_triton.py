@@ -13,7 +13,7 @@ NEW = 6
 @pytest.mark.parametrize("arch,kwargs", [
     ("llama3", dict(num_kv_blocks=64)),
     ("qwen3", dict(num_kv_blocks=64, max_num_batched_tokens=6, max_num_seqs=4, prompts=3)),  # chunks + decodes
-    ("qwen2", dict(num_kv_blocks=4)),  # preemption + recompute through the prefix cache
+    ("qwen2", dict(num_kv_blocks=4, prompts=3)),  # preemption + recompute through the prefix cache
     # one sequence at a time: the batch-1 matrix-vector kernels with a bias (two prompts: each runs alone, slowly)
     ("qwen2", dict(num_kv_blocks=64, max_num_seqs=1, prompts=2)),
     # Gated DeltaNet's conv and delta-rule kernels: chunks of 6 (state carried across them) beside decodes

@@ -144,7 +144,7 @@ def test_triton_fp8_path_matches_the_reference(float_ckpts, tmp_path, fmt):
         write_block_fp8(float_ckpts["qwen3"], tmp_path / "fp8") if fmt == "block" else
         write_compressed_tensors(float_ckpts["qwen3"], tmp_path / "ct", "tensor", static_acts=True))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS[1:]]
+    prompts = [{"prompt_token_ids": p} for p in (PROMPTS[1], PROMPTS[2][:24])]  # interpreted: keep them short
     outs = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(ckpt), num_kv_blocks=16, attention_backend=backend, **kwargs)
