@@ -16,6 +16,7 @@ from torch import nn
 
 from minfer.kernels.gemm.gemv import (gemv, gemv_gated_rms_norm, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_sigmoid_gate,
                                      gemv_silu_mul)
+from minfer.kernels.gemm.gemv_lora import GemvLora
 from minfer.ops.metadata import AttentionMetadata
 
 
@@ -37,11 +38,11 @@ class OneTokenForward:
         residual = None
         for ln, attn, ln2, mlp, layer in self.layers:
             qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                          weight_scale=_scale(attn.qkv_proj))
+                                          weight_scale=_scale(attn.qkv_proj), lora=_lora(attn.qkv_proj))
             if layer.capture is not None:  # the stream entering the layer, for an EAGLE-3 head (models/llama.py)
                 layer.capture[:1].copy_(residual)
             x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
-                     weight_scale=_scale(attn.o_proj))
+                     weight_scale=_scale(attn.o_proj), lora=_lora(attn.o_proj))
             x = attn.o_proj.reduce(x)  # the sum over tensor-parallel ranks (identity on one GPU)
             x, residual = _mlp(ln2, mlp, x, residual)
         return x + residual  # the final norm runs in compute_logits, as in the model's forward
@@ -54,14 +55,27 @@ def _mlp(ln: nn.Module, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor)
         x, residual = ln(x, residual)
         return mlp(x), residual
     gate_up, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, mlp.gate_up_proj.weight,
-                                      weight_scale=_scale(mlp.gate_up_proj))
-    return mlp.down_proj.reduce(gemv_silu_mul(gate_up, mlp.down_proj.weight, weight_scale=_scale(mlp.down_proj))), residual
+                                      weight_scale=_scale(mlp.gate_up_proj), lora=_lora(mlp.gate_up_proj))
+    down = gemv_silu_mul(gate_up, mlp.down_proj.weight, weight_scale=_scale(mlp.down_proj), lora=_lora(mlp.down_proj))
+    return mlp.down_proj.reduce(down), residual
 
 
 def _scale(linear: nn.Module) -> torch.Tensor | None:
     """An FP8 layer's weight scales (the matrix-vector kernels dequantize its e4m3 weights in registers;
     activations stay in the model dtype at one token)."""
     return getattr(linear, "weight_scale", None)  # only a quantized method keeps one
+
+
+def _lora(linear: nn.Module) -> GemvLora | None:
+    """A projection's LoRA slots for the step's token (``model/layers/lora.py``: the step's grouping, or a graph's
+    static one), None when the engine serves no adapters or no token of the step has one. Under tensor parallelism a
+    row-parallel layer's partial product takes its rank's partial shrink times the whole B, which the sum over
+    ranks adds up (``gemv_lora.py``)."""
+    lora = getattr(linear, "lora", None)
+    if lora is None or lora.state.meta is None:
+        return None
+    stack = lora.stack
+    return GemvLora(lora.state.meta.token_slots, stack.a_stack, stack.b_stack, stack.shard_sizes)
 
 
 class GemmaOneTokenForward:

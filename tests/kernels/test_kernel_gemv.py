@@ -303,3 +303,70 @@ def test_gemv_qwen3_5_gated_prologues_on_gpu_match_unfused(n, k):
     gate = qkv[:, :2 * k].view(1, 16, 512)[..., 256:]
     unfused = gemv((x.view(1, 16, 256) * torch.sigmoid(gate)).reshape(1, k), w)
     torch.testing.assert_close(gemv_sigmoid_gate(x, gate, w), unfused, rtol=1e-2, atol=1e-2)
+
+
+def _lora(n_shards_sizes, k, max_loras=3, max_rank=8, rank=5, slot=1, dtype=torch.float32, device="cpu"):
+    """Stacks with a rank-``rank`` adapter (zero-padded to max_rank) in every slot, read at ``slot``."""
+    from minfer.kernels.gemm.gemv_lora import GemvLora
+    n = sum(n_shards_sizes)
+    a = torch.zeros(max_loras, len(n_shards_sizes), max_rank, k, dtype=dtype, device=device)
+    b = torch.zeros(max_loras, n, max_rank, dtype=dtype, device=device)
+    a[..., :rank, :] = torch.randn(max_loras, len(n_shards_sizes), rank, k, device=device).to(dtype) / k ** 0.5
+    b[..., :rank] = torch.randn(max_loras, n, rank, device=device).to(dtype)
+    return GemvLora(torch.tensor([slot], dtype=torch.int32, device=device), a, b, tuple(n_shards_sizes))
+
+
+@pytest.mark.parametrize("slot", [1, -1, 3])  # an adapter; the base model alone (-1, and a slot past the stack)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_lora_matches_reference(slot, dtype):
+    """The shrink launch and the expand epilogue against the float32 reference, on every fused variant the
+    one-token forward uses: qkv's three ragged shards behind the RMS prologue, o's one, down's behind SwiGLU."""
+    torch.manual_seed(7)
+    k, sizes = 160, (64, 24, 24)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2  # bf16: an ulp of outputs up to 8 (the sums differ in order)
+    x, residual = torch.randn(1, k, dtype=dtype), torch.randn(1, k, dtype=dtype)
+    norm_w = torch.rand(k, dtype=dtype) + 0.5
+    w, bias = torch.randn(sum(sizes), k, dtype=dtype) / k ** 0.5, torch.randn(sum(sizes), dtype=dtype)
+    lora = _lora(sizes, k, slot=slot, dtype=dtype)
+    got, got_res = gemv_rms_norm(x, residual, norm_w, 1e-6, w, bias, GemvConfig(4, 64, 4), lora=lora)
+    ref, _ = gemv_rms_norm_ref(x, residual, norm_w, 1e-6, w, bias, lora=lora)
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    base, base_res = gemv_rms_norm(x, residual, norm_w, 1e-6, w, bias, GemvConfig(4, 64, 4))
+    assert torch.equal(got_res, base_res)  # the shrink, which runs the same prologue, left the residual alone
+    if slot == 1:
+        assert (got.float() - base.float()).abs().max() > 0.1  # the adapter's product is there
+    else:
+        torch.testing.assert_close(got, base, rtol=0, atol=0)
+    o_lora = _lora((96,), k, slot=slot, dtype=dtype)
+    wo = torch.randn(96, k, dtype=dtype) / k ** 0.5
+    torch.testing.assert_close(gemv(x, wo, lora=o_lora), gemv_ref(x, wo, lora=o_lora), rtol=tol, atol=tol)
+    gate_up = torch.randn(1, 2 * k, dtype=dtype)
+    torch.testing.assert_close(gemv_silu_mul(gate_up, wo, lora=o_lora), gemv_silu_mul_ref(gate_up, wo, lora=o_lora),
+                               rtol=tol, atol=tol)
+
+
+def test_gemv_lora_rejects_bad_stacks():
+    lora = _lora((32,), 64)
+    with pytest.raises(ValueError, match="a_stack"):
+        gemv(torch.randn(1, 48), torch.randn(32, 48), lora=lora)
+    with pytest.raises(ValueError, match="b_stack"):
+        gemv(torch.randn(1, 64), torch.randn(40, 64), lora=lora)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slot", [0, -1])
+def test_gemv_lora_on_gpu_matches_reference(slot):
+    """llama-3.1-8b's qkv (behind the RMS prologue) and down (behind SwiGLU) with a rank-16 adapter."""
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    x, residual = torch.randn(1, 4096, device=dev, dtype=dt), torch.randn(1, 4096, device=dev, dtype=dt)
+    norm_w = torch.rand(4096, device=dev, dtype=dt) + 0.5
+    w = torch.randn(6144, 4096, device=dev, dtype=dt) / 64
+    lora = _lora((4096, 1024, 1024), 4096, max_loras=4, max_rank=16, rank=16, slot=slot, dtype=dt, device=dev)
+    got, _ = gemv_rms_norm(x, residual, norm_w, 1e-5, w, lora=lora)
+    torch.testing.assert_close(got, gemv_rms_norm_ref(x, residual, norm_w, 1e-5, w, lora=lora)[0], rtol=2e-2, atol=2e-2)
+    wd = torch.randn(4096, 14336, device=dev, dtype=dt) / 120
+    gate_up = torch.randn(1, 2 * 14336, device=dev, dtype=dt)
+    down = _lora((4096,), 14336, max_loras=4, max_rank=16, rank=16, slot=slot, dtype=dt, device=dev)
+    torch.testing.assert_close(gemv_silu_mul(gate_up, wd, lora=down), gemv_silu_mul_ref(gate_up, wd, lora=down),
+                               rtol=2e-2, atol=2e-2)

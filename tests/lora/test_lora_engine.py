@@ -99,13 +99,18 @@ def test_the_prefix_cache_is_keyed_by_adapter(base_and_adapters):
 
 
 def test_triton_kernels_in_the_engine(base_and_adapters):
-    """The Triton shrink and expand (interpreted) give the torch reference path's tokens and logprobs."""
+    """The Triton shrink and expand (interpreted) give the torch reference path's tokens and logprobs; so does a
+    prompt alone, whose one-token steps add its adapter inside the fused matrix-vector kernels."""
     base, adapters = base_and_adapters
     loras = [_request(adapters, "a8", 2), _request(adapters, "a4", 1)]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[::2]]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
-    outs = [LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=16, attention_backend=b)
-            .generate(prompts, params, use_tqdm=False, lora_request=loras) for b in ("auto", "triton")]
+    outs = []
+    for backend in ("auto", "triton"):
+        llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=16,
+                  attention_backend=backend)
+        outs.append(llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+                    + llm.generate(prompts[:1], params, use_tqdm=False, lora_request=loras[0]))
     for ref, out in zip(*outs):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         for a, b in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):

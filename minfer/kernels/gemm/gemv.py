@@ -38,13 +38,15 @@ from .._utils import check_dtype, next_pow2
 from ..pdl import launch_options, use_pdl, wait_for_previous
 from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, num_groups
 from .gemv_config import (BLOCK, CHANNEL, GATED_RMS_NORM, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SIGMOID_GATE, SILU_MUL,
-                          GemvConfig, default_config, default_fp8_config)
+                          GemvConfig, default_config, default_fp8_config, lora_shrink_config)
+from .gemv_lora import GemvLora, lora_expand_rows
 from .gemv_prologue import input_chunk, sum_squares
 
 
 # Widest single block the RMS prologue sums in one tl.sum (like rmsnorm.py's one next_pow2(K) block); wider
 # rows are summed block by block, which changes the float32 summation order. Module-level so tests can shrink it.
 RMS_MAX_BLOCK = 8192
+NO_LORA, LORA_SHRINK, LORA_EXPAND = 0, 1, 2  # the kernel's LORA: what a launch does with an adapter (gemv_lora.py)
 
 
 @triton.jit
@@ -87,22 +89,33 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
                  HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True,
                  ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False, WS=None, stride_ws=0, n_groups=1,
                  SCALE: tl.constexpr = 0, NSUB: tl.constexpr = 1, SUB: tl.constexpr = 1,
-                 GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1):
+                 GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1,
+                 PREFETCH: tl.constexpr = False, LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, XA=None, LB=None,
+                 stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1, LORA_RP: tl.constexpr = 1):
     pid = tl.program_id(0)
+    if LORA == 1:  # LORA_SHRINK: the slot's A rows (gemv_lora.py); an idle slot's programs still wait, as PDL needs
+        slot = tl.load(LORA_SLOT)
+        wait_for_previous(PDL)
+        if (slot < 0) | (slot >= n_loras):
+            return
+        W += slot.to(tl.int64) * N * stride_wn
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    if PDL:  # the first weight tile streams in while the previous kernel drains (weights never change)
+    if PREFETCH:  # the first weight tile streams in while the previous kernel drains (weights never change)
         w_first = _weight_tile(w_ptrs, 0, rows, cols, N, K, EVEN_N, EVEN_K)
         wait_for_previous(PDL)
     inv_rms = 1.0
     if PROLOGUE == 2:  # every program needs the whole row's mean square before its first chunk
         ss = sum_squares(X, R, K, HAS_RESIDUAL, RMS_BLOCK, EVEN_R, ONE_BLOCK)
         inv_rms = tl.rsqrt(ss / K + eps)
-    write_residual = pid == 0
+    if LORA == 1:  # the base launch writes the residual
+        write_residual = pid < 0
+    else:
+        write_residual = pid == 0
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     first = 0
-    if PDL:  # the first chunk with the prefetched tile
+    if PREFETCH:  # the first chunk with the prefetched tile
         x = input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE, HAS_RESIDUAL,
                         not EVEN_K, F32_NORM, HEAD, BLOCK_K)
         acc += _products(w_first, x, WS, rows, 0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
@@ -119,6 +132,9 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
         y *= tl.load(WS + rows, mask=rows < N, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=rows < N, other=0.0).to(tl.float32)
+    if LORA == 2:  # LORA_EXPAND
+        y = lora_expand_rows(y, rows, N, LORA_SLOT, n_loras, XA, LB, stride_lb, shard_end0, shard_end1, LORA_RANK,
+                             LORA_RP)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
@@ -145,14 +161,34 @@ def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, weight_scale:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
             prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             new_residual: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None,
-            scale: int = NO_SCALE, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """One launch; ``gate`` ``[1, H, D]`` (its heads at any stride) is the gated prologues' second input."""
+            scale: int = NO_SCALE, gate: torch.Tensor | None = None, lora: GemvLora | None = None) -> torch.Tensor:
+    """One launch (two with ``lora``: its shrink first, over the same prologue); ``gate`` ``[1, H, D]`` (its heads at
+    any stride) is the gated prologues' second input."""
     n, k = weight.shape
     cfg = config or (default_config(n, k, prologue) if scale == NO_SCALE else default_fp8_config(n, k, prologue, scale))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    inputs = dict(prologue=prologue, residual=residual, norm_weight=norm_weight, eps=eps, gate=gate)
+    extra: dict = {}
+    if lora is not None:
+        lora.check(n, k, x.dtype)
+        rows = lora.a_stack.shape[1] * lora.a_stack.shape[2]
+        xa = torch.empty(1, rows, dtype=torch.float32, device=x.device)
+        _run(x, lora.shrink_weight(), rows, None, lora_shrink_config(rows, k, prologue), xa, None, NO_SCALE,
+             dict(LORA=LORA_SHRINK, LORA_SLOT=lora.slot, n_loras=lora.a_stack.shape[0]), **inputs)
+        extra = dict(LORA=LORA_EXPAND, **lora.expand_args(xa))
+    _run(x, weight, n, bias, cfg, y, weight_scale, scale, extra, new_residual=new_residual, **inputs)
+    return y
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None, cfg: GemvConfig, y: torch.Tensor,
+         weight_scale: torch.Tensor | None, scale: int, extra: dict, prologue: int, residual: torch.Tensor | None,
+         norm_weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None,
+         new_residual: torch.Tensor | None = None) -> None:
+    """The kernel over ``weight``'s first ``n`` rows (a LoRA shrink: the slot's rows, which the kernel finds)."""
+    k = weight.shape[1]
     sub = min(cfg.block_k, FP8_GROUP)
     if scale == BLOCK and (cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"block-scaled weights need a power-of-two block_k, got {cfg.block_k}")
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
     pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
@@ -166,18 +202,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         n_groups=num_groups(k), SCALE=scale, NSUB=cfg.block_k // sub, SUB=sub, GROUP=FP8_GROUP,
         F32_NORM=norm_weight is not None and norm_weight.dtype == torch.float32,
         stride_r=gate.stride(1) if gate is not None else 0, HEAD=gate.shape[2] if gate is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(pdl),
+        PREFETCH=pdl and extra.get("LORA") != LORA_SHRINK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **extra, **launch_options(pdl),
     )
-    return y
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, *, weight_scale: torch.Tensor | None = None,
+         lora: GemvLora | None = None) -> torch.Tensor:
     """``x`` [1, K] times ``weight`` [N, K] transposed (+ ``bias`` [N]) -> [1, N] in x's dtype.
 
     Products accumulate in float32 and round once, like a GEMM; only the summation order differs. An e4m3
     ``weight`` comes with ``weight_scale`` (``[N]`` or ``[N, ceil(K/128)]`` float32, see the module docstring).
+    ``lora``: the token's adapter added before the rounding (``gemv_lora.py``; also in the fused variants).
     """
     check_dtype("x", x)
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -185,11 +222,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     scale = _check_weight(weight, bias, weight_scale)
-    return _launch(x, weight, bias, config, weight_scale=weight_scale, scale=scale)
+    return _launch(x, weight, bias, config, weight_scale=weight_scale, scale=scale, lora=lora)
 
 
 def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
-                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  weight_scale: torch.Tensor | None = None, lora: GemvLora | None = None) -> torch.Tensor:
     """``gemv(silu_and_mul(x_gate_up), weight)`` in one launch: ``x_gate_up`` [1, 2*K] = [gate | up], ``weight``
     [N, K] (the MLP's down projection) -> [1, N].
 
@@ -204,7 +241,7 @@ def gemv_silu_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvCon
     under the same ``config``, and up to float32 summation order under the defaults, whose warp counts differ
     (on an H200 bfloat16 outputs still came out identical on the llama/qwen shapes; float32 ones within an ulp).
     """
-    return _gated(x_gate_up, weight, config, weight_scale, SILU_MUL)
+    return _gated(x_gate_up, weight, config, weight_scale, SILU_MUL, lora)
 
 
 def gemv_gelu_tanh_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None, *,
@@ -214,7 +251,7 @@ def gemv_gelu_tanh_mul(x_gate_up: torch.Tensor, weight: torch.Tensor, config: Ge
 
 
 def _gated(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None,
-           weight_scale: torch.Tensor | None, prologue: int) -> torch.Tensor:
+           weight_scale: torch.Tensor | None, prologue: int, lora: GemvLora | None = None) -> torch.Tensor:
     check_dtype("x_gate_up", x_gate_up)
     if x_gate_up.dim() != 2 or x_gate_up.shape[0] != 1 or weight.dim() != 2:
         raise ValueError(f"expected x_gate_up [1, 2*K] and weight [N, K], got {tuple(x_gate_up.shape)} and "
@@ -228,12 +265,14 @@ def _gated(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | N
     if not x_gate_up.is_contiguous():
         raise ValueError("x_gate_up must be contiguous")
     scale = _check_weight(weight, None, weight_scale)
-    return _launch(x_gate_up, weight, None, config, prologue=prologue, weight_scale=weight_scale, scale=scale)
+    return _launch(x_gate_up, weight, None, config, prologue=prologue, weight_scale=weight_scale, scale=scale,
+                   lora=lora)
 
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None, *,
-                  weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight_scale: torch.Tensor | None = None, lora: GemvLora | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gemv(fused_add_rms_norm(x, residual, norm_weight, eps), weight, bias)`` in one launch -> ``(y, new_residual)``.
 
     ``x`` and ``residual`` [1, K] (``residual`` may be None: then plain ``rms_norm(x)``), ``norm_weight`` [K],
@@ -271,7 +310,7 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     new_residual = x if residual is None else torch.empty_like(x)
     y = _launch(x, weight, bias, config, prologue=RMS_NORM, residual=residual, norm_weight=norm_weight,
                 new_residual=new_residual if residual is not None else None, eps=eps, weight_scale=weight_scale,
-                scale=scale)
+                scale=scale, lora=lora)
     return y, new_residual
 
 

@@ -54,3 +54,11 @@ def default_fp8_config(n: int, k: int, prologue: int = PLAIN, scale: int = CHANN
     weights. A block-scaled K chunk covers whole 128-column groups or lies inside one (any power of two does)."""
     block_k = 512 if prologue == RMS_NORM else 1024
     return GemvConfig(block_n=8, block_k=min(block_k, max(next_pow2(k), FP8_GROUP)), num_warps=4)
+
+
+def lora_shrink_config(rows: int, k: int, prologue: int = PLAIN) -> GemvConfig:
+    """A LoRA shrink over one slot's ``shards × max_rank`` rows (``gemv_lora.py``): one row a program, so the few
+    rows still make a program each (16 to 48 at rank 16) rather than a handful of four-row ones; the columns as
+    the base product's. Not tuned apart: its time is the launch, not the 8-28 KB a row it streams."""
+    base = default_config(rows, k, prologue)
+    return GemvConfig(block_n=1, block_k=base.block_k, num_warps=base.num_warps)

@@ -5,7 +5,8 @@ folded into B), for every adapter of the step in one shrink and one expand (``ke
 ``minfer.lora.LoRASlots``; which slot each token reads is the step's ``LoRAState.meta``, which the engine sets
 before each forward (``engine/lora_manager.py``; a CUDA graph reads static copies of it). The wrapped layers take
 their inputs in the model dtype, since the adapters read them too (a weight format's fused input quantization is
-off), and the fused one-token forward, which multiplies the weights itself, is off.
+off). The Llama layout's fused one-token forward (``ops/one_token.py``), which multiplies the weights itself, adds
+the adapters in its matrix-vector kernels (``kernels/gemm/gemv_lora.py``); other layouts' is off.
 """
 from __future__ import annotations
 
@@ -62,4 +63,5 @@ def attach_lora(model: nn.Module, stacks: dict[tuple[int, str], LoRAStack], stat
             if module is not None and stack is not None:
                 module.lora = LoRAProjection(stack, state)
         layer.attn_in = layer.mlp_in = None  # the norms emit the model dtype, which the adapters read
-    model.fused_one_token = None
+    if model.fused_one_token != "llama":  # only the Llama layout's one-token forward adds the adapters
+        model.fused_one_token = None
