@@ -18,6 +18,9 @@ class SamplingParams:
     distribution, before temperature and filters) of the chosen token and the top ``k``;
     ``prompt_logprobs=k`` does the same for every prompt token after the first (the prompt is then
     computed in full, bypassing the prefix cache).
+    ``logit_bias`` ({token id: bias}) is added to those tokens' logits, and ``allowed_token_ids`` sets every other
+    token's to -inf, before penalties and draws (vLLM's names and order); logprobs stay the raw distribution's (vLLM's
+    default ``logprobs_mode="raw_logprobs"``). Ids past the vocabulary are refused by the engine's ``Processor``.
     """
 
     n: int = 1
@@ -39,6 +42,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     _stop_strings: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -82,6 +87,27 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}")
+        self._check_bias()
+
+    def _check_bias(self) -> None:
+        """logit_bias: {token id: finite number}, kept as a fresh dict (None when empty); allowed_token_ids: a
+        non-empty list of token ids (an empty one would leave nothing to sample)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(bias).__name__}")
+            for token, value in bias.items():
+                if not _is_token_id(token):
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+                if not _is_number(value) or abs(value) == float("inf"):
+                    raise ValueError(f"logit_bias values must be finite numbers, got {value!r} for token {token}")
+            self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed or not all(map(_is_token_id, allowed)):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                                 f"got {allowed!r}")
+            self.allowed_token_ids = [int(t) for t in allowed]
 
     @property
     def greedy(self) -> bool:
@@ -92,12 +118,21 @@ class SamplingParams:
         return self._stop_strings
 
     @property
+    def has_bias(self) -> bool:
+        """A logit_bias or allowed_token_ids the sampler must apply."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _number_at_least(name: str, value: object, lo: float) -> None:

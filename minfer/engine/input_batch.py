@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minfer.engine.logit_bias import LogitBias
 from minfer.engine.sequence import Sequence
 from minfer.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class RowFacts:
     any_penalties: bool
     any_min_tokens: bool  # an unconstrained row with min_tokens (a grammar decides when its output ends)
     any_filters: bool  # top-k, top-p or min-p
+    bias: LogitBias | None  # the rows' logit_bias and allowed_token_ids; None when no row has either
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: np.ndarray, prompt_lens: np.ndarray,
@@ -41,10 +43,11 @@ class RowFacts:
         greedy = [p.greedy for p in params]
         want_logprobs = [p.logprobs for p in params]
         inv = np.array([1.0 if g else 1.0 / p.temperature for g, p in zip(greedy, params)], dtype=np.float32)
+        bias = LogitBias.build(params, lambda a: to_device(a, device)) if any(p.has_bias for p in params) else None
         return cls(params, seeds, prompt_lens, eos_token_ids, want_logprobs, greedy, to_device(inv, device),
                    any(k is not None for k in want_logprobs), any(p.has_penalties for p in params),
                    any(p.min_tokens > 0 and p.structured_outputs is None for p in params),
-                   any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params))
+                   any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0 for p in params), bias)
 
 
 @dataclass(slots=True)

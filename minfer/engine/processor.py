@@ -132,6 +132,9 @@ class Processor:
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:  # top-k over the vocabulary
                 raise ValueError(f"{name} must be at most the vocabulary size ({self.vocab_size}), got {k}")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            if ids and max(ids) >= self.vocab_size:  # SamplingParams refused negative ids
+                raise ValueError(f"{name} has token id {max(ids)}, outside the vocabulary [0, {self.vocab_size})")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, but skip_tokenizer_init=True")
         constraint = params.structured_outputs

@@ -161,7 +161,7 @@ class Sampler:
         stay down."""
         facts = meta.rows
         if logits.dtype != torch.float32 and (not logits.is_cuda or facts.any_logprobs or facts.any_penalties
-                                              or facts.any_min_tokens or facts.any_filters):
+                                              or facts.any_min_tokens or facts.any_filters or facts.bias is not None):
             logits = logits.float()  # else the argmax kernels read the model dtype and convert exactly
         logits, raw_logprobs = self._process(logits, meta, bitmask)
         greedy = facts.greedy
@@ -257,12 +257,14 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What every draw of the target reads: (logits after the bitmask, penalties and min_tokens, the raw
-        log_softmax when a row wants logprobs, else None)."""
+        """What every draw of the target reads: (logits after the bitmask, allowed_token_ids and logit_bias,
+        penalties and min_tokens, the raw log_softmax when a row wants logprobs, else None)."""
         facts = meta.rows
         raw_logprobs = logits.log_softmax(-1) if facts.any_logprobs else None
         if bitmask is not None:
             logits = apply_token_bitmask(logits, bitmask)
+        if facts.bias is not None:
+            logits = facts.bias.apply(logits)
         if facts.any_penalties:
             logits = self._apply_penalties(logits, meta)
         if facts.any_min_tokens and any(c < p.min_tokens and p.structured_outputs is None
