@@ -44,7 +44,7 @@ HARMLESS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "sa
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none",), "guided_decoding_backend": (),
     "guided_whitespace_pattern": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
-    "logits_processors": ([],), "allowed_token_ids": (), "bad_words": ([],), "truncate_prompt_tokens": (),
+    "logits_processors": ([],), "bad_words": ([],), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "prompt_embeds": (), "audio": (), "modalities": (["text"],),
     "prediction": (), "web_search_options": (), "documents": (),
     "mm_processor_kwargs": (), "spaces_between_special_tokens": (True,),
@@ -167,7 +167,9 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=256)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[Text, float] | None = Field(None, description="not supported: must be empty")
+    logit_bias: dict[Text, float] | None = Field(None, description="OpenAI's: token id (a string) -> bias in "
+                                                                   "[-100, 100], added to its logit")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description="vLLM's: only these may be drawn")
     # constraints on the output (at most one)
     response_format: ResponseFormat | None = Field(None, description="OpenAI's: text, json_object or json_schema")
     structured_outputs: StructuredOutputsField | None = Field(None, description="vLLM's: json, regex, choice, "
@@ -188,8 +190,11 @@ class SamplingFields(RequestModel):
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> "SamplingFields":
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for token, bias in (self.logit_bias or {}).items():
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         given = self.constraints()

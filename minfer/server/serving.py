@@ -181,7 +181,8 @@ class ServerContext:
                       min_tokens=req.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output,
-                      structured_outputs=structured_outputs)
+                      structured_outputs=structured_outputs, allowed_token_ids=req.allowed_token_ids,
+                      logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None)
         # A field left out takes the model's generation_config.json setting, else SamplingParams' default
         # (OpenAI's); max_tokens left out means up to the context.
         defaults = {k: v for k, v in self.processor.sampling_defaults.items() if k != "max_tokens"}

@@ -56,7 +56,7 @@ MEANINGFUL: dict[str, Any] = {
     "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": True,
     "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
-    "allowed_token_ids": [1, 2], "bad_words": ["x"], "truncate_prompt_tokens": 4, "return_tokens_as_token_ids": True,
+    "bad_words": ["x"], "truncate_prompt_tokens": 4, "return_tokens_as_token_ids": True,
     "prompt_embeds": "AAAA", "audio": {"voice": "x"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
     "web_search_options": {}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
     "spaces_between_special_tokens": False, "guided_anything_new": 1,
