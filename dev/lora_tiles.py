@@ -52,18 +52,16 @@ def main() -> None:
         meta = build_lora_meta(torch.arange(t, device=dev) % used, loras)
         times = {}
         for block_m, block_n, split in itertools.product((16, 32, 64), (64, 128, 256), (None, 1, 4)):
-            lora.BLOCK_N = block_n
 
             def pair() -> None:
                 buf = lora.lora_shrink(x, a, meta, split_k=split, block_m=block_m)
-                lora.lora_expand(buf, b, meta, out, sizes, block_m=block_m)
+                lora.lora_expand(buf, b, meta, out, sizes, block_m=block_m, block_n=block_n)
             times[block_m, block_n, split] = us = _time(pair)
             rows.append(f"| {name} | {t} | {used} | {block_m} | {block_n} | {split} | {us:.1f} |")
         best = min(times, key=times.get)
-        default = times[lora.default_block_m(t), 64, None]
+        default = times[lora.default_block_m(t), lora.default_block_n(t, sizes), None]
         print(f"| {name} | {t} | {used} | {default:.1f} | {times[best]:.1f} | {' / '.join(map(str, best))} |",
               flush=True)
-    lora.BLOCK_N = 64
     out_dir = Path(os.environ.get("OUT", "/tmp/minfer-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "lora_tiles.md").write_text("\n".join(rows) + "\n")

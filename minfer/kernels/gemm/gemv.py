@@ -47,6 +47,7 @@ from .gemv_prologue import input_chunk, sum_squares
 # rows are summed block by block, which changes the float32 summation order. Module-level so tests can shrink it.
 RMS_MAX_BLOCK = 8192
 NO_LORA, LORA_SHRINK, LORA_EXPAND = 0, 1, 2  # the kernel's LORA: what a launch does with an adapter (gemv_lora.py)
+LORA_MAX_SPLIT = 16  # a shrink's parts of K at most (its partial sums, which the expand epilogue adds)
 
 
 @triton.jit
@@ -90,15 +91,21 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
                  ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False, WS=None, stride_ws=0, n_groups=1,
                  SCALE: tl.constexpr = 0, NSUB: tl.constexpr = 1, SUB: tl.constexpr = 1,
                  GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1,
-                 PREFETCH: tl.constexpr = False, LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, XA=None, LB=None,
-                 stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1, LORA_RP: tl.constexpr = 1):
+                 PREFETCH: tl.constexpr = False, LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, k_part=0,
+                 XA=None, stride_xa=0, LB=None, stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1,
+                 LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1):
     pid = tl.program_id(0)
+    k_lo = 0
+    k_hi = K
     if LORA == 1:  # LORA_SHRINK: the slot's A rows (gemv_lora.py); an idle slot's programs still wait, as PDL needs
         slot = tl.load(LORA_SLOT)
         wait_for_previous(PDL)
         if (slot < 0) | (slot >= n_loras):
             return
         W += slot.to(tl.int64) * N * stride_wn
+        k_lo = tl.program_id(1) * k_part  # this program's part of K; its partial sums go to its own row of Y
+        k_hi = tl.minimum(K, k_lo + k_part)
+        Y += tl.program_id(1) * N
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
@@ -114,14 +121,14 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
     else:
         write_residual = pid == 0
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    first = 0
+    first = k_lo
     if PREFETCH:  # the first chunk with the prefetched tile
         x = input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE, HAS_RESIDUAL,
                         not EVEN_K, F32_NORM, HEAD, BLOCK_K)
         acc += _products(w_first, x, WS, rows, 0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
         first = BLOCK_K
-    for k0 in range(first, K, BLOCK_K):
+    for k0 in range(first, k_hi, BLOCK_K):
         x = input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
                         HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
         w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
@@ -133,8 +140,8 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
     if HAS_BIAS:
         y += tl.load(B + rows, mask=rows < N, other=0.0).to(tl.float32)
     if LORA == 2:  # LORA_EXPAND
-        y = lora_expand_rows(y, rows, N, LORA_SLOT, n_loras, XA, LB, stride_lb, shard_end0, shard_end1, LORA_RANK,
-                             LORA_RP)
+        y = lora_expand_rows(y, rows, N, LORA_SLOT, n_loras, XA, stride_xa, LB, stride_lb, shard_end0, shard_end1,
+                             LORA_RANK, LORA_RP, LORA_SPLIT)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
@@ -172,26 +179,31 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     if lora is not None:
         lora.check(n, k, x.dtype)
         rows = lora.a_stack.shape[1] * lora.a_stack.shape[2]
-        xa = torch.empty(1, rows, dtype=torch.float32, device=x.device)
-        _run(x, lora.shrink_weight(), rows, None, lora_shrink_config(rows, k, prologue), xa, None, NO_SCALE,
-             dict(LORA=LORA_SHRINK, LORA_SLOT=lora.slot, n_loras=lora.a_stack.shape[0]), **inputs)
+        shrink = lora_shrink_config(rows, k, prologue)
+        split = min(triton.cdiv(k, shrink.block_k), LORA_MAX_SPLIT)
+        k_part = triton.cdiv(triton.cdiv(k, split), shrink.block_k) * shrink.block_k  # whole chunks: no overlap
+        xa = torch.empty(split, rows, dtype=torch.float32, device=x.device)
+        _run(x, lora.shrink_weight(), rows, None, shrink, xa, None, NO_SCALE,
+             dict(LORA=LORA_SHRINK, LORA_SLOT=lora.slot, n_loras=lora.a_stack.shape[0], k_part=k_part), split,
+             **inputs)
         extra = dict(LORA=LORA_EXPAND, **lora.expand_args(xa))
     _run(x, weight, n, bias, cfg, y, weight_scale, scale, extra, new_residual=new_residual, **inputs)
     return y
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None, cfg: GemvConfig, y: torch.Tensor,
-         weight_scale: torch.Tensor | None, scale: int, extra: dict, prologue: int, residual: torch.Tensor | None,
-         norm_weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None,
+         weight_scale: torch.Tensor | None, scale: int, extra: dict, parts: int = 1, *, prologue: int,
+         residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None,
          new_residual: torch.Tensor | None = None) -> None:
-    """The kernel over ``weight``'s first ``n`` rows (a LoRA shrink: the slot's rows, which the kernel finds)."""
+    """The kernel over ``weight``'s first ``n`` rows (a LoRA shrink: the slot's rows, which the kernel finds, in
+    ``parts`` parts of K)."""
     k = weight.shape[1]
     sub = min(cfg.block_k, FP8_GROUP)
     if scale == BLOCK and (cfg.block_k & (cfg.block_k - 1)):
         raise ValueError(f"block-scaled weights need a power-of-two block_k, got {cfg.block_k}")
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
     pdl = use_pdl(x.device)
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+    _gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
         x, weight, bias if bias is not None else weight, y,
         residual if residual is not None else gate if gate is not None else x, norm_weight if norm_weight is not None else x,
         new_residual if new_residual is not None else y, n, k, weight.stride(0), eps,

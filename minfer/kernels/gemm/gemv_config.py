@@ -57,8 +57,7 @@ def default_fp8_config(n: int, k: int, prologue: int = PLAIN, scale: int = CHANN
 
 
 def lora_shrink_config(rows: int, k: int, prologue: int = PLAIN) -> GemvConfig:
-    """A LoRA shrink over one slot's ``shards × max_rank`` rows (``gemv_lora.py``): one row a program, so the few
-    rows still make a program each (16 to 48 at rank 16) rather than a handful of four-row ones; the columns as
-    the base product's. Not tuned apart: its time is the launch, not the 8-28 KB a row it streams."""
-    base = default_config(rows, k, prologue)
-    return GemvConfig(block_n=1, block_k=base.block_k, num_warps=base.num_warps)
+    """A LoRA shrink over one slot's ``shards × max_rank`` rows (``gemv_lora.py``): one row and a 512-column chunk
+    a program (the caller splits K into parts of whole chunks), so 16 to 48 rows at rank 16 still make a few hundred
+    programs, each one or two chunks long; four warps. Not tuned apart."""
+    return GemvConfig(block_n=1, block_k=min(512, next_pow2(k)), num_warps=4)

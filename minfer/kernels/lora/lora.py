@@ -27,7 +27,8 @@ compile-time constant (a layer's is fixed), so one launch covers q, k and v. A t
 read-modify-write of its output has no race. The product runs in float32 (B upcast in registers): its inner
 dimension is the rank, so its cost is nothing beside moving the output tile.
 
-Tile sizes are rules of thumb (16-row blocks up to 256 tokens, then 64), not tuned on a GPU.
+Tile sizes: 16-row blocks up to 256 tokens, then 64 (a rule of thumb); the expand's columns as
+:func:`default_block_n` says (timed in graph replays on an H200).
 """
 from __future__ import annotations
 
@@ -40,7 +41,6 @@ import triton.language as tl
 from .._utils import dot_mode, next_pow2, num_sms
 from .lora_meta import LoraMeta, check_expand_args, check_shrink_args, shard_layout, stacked_rows
 
-BLOCK_N = 64  # the expand kernel's output columns a program
 MAX_SPLIT_K = 16
 
 
@@ -152,6 +152,16 @@ def max_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
     return triton.cdiv(num_tokens, block_m) + min(max_loras, num_tokens)
 
 
+def default_block_n(num_tokens: int, shard_sizes: Sequence[int]) -> int:
+    """The expand's output columns a program, from graph-replayed timings on an H200 (llama-3.1-8b's layers, rank
+    16, ``dev/lora_tiles.py``): 64 for the narrow layers' decode steps below 64 tokens, 128 from there; 256 for a
+    layer with a shard of 8192 columns or more (gate/up) from 8 tokens, where the 64-column tiles made 448 programs
+    per block and cost up to 1.5x."""
+    if max(shard_sizes) >= 8192 and num_tokens >= 8:
+        return 256
+    return 128 if num_tokens >= 64 else 64
+
+
 def _rank_tile(rank: int) -> int:
     return min(max(16, next_pow2(rank)), 64)
 
@@ -200,7 +210,7 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, meta: LoraMeta, split_k:
 
 def lora_expand(buf: torch.Tensor, b_stack: torch.Tensor, meta: LoraMeta, out: torch.Tensor,
                 shard_sizes: Sequence[int], shard_offsets: Sequence[int] | None = None,
-                block_m: int | None = None) -> None:
+                block_m: int | None = None, block_n: int | None = None) -> None:
     """``out[t, shard s columns] = round(out + Σ_k buf[k, s, t] · B[slot_t, shard s rows]ᵀ)``, in place.
 
     buf: :func:`lora_shrink`'s. ``b_stack [max_loras, sum(shard_sizes), max_rank]`` (the shards' B rows stacked),
@@ -212,12 +222,13 @@ def lora_expand(buf: torch.Tensor, b_stack: torch.Tensor, meta: LoraMeta, out: t
     if num_tokens == 0:
         return
     block_m = block_m or default_block_m(num_tokens)
-    tile_starts = tuple(sum(triton.cdiv(s, BLOCK_N) for s in sizes[:i]) for i in range(n_shards + 1))
+    block_n = block_n or default_block_n(num_tokens, sizes)
+    tile_starts = tuple(sum(triton.cdiv(s, block_n) for s in sizes[:i]) for i in range(n_shards + 1))
     _, precision = dot_mode(torch.float32)
     grid = (max_blocks(num_tokens, meta.max_loras, block_m), tile_starts[-1])
     _lora_expand_kernel[grid](
         buf, b_stack, out, meta.sorted_tokens, meta.slot_counts, meta.max_loras, buf.stride(0), buf.stride(1),
         buf.stride(2), b_stack.stride(0), b_stack.stride(1), out.stride(0), N_SHARDS=n_shards,
         TILE_STARTS=tile_starts, B_ROWS=stacked_rows(sizes), OUT_COLS=cols, SIZES=sizes, RANK=rank, SPLIT_K=split_k,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_R=_rank_tile(rank), L_PAD=next_pow2(max(meta.max_loras, 1)),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=_rank_tile(rank), L_PAD=next_pow2(max(meta.max_loras, 1)),
         PRECISION=precision)
