@@ -193,6 +193,7 @@ _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
 
 QUANTIZATION_METHODS = ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
+RUNNERS = ("auto", "generate", "pooling")  # vLLM's runner names ('draft' is speculative_config's)
 
 
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -247,6 +248,8 @@ class EngineConfig:
     generation_config: str = _knob("auto", "auto: the model's generation_config.json supplies the default sampling "
                                    "settings of requests that give none; vllm: SamplingParams' own defaults",
                                    ("auto", "vllm"))
+    runner: str = _knob("auto", "generate: text (LLM.generate, chat and completions); pooling: one vector per prompt "
+                        "(LLM.embed, /v1/embeddings; engine/pooling.py); auto: generate", RUNNERS)
     skip_tokenizer_init: bool = _knob(False, "no tokenizer: prompts must be token ids (e.g. random-weight shapes)")
     revision: str | None = _knob(None, "branch, tag or commit of a hub model")
     download_dir: str | None = _knob(None, "where hub models are downloaded (default: the HF cache)")
@@ -297,6 +300,10 @@ class EngineConfig:
         _check_choice("device", self.device, DEVICES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("generation_config", self.generation_config, ("auto", "vllm"))
+        _check_choice("runner", self.runner, RUNNERS)
+        self.runner = "generate" if self.runner == "auto" else self.runner  # every registered model generates
+        if self.runner == "pooling" and (self.tensor_parallel_size > 1 or self.speculative_config or self.enable_lora):
+            raise ValueError("runner='pooling' runs without tensor_parallel_size > 1, speculative_config, enable_lora")
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATION_METHODS)

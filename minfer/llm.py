@@ -15,6 +15,8 @@ from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import PromptType
 from minfer.lora.request import LoRARequest
 from minfer.outputs import RequestOutput, RequestOutputKind
+from minfer.pooling_outputs import EmbeddingRequestOutput
+from minfer.pooling_params import PoolingParams
 from minfer.reasoning import grammar_gate, parse_whole, reasoning_parser_class
 from minfer.sampling_params import SamplingParams
 
@@ -36,6 +38,9 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """``task``: vLLM's older name for the runner (``task="embed"`` is ``runner="pooling"``)."""
+        if "task" in kwargs:
+            kwargs["runner"] = runner_of_task(kwargs.pop("task"), kwargs.get("runner", "auto"))
         config = EngineConfig.from_kwargs(model=str(model or builtin_model_path()), **kwargs)
         self.llm_engine: LLMEngine | None = LLMEngine(config, RequestOutputKind.FINAL_ONLY)
         self._counter = 0
@@ -80,6 +85,36 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: the LoRA adapter every
         prompt runs through, or one per prompt (None: the base model; needs ``enable_lora=True``)."""
         return self._generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (``outputs.embedding``: a list of floats), on an LLM built with
+        ``runner="pooling"``; the prompts batch through the scheduler as prefills. ``pooling_params``: one for every
+        prompt or one each (``dimensions``: a Matryoshka model's cut; ``normalize``: the model's default unless set)."""
+        engine = self._engine
+        if engine.pooler is None:
+            raise ValueError("LLM.embed needs an LLM built with runner='pooling' (or task='embed'); this one generates")
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = list(pooling_params) if isinstance(pooling_params, (list, tuple)) else \
+            [pooling_params or PoolingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                if not isinstance(p, PoolingParams):
+                    raise TypeError(f"pooling_params must be PoolingParams, got {type(p).__name__}")
+                ids.append(str(self._counter))
+                self._counter += 1
+                engine.add_processed_request(engine.processor.process(ids[-1], prompt, p))
+        except Exception:
+            for rid in ids:  # one bad prompt rejects the call and leaves nothing queued
+                engine.abort_request(rid)
+            raise
+        return [EmbeddingRequestOutput.from_base(out) for out in self._run(ids, use_tqdm)]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check an adapter ahead of its requests (False: loaded already)."""
@@ -182,3 +217,14 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in request_ids]
+
+
+def runner_of_task(task: str, runner: str) -> str:
+    """The runner vLLM's older ``task`` argument names ('embed' or 'embedding': pooling; 'generate'); 'auto' leaves
+    ``runner`` as it is. A task minfer does not run, or one that contradicts ``runner``, is refused."""
+    tasks = {"auto": runner, "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+    if task not in tasks:
+        raise ValueError(f"task must be one of {sorted(tasks)}, got {task!r}")
+    if runner not in ("auto", tasks[task]):
+        raise ValueError(f"task={task!r} asks for runner={tasks[task]!r}, but runner={runner!r} was given")
+    return tasks[task]

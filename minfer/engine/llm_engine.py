@@ -29,10 +29,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from minfer.config import EngineConfig
 from minfer.engine.block_manager import BlockManager
-from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance_grammar, compile_histogram, new_matcher
+from minfer.engine.engine_stats import engine_stats
+from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance_grammar, new_matcher
 from minfer.engine.model_runner import LaunchedStep, ModelRunner
 from minfer.engine.step_arrays import StepArrays
 from minfer.engine.output_processor import OutputProcessor
+from minfer.engine.pooling import Pooler, add_pooling_request
 from minfer.engine.processor import EngineRequest, Processor, PromptType
 from minfer.engine.scheduler import Scheduler, SchedulerOutput
 from minfer.engine.sequence import Sequence, SequenceStatus
@@ -41,6 +43,7 @@ from minfer.engine.spec.draft_probs import DraftProbs
 from minfer.engine.spec.complete import complete_speculative
 from minfer.engine.spec.factory import make_draft, make_speculator
 from minfer.engine.tp_workers import start_tensor_parallel
+from minfer.engine.vllm_api import VLLMEngineAPI
 from minfer.model.loader import resolve_model_path
 from minfer.model.registry import load_model_config
 from minfer.outputs import RequestOutput, RequestOutputKind
@@ -49,7 +52,7 @@ from minfer.sampling_params import SamplingParams
 logger = logging.getLogger("minfer")
 
 
-class LLMEngine(EngineLoRA):
+class LLMEngine(EngineLoRA, VLLMEngineAPI):
     def __init__(self, config: EngineConfig, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         """``output_kind`` says what ``step`` returns (see ``OutputProcessor``): finished requests only
         (``LLM``), whole outputs every step, or only what is new (the server)."""
@@ -58,6 +61,7 @@ class LLMEngine(EngineLoRA):
         self.config = config
         self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir, config.load_format)
         self.model_config = load_model_config(self.model_dir)
+        self.pooler = Pooler(self.model_dir, self.model_config) if config.runner == "pooling" else None  # embeddings
         self.max_model_len = self._resolve_max_model_len()
         self.tokenizer = None if config.skip_tokenizer_init else _load_tokenizer(
             str(resolve_model_path(config.tokenizer)) if config.tokenizer else str(self.model_dir))
@@ -85,8 +89,8 @@ class LLMEngine(EngineLoRA):
         recurrent = bool(self.runner.state_layers)  # no prefix hits, no forks: engine/state_cache.py
         if recurrent and config.enable_prefix_caching:
             logger.info("prefix caching off: the model's recurrent layers keep no state at block boundaries")
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching and not recurrent, windows)
+        caching = config.enable_prefix_caching and not recurrent and (self.pooler is None or self.pooler.prefix_caching)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    fork_samples=not recurrent, max_loras=config.max_loras if config.enable_lora else 0)
         try:
@@ -134,6 +138,8 @@ class LLMEngine(EngineLoRA):
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         params, lora = request.params, request.lora_request
+        if self.pooler is not None or not isinstance(params, SamplingParams):
+            return add_pooling_request(self, request)  # an embedding (or a refusal): engine/pooling.py
         if lora is not None:
             self.add_lora(lora)  # LoRA on and the adapter loads, before anything is queued
         seqs = []
@@ -166,8 +172,8 @@ class LLMEngine(EngineLoRA):
         self._constrained.add(request.request_id)
         self._compiling[request.request_id] = (self._grammars.submit(params.structured_outputs), seqs)
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+    def _abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored (``abort_request``)."""
         seqs = self._forget(request_id)
         if seqs is None:
             return
@@ -223,6 +229,8 @@ class LLMEngine(EngineLoRA):
             raise self.workers.explain(exc) from exc
 
     def _step(self) -> list[RequestOutput]:
+        if self.pooler is not None:
+            return self.pooler.step(self)
         if self.step_errors:
             self.step_errors = {}
         outputs: list[RequestOutput] = self._admit_compiled() if self._compiling else []
@@ -360,34 +368,8 @@ class LLMEngine(EngineLoRA):
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | str | list[int]]:
-        """Weights, cache and scheduler counters (``weight_bytes`` and ``num_kv_blocks``: per rank, each holding its KV heads of every
-        block, under tensor parallelism). ``kv_cache_dtype`` is the stored format ('int8', 'fp8_e4m3',
-        'fp8_e5m2', or the model dtype for 'auto'); ``kv_block_bytes`` one block's K and V across all
-        layers (of its group, for a hybrid cache), scales included. ``kv_group_windows`` and
-        ``kv_group_blocks``: each KV group's attention window (0: full) and the blocks it holds now."""
-        bm, sched = self.block_manager, self.scheduler
-        model = self.runner.model
-        return {
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-            "weight_dtype": model.quant.name if model.quant is not None else str(self.runner.dtype).removeprefix("torch."),
-            "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # this rank's
-            "kv_cache_dtype": self.runner.kv_spec.format_name,
-            "kv_block_bytes": self.runner.block_bytes,
-            "num_kv_blocks": bm.num_blocks,
-            "num_free_kv_blocks": bm.num_free_blocks,
-            "num_cached_kv_blocks": sum(len(c) for c in bm.cached),
-            "kv_group_windows": list(bm.windows),
-            "kv_group_blocks": list(bm.group_blocks),
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "num_preemptions": sched.num_preemptions,
-            "prefix_cache_hit_tokens": bm.hit_tokens,
-            "prefix_cache_queried_tokens": bm.queried_tokens,
-            "num_constrained_running": sum(s.grammar is not None for s in sched.running) if self._constrained else 0,
-            "num_grammars_compiling": len(self._compiling),
-            "grammar_compile_seconds": self._grammars.stats() if self._grammars is not None else compile_histogram(),
-            **(self.speculator.stats() if self.speculator is not None else {}), **self._lora_stats(),
-        }
+        """Weights, cache and scheduler counters (``engine_stats.py`` says what each is)."""
+        return engine_stats(self)
 
 
 def _load_tokenizer(path: str) -> object:

@@ -14,6 +14,7 @@ from numbers import Integral
 from typing import Any
 
 from minfer.engine.block_manager import blocks_needed
+from minfer.pooling_params import PoolingParams
 from minfer.sampling_params import SamplingParams
 from minfer.structured_limits import DEFAULT_LIMITS, StructuredOutputsLimits
 
@@ -36,7 +37,7 @@ class EngineRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding (runner='pooling': engine/pooling.py)
     max_total_tokens: int  # prompt + output never exceed this
     arrival_time: float
     # structured outputs apply only after these tokens (a reasoning model's end of thinking: reasoning.grammar_gate)
@@ -111,7 +112,7 @@ class Processor:
             return None, list(prompt)
         raise TypeError(f"a prompt is a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
                 arrival_time: float | None = None, lora_request: Any = None) -> EngineRequest:
         """Tokenize and check; raises ``PromptError`` (or another ValueError/TypeError) naming the field.
         ``lora_request``: a ``minfer.lora.LoRARequest`` (whether the engine serves it, the engine checks)."""
@@ -121,6 +122,9 @@ class Processor:
             raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         params = params or self.default_sampling_params()
         text, ids = self.tokenize(prompt)
+        if isinstance(params, PoolingParams):  # an embedding: the prompt alone, no output token
+            return EngineRequest(request_id, text, ids, params, self.check_prompt(ids, 0, pooling=True),
+                                 arrival_time or time.time(), lora_request=lora_request)
         max_total = self.check_prompt(ids, params.max_tokens)
         self.check_params(params)
         return EngineRequest(request_id, text, ids, params, max_total, arrival_time or time.time(),
@@ -153,14 +157,16 @@ class Processor:
             raise PromptError(f"the text has {num_chars} characters: more than the {self.max_model_len}-token context "
                               f"can hold (at most {self.max_token_chars} characters a token)", field)
 
-    def check_prompt(self, ids: list[int], max_tokens: int | None) -> int:
+    def check_prompt(self, ids: list[int], max_tokens: int | None, pooling: bool = False) -> int:
         """Reject prompts the engine can never serve (``PromptError``); return the request's longest total
-        length. ``max_tokens`` None means up to the context; past it, see ``clamp_max_tokens``."""
+        length. ``max_tokens`` None means up to the context; past it, see ``clamp_max_tokens``. ``pooling``: an
+        embedding's prompt (``max_tokens`` 0), which may fill the context."""
         if not ids:
             raise PromptError("the prompt is empty: it must contain at least one token", "prompt")
-        if len(ids) >= self.max_model_len:  # first: the other checks cost a pass over the ids
+        if len(ids) >= self.max_model_len + pooling:  # first: the other checks cost a pass over the ids
+            room = "at most that long" if pooling else "shorter to leave room for at least one output token"
             raise PromptError(f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                              f"it must be shorter to leave room for at least one output token", "prompt")
+                              f"it must be {room}", "prompt")
         vocab = self.vocab_size
         if not all(type(t) is int for t in ids):  # the fast check; numpy integers pass the slow one
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)]
