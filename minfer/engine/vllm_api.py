@@ -1,0 +1,49 @@
+"""The rest of vLLM's ``LLMEngine`` API, as a mixin of ``LLMEngine``.
+
+``add_request(request_id, prompt, params, arrival_time=None, lora_request=None)``, ``step()`` and
+``has_unfinished_requests()`` are the engine's own and already spelled as vLLM spells them; what a vLLM user also
+calls lives here, apart from the step loop in ``llm_engine.py``: building the engine from ``EngineArgs``, aborting
+one id or several at once, and the small getters.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
+
+from minfer.config import EngineConfig
+
+E = TypeVar("E", bound="VLLMEngineAPI")
+
+
+class EngineArgsLike(Protocol):
+    """What ``from_engine_args`` reads of its argument: ``minfer.EngineArgs`` (defined a layer above the engine, so
+    named here by what it does)."""
+
+    def create_engine_config(self) -> EngineConfig: ...
+
+
+class VLLMEngineAPI:
+    """vLLM's ``LLMEngine`` calls that minfer's engine does not define itself."""
+
+    requests: dict[str, Any]
+    tokenizer: Any
+    _abort: Callable[[str], None]  # the engine's abort of one request
+
+    @classmethod
+    def from_engine_args(cls: type[E], engine_args: EngineArgsLike) -> E:
+        """An engine of ``engine_args`` (``minfer.EngineArgs``) whose ``step`` returns whole outputs of every request
+        that advanced (``RequestOutputKind.CUMULATIVE``, vLLM's default)."""
+        return cls(engine_args.create_engine_config())  # type: ignore[call-arg]
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop a request, or each of several (vLLM takes either), now and free its blocks; unknown or finished ids
+        are ignored."""
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            self._abort(one)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (None with ``skip_tokenizer_init``)."""
+        return self.tokenizer
