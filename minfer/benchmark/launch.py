@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from minfer.benchmark.sse_client import get_json
 from minfer.benchmark.workload import BENCH_MAX_MODEL_LEN
-from minfer.engine_args import engine_config, engine_kwargs
+from minfer.engine_args import EngineArgs, engine_kwargs
 
 
 @contextlib.contextmanager
@@ -35,7 +35,7 @@ def launched_server(args: argparse.Namespace) -> Iterator[str]:
     from minfer.server.run import require_server_extra
 
     require_server_extra()
-    engine_config(args)  # a bad flag fails here, not in the child after a shape's checkpoint is written
+    EngineArgs.from_cli_args(args)  # a bad flag fails here, not in the child after a shape's checkpoint is written
     model, kwargs = args.model, engine_kwargs(args)
     if args.shape:
         from minfer.benchmark.shapes import shape_checkpoint

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minfer.benchmark.workload import BENCH_MAX_MODEL_LEN
-from minfer.engine_args import add_engine_args, engine_config, engine_kwargs
+from minfer.engine_args import EngineArgs, engine_kwargs
 
 CPU_LIMIT_S = 600.0  # a CPU run estimated to take longer is refused without --allow-slow
 FIXED_LEN = 128  # a fixed workload's --input-len / --output-len when only the other is given
@@ -48,7 +48,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--allow-slow", action="store_true",
                    help=f"without a GPU, run even when the estimated time is over {CPU_LIMIT_S / 60:.0f} minutes")
-    add_engine_args(p)  # the prompts are token ids: the tokenizer is always skipped (--model: the built-in model)
+    # the prompts are token ids: the tokenizer is always skipped (--model: the built-in model)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_bench)
     return p
 
@@ -126,7 +127,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from minfer.benchmark.shapes import shape_checkpoint
     from minfer.llm import builtin_model_path
 
-    engine_config(args)  # a bad flag fails before a shape's checkpoint is written
+    EngineArgs.from_cli_args(args)  # a bad flag fails before a shape's checkpoint is written
     if args.shape_layers is not None and not args.shape:
         raise ValueError("--shape-layers needs --shape")
     if args.output_len is not None and args.input_len is None and not args.batch1:

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from minfer.cli.serve import port_number
-from minfer.engine_args import add_engine_args
+from minfer.engine_args import EngineArgs
 
 
 def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -36,7 +36,7 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="requests sent (and not measured) before each run")
     p.add_argument("--output-dir", default="bench-serve-results", help="results.json and latency.png go here")
     p.add_argument("--quiet", action="store_true")
-    add_engine_args(p)  # for --launch; --seed also seeds the prompts and the arrival times
+    EngineArgs.add_cli_args(p)  # for --launch; --seed also seeds the prompts and the arrival times
     p.set_defaults(func=cmd_bench_serve)
     return p
 

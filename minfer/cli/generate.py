@@ -4,11 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-from minfer.engine_args import add_engine_args, engine_kwargs
-from minfer.outputs import RequestOutputKind
+from minfer.engine_args import EngineArgs, engine_kwargs
 
 
 _SAMPLING_FLAGS = {  # flag -> (type, help); unset flags take the model's generation_config.json, then vLLM's defaults
@@ -31,7 +29,7 @@ def add_generate_parser(subparsers: Any) -> argparse.ArgumentParser:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
     p.add_argument("--stop", action="append", type=unescape,
                    help="stop string (repeatable); backslash escapes \\n, \\t and \\\\ are read as such")
-    add_engine_args(p)  # its --seed makes sampled outputs repeatable
+    EngineArgs.add_cli_args(p)  # its --seed makes sampled outputs repeatable
     p.set_defaults(func=cmd_generate)
     return p
 
@@ -54,18 +52,15 @@ def add_eval_ppl_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eval-ppl", help="token-level perplexity of a model over text files")
     p.add_argument("files", nargs="+", help="text files, or folders (every file below them)")
     p.add_argument("--window", type=int, default=None, help="tokens per scored window (default: max_model_len - 1)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_eval_ppl)
     return p
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from minfer.config import EngineConfig
     from minfer.engine.llm_engine import LLMEngine
-    from minfer.llm import builtin_model_path
 
-    config = EngineConfig.from_kwargs(model=str(args.model or builtin_model_path()), **engine_kwargs(args))
-    engine = LLMEngine(config, RequestOutputKind.CUMULATIVE)  # whole text every step: one prompt streams
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))  # whole text every step: one prompt streams
     params, source = sampling_params(engine.processor.sampling_defaults, args)
     print(f"minfer generate: sampling with {source}", file=sys.stderr)
     for i, prompt in enumerate(args.prompts):

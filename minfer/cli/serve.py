@@ -5,7 +5,7 @@ import argparse
 import os
 from typing import Any
 
-from minfer.engine_args import add_engine_args, engine_kwargs
+from minfer.engine_args import EngineArgs, engine_kwargs
 from minfer.reasoning import REASONING_PARSERS
 from minfer.server.lora_modules import LoRAModulePath, parse_lora_module
 from minfer.server.run import DEFAULT_MAX_WAITING, require_server_extra, run_server
@@ -82,7 +82,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="larger request bodies get a 413 before they are parsed (default: 16 MiB; 0: no cap)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
     return p
 
