@@ -24,13 +24,15 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, Callable
 
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import EngineRequest, Processor
-from minfer.engine.request_stream import (EngineDeadError, EngineObserver, QueueFullError, RequestStream,  # noqa: F401
-                                          StepFailedError, join_outputs)
+from minfer.engine.request_stream import (Done, EngineDeadError, EngineObserver, QueueFullError,  # noqa: F401
+                                          RequestStream, StepFailedError, join_outputs)
 from minfer.engine.tp_workers import TensorParallelError
+from minfer.engine.vllm_async_api import VLLMAsyncAPI
 from minfer.lora.request import LoRARequest
 from minfer.outputs import RequestOutput, RequestOutputKind
 
@@ -43,10 +45,11 @@ RECOVERABLE_STEP_ERRORS = (ArithmeticError, LookupError, ValueError, TypeError)
 MAX_FAILED_STEPS = 3
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(VLLMAsyncAPI):
     """Serve an ``LLMEngine`` to asyncio callers from a background thread. ``max_waiting_requests`` bounds the
     requests admitted but not yet producing a token (queued or in prefill); past it ``add_request`` raises
-    ``QueueFullError``. ``processor``: the event loop's copy of the engine's, which checks requests before queueing."""
+    ``QueueFullError``. ``processor``: the event loop's copy of the engine's, which checks requests before queueing.
+    vLLM's calls (``from_engine_args``, ``generate``) are in ``vllm_async_api.py``."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
         if engine.output_kind is not RequestOutputKind.DELTA:  # RequestStream.put joins deltas
@@ -67,10 +70,14 @@ class AsyncLLMEngine:
         self._token_times: deque[tuple[float, int]] = deque()  # (time, new tokens) of the last second's steps
         self._num_tokens: dict[str, int] = {}  # engine thread: output tokens so far per request
         self._calls: set[asyncio.Future[Any]] = set()  # ``call``s the engine thread has not answered yet
+        self.owns_engine = False  # ``from_engine_args`` built the LLMEngine: ``shutdown`` stops it too
+        self._shut_down = False
 
     # ---- lifecycle (event loop side) ------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the streams."""
+        if self._shut_down:
+            raise EngineDeadError("the engine has been shut down")
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -80,13 +87,17 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread after its current step; in-flight requests fail with EngineDeadError."""
-        if self._thread is None:
-            return
-        self._commands.put(("stop",))
-        self._thread.join(timeout)
-        self._thread = None
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        """Stop the thread after its current step; in-flight requests fail with EngineDeadError. An engine that
+        ``from_engine_args`` built stops too (tensor-parallel workers, grammar processes). It cannot start again."""
+        self._shut_down = True
+        if self._thread is not None:
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+            self._thread = None
+            self._fail_all(EngineDeadError("the engine is shutting down"))
+        if self.owns_engine:
+            self.owns_engine = False
+            self.engine.shutdown()
 
     @property
     def healthy(self) -> bool:
@@ -161,16 +172,19 @@ class AsyncLLMEngine:
         self._commands.put(("add", request))
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its KV blocks are freed before the engine's next step."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
-            return
-        if not stream.started:
-            self._num_waiting -= 1
-        if not stream.finished:
-            stream.finished = True
-            self._commands.put(("abort", request_id))
+    def abort(self, request_id: str | Iterable[str]) -> Done:
+        """Stop a request, or each of several; its KV blocks are freed before the engine's next step and its stream
+        ends (a reader waiting on it stops). Done when it returns; ``await engine.abort(id)`` (vLLM's) works too."""
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            stream = self._streams.pop(one, None)
+            if stream is None:
+                continue
+            if not stream.started:
+                self._num_waiting -= 1
+            if not stream.finished:
+                stream.close()
+                self._commands.put(("abort", one))
+        return Done()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -6,7 +6,8 @@ maps these errors to HTTP statuses, and ``generate``) need only this file.
 from __future__ import annotations
 
 import asyncio
-from typing import Protocol
+from collections.abc import Generator
+from typing import Any, Protocol
 
 from minfer.outputs import RequestOutput
 
@@ -58,6 +59,13 @@ class RequestStream:
         self._error = error
         self._event.set()
 
+    def close(self) -> None:
+        """End the stream where it is (its request was aborted): a reader waiting on it stops iterating, and an
+        output it has not read is dropped."""
+        self.finished = True
+        self._latest = None
+        self._event.set()
+
     def __aiter__(self) -> "RequestStream":
         return self
 
@@ -66,6 +74,8 @@ class RequestStream:
             raise StopAsyncIteration
         await self._event.wait()
         self._event.clear()
+        if self.finished and self._error is None:  # closed while this reader waited
+            raise StopAsyncIteration
         out, self._latest = self._latest, None
         if out is None or (self._error is not None and not out.finished):
             self.finished = True
@@ -87,3 +97,14 @@ def join_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     if new.prompt_logprobs is None:
         new.prompt_logprobs = old.prompt_logprobs
     return new
+
+
+class Done:
+    """What a call that has already acted returns so that it can also be awaited: ``AsyncLLMEngine.abort`` stops a
+    request at once (the server calls it so), and a vLLM caller writes ``await engine.abort(request_id)``, vLLM's
+    abort being a coroutine."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        yield from ()  # finishes at once: there is nothing to wait for
