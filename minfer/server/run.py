@@ -19,7 +19,8 @@ from minfer.server.tool_parsers import check_tool_flags
 DEFAULT_MAX_WAITING = 1024
 ENGINE_DEAD_EXIT_STATUS = 70  # sysexits' EX_SOFTWARE: the engine died while serving (for a supervisor to restart)
 SERVER_EXTRA = ("fastapi", "fastapi_offline", "uvicorn", "pydantic", "prometheus_client")
-_INSTALL = "pip install 'minfer[server]'"
+# minfer is not published on PyPI: it is installed from its checkout, and so is an extra.
+_INSTALL = 'in the minfer checkout, run pip install -e ".[server]"'
 
 logger = logging.getLogger("minfer")
 

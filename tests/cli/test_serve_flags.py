@@ -109,7 +109,7 @@ def test_missing_server_extra_is_one_line(seen: dict[str, Any], monkeypatch: pyt
     monkeypatch.setitem(sys.modules, module, None)  # what an uninstalled package looks like to find_spec
     assert main(["serve", "m"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and module in err and "pip install 'minfer[server]'" in err
+    assert err.count("\n") == 1 and module in err and 'pip install -e ".[server]"' in err
     assert "Traceback" not in err and not seen
 
 
