@@ -18,6 +18,7 @@ from minfer.engine.llm_engine import LLMEngine
 from minfer.server.auth import APIKeyMiddleware
 from minfer.server.chat import create_chat_completion
 from minfer.server.completions import create_completion
+from minfer.server.embeddings import embeddings_router
 from minfer.server.errors import install_error_handlers
 from minfer.server.hosts import HostAllowList, HostOriginMiddleware, check_origins
 from minfer.server.limits import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
@@ -28,6 +29,7 @@ from minfer.server.offload import ClientGone, OffloadedBodyRoute
 from minfer.server.protocol import ChatCompletionRequest, CompletionRequest
 from minfer.server.reasoning import check_reasoning_flag
 from minfer.server.responses import ChatCompletionResponse, CompletionResponse, ErrorResponse, ModelCard, ModelList
+from minfer.server.responses_api import responses_router
 from minfer.server.routes_tokenize import tokenize_router
 from minfer.server.serving import ServerContext
 from minfer.server.tool_parsers import check_tool_flags
@@ -141,6 +143,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
 
     app.include_router(openai_routes)
     app.include_router(lora_router(ctx.loras, runtime_lora))
+    app.include_router(responses_router(ctx))  # POST /v1/responses, GET and DELETE /v1/responses/{id}
 
     def card(name: str) -> ModelCard:
         """vLLM's fields: an adapter's ``root`` is its folder and its ``parent`` the served model it adapts."""
@@ -160,6 +163,7 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
         return card(ctx.check_model(model_id))
 
     app.include_router(tokenize_router(ctx))
+    app.include_router(embeddings_router(ctx))  # POST /v1/embeddings (--runner pooling)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -136,6 +136,11 @@ class ServerContext:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    @property
+    def pooling(self) -> bool:
+        """The model runs with --runner pooling: it serves /v1/embeddings (``embeddings.py``) and generates nothing."""
+        return self.engine.engine.pooler is not None
+
     # ---- checks ---------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
         """The served name (the model's, or a LoRA adapter's: ``lora_request``) a request's ``model`` means."""
@@ -195,7 +200,10 @@ class ServerContext:
     # ---- running requests -----------------------------------------------------------------
     def submit(self, requests: list[EngineRequest]) -> list[RequestStream]:
         """Queue the requests; all or none. One that runs through a LoRA adapter unloaded while it was being
-        prepared is a 404, as its ``model`` would be now."""
+        prepared is a 404, as its ``model`` would be now. A request of the other runner is a 400."""
+        if any(isinstance(r.params, SamplingParams) == self.pooling for r in requests):
+            raise APIError(400, "this server runs its model with --runner pooling: it serves /v1/embeddings, not text "
+                           "generation" if self.pooling else "embeddings need a server started with --runner pooling")
         for request in requests:
             lora = request.lora_request
             if lora is not None and not self.loras.is_served(lora):
