@@ -39,7 +39,7 @@ from ..pdl import launch_options, use_pdl, wait_for_previous
 from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, num_groups
 from .gemv_config import (BLOCK, CHANNEL, GATED_RMS_NORM, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SIGMOID_GATE, SILU_MUL,
                           GemvConfig, default_config, default_fp8_config, lora_shrink_config)
-from .gemv_lora import GemvLora, lora_expand_rows
+from .gemv_lora import GemvLora, lora_delta, lora_load_rows
 from .gemv_prologue import input_chunk, sum_squares
 
 
@@ -47,7 +47,7 @@ from .gemv_prologue import input_chunk, sum_squares
 # rows are summed block by block, which changes the float32 summation order. Module-level so tests can shrink it.
 RMS_MAX_BLOCK = 8192
 NO_LORA, LORA_SHRINK, LORA_EXPAND = 0, 1, 2  # the kernel's LORA: what a launch does with an adapter (gemv_lora.py)
-LORA_MAX_SPLIT = 16  # a shrink's parts of K at most (its partial sums, which the expand epilogue adds)
+LORA_MAX_SPLIT = 4  # a shrink's parts of K at most (its partial sums, which the expand epilogue adds)
 
 
 @triton.jit
@@ -93,7 +93,7 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
                  GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1,
                  PREFETCH: tl.constexpr = False, LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, k_part=0,
                  XA=None, stride_xa=0, LB=None, stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1,
-                 LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1):
+                 LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1):
     pid = tl.program_id(0)
     k_lo = 0
     k_hi = K
@@ -112,6 +112,9 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
     if PREFETCH:  # the first weight tile streams in while the previous kernel drains (weights never change)
         w_first = _weight_tile(w_ptrs, 0, rows, cols, N, K, EVEN_N, EVEN_K)
         wait_for_previous(PDL)
+    if LORA == 2:  # LORA_EXPAND: the adapter's operands, in flight during the weight stream
+        lora_xa, lora_b = lora_load_rows(rows, N, LORA_SLOT, n_loras, XA, stride_xa, LB, stride_lb, shard_end0,
+                                         shard_end1, LORA_RANK, LORA_RP, LORA_SPLIT, LORA_SPLIT_P)
     inv_rms = 1.0
     if PROLOGUE == 2:  # every program needs the whole row's mean square before its first chunk
         ss = sum_squares(X, R, K, HAS_RESIDUAL, RMS_BLOCK, EVEN_R, ONE_BLOCK)
@@ -139,9 +142,8 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
         y *= tl.load(WS + rows, mask=rows < N, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + rows, mask=rows < N, other=0.0).to(tl.float32)
-    if LORA == 2:  # LORA_EXPAND
-        y = lora_expand_rows(y, rows, N, LORA_SLOT, n_loras, XA, stride_xa, LB, stride_lb, shard_end0, shard_end1,
-                             LORA_RANK, LORA_RP, LORA_SPLIT)
+    if LORA == 2:
+        y += lora_delta(lora_xa, lora_b)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
@@ -205,7 +207,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | Non
     pdl = use_pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
         x, weight, bias if bias is not None else weight, y,
-        residual if residual is not None else gate if gate is not None else x, norm_weight if norm_weight is not None else x,
+        residual if residual is not None else gate if gate is not None else x,
+        norm_weight if norm_weight is not None else x,
         new_residual if new_residual is not None else y, n, k, weight.stride(0), eps,
         HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,

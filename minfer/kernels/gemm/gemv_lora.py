@@ -7,12 +7,13 @@ with an adapter takes one launch more than without:
 - the **shrink** ``xa = prologue(x) · A[slot]ᵀ`` is the matrix-vector kernel itself over the slot's A rows
   (``[shards × max_rank, K]``, a view of the stack), with the projection's own prologue (the residual add and RMS
   norm before qkv and gate_up, SwiGLU before down), so it reads the same input vector the base product reads. Its
-  few rows are split over K too (a program a row and 512-column chunk, up to 16 parts): the shrink sits on the
-  step's critical path between two projections, and a program streaming a whole 14336-wide row alone took longer
-  than the base product it precedes. The parts stay float32 partial sums;
+  few rows are split over K too (up to 4 parts: ``gemv_config.lora_shrink_config``): the shrink sits on the step's
+  critical path between two projections, and programs streaming whole 14336-wide rows alone made it slow. The
+  parts stay float32 partial sums;
 - the **expand** is the base launch's epilogue: each program sums the parts and adds
-  ``Σ_r xa[shard, r] · B[slot, row, r]`` to its rows' float32 sums before their one rounding (B's rows lie as the fused weight's, so a row's shard follows from
-  its index: ``shard_ends``).
+  ``Σ_r xa[shard, r] · B[slot, row, r]`` to its rows' float32 sums before their one rounding (B's rows lie as the
+  fused weight's, so a row's shard follows from its index: ``shard_end0/1``). Its operands load before the weight
+  stream (``lora_load_rows``).
 
 The slot is read on the device (a CUDA graph's static input); a slot outside ``[0, n_loras)`` is the base model
 alone: the shrink's programs exit after their PDL wait and the epilogue adds nothing. The delta is linear in
@@ -66,24 +67,31 @@ class GemvLora(NamedTuple):
         rank = self.a_stack.shape[2]
         return dict(LORA_SLOT=self.slot, n_loras=self.a_stack.shape[0], XA=xa, stride_xa=xa.stride(0),
                     LB=self.b_stack, stride_lb=self.b_stack.stride(0), shard_end0=ends[0], shard_end1=ends[1],
-                    LORA_RANK=rank, LORA_RP=next_pow2(rank), LORA_SPLIT=xa.shape[0])
+                    LORA_RANK=rank, LORA_RP=next_pow2(rank), LORA_SPLIT=xa.shape[0],
+                    LORA_SPLIT_P=next_pow2(xa.shape[0]))
 
 
 @triton.jit
-def lora_expand_rows(y, rows, N, SLOT, n_loras, XA, stride_xa, LB, stride_lb, shard_end0, shard_end1,
-                     RANK: tl.constexpr, RP: tl.constexpr, SPLIT: tl.constexpr):
-    """``y [BLOCK_N]`` float32 sums of ``rows`` plus each row's adapter product (nothing without an adapter); XA
-    holds the shrink's SPLIT partial sums, ``[SPLIT, shards × RANK]``, added here in order."""
+def lora_load_rows(rows, N, SLOT, n_loras, XA, stride_xa, LB, stride_lb, shard_end0, shard_end1, RANK: tl.constexpr,
+                   RP: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr):
+    """The expand's operands for ``rows``: the shrink's partial sums ``[SPLIT_P, BLOCK_N, RP]`` and B's rows
+    ``[BLOCK_N, RP]`` (zeros without an adapter: masked loads, no branch). Loaded before the weight stream and used
+    after it (:func:`lora_delta`), so their latency hides behind it: used where they load, they added a round trip
+    to every program's tail, a few µs a projection in waves of thousands of programs."""
     slot = tl.load(SLOT)
-    if (slot >= 0) & (slot < n_loras):
-        rr = tl.arange(0, RP)
-        shard = (rows >= shard_end0).to(tl.int32) + (rows >= shard_end1).to(tl.int32)
-        ok = (rows < N)[:, None] & (rr < RANK)[None, :]
-        xa_ptrs = XA + shard[:, None] * RANK + rr[None, :]
-        xa = tl.load(xa_ptrs, mask=ok, other=0.0)
-        for part in tl.static_range(1, SPLIT):
-            xa += tl.load(xa_ptrs + part * stride_xa, mask=ok, other=0.0)
-        b = tl.load(LB + slot.to(tl.int64) * stride_lb + rows.to(tl.int64)[:, None] * RANK + rr[None, :], mask=ok,
-                    other=0.0)
-        y += tl.sum(xa * b.to(tl.float32), axis=1)
-    return y
+    active = (slot >= 0) & (slot < n_loras)
+    rr = tl.arange(0, RP)
+    parts = tl.arange(0, SPLIT_P)
+    shard = (rows >= shard_end0).to(tl.int32) + (rows >= shard_end1).to(tl.int32)
+    ok = (rows < tl.where(active, N, 0))[:, None] & (rr < RANK)[None, :]  # nothing without an adapter
+    xa = tl.load(XA + parts[:, None, None] * stride_xa + (shard[:, None] * RANK + rr[None, :])[None, :, :],
+                 mask=(parts < SPLIT)[:, None, None] & ok[None, :, :], other=0.0)
+    b = tl.load(LB + slot.to(tl.int64) * stride_lb + rows.to(tl.int64)[:, None] * RANK + rr[None, :], mask=ok,
+                other=0.0)
+    return xa, b
+
+
+@triton.jit
+def lora_delta(xa, b):
+    """``[BLOCK_N]`` float32: each row's ``Σ_r (Σ_parts xa) · B`` (the parts added in order of their index)."""
+    return tl.sum(tl.sum(xa, axis=0) * b.to(tl.float32), axis=1)
