@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from minfer.beam_search import BeamSearchParams
 from minfer.outputs import CompletionOutput, RequestOutput
 from minfer.sampling_params import SamplingParams
 from minfer.structured_outputs import StructuredOutputsParams
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
     from minfer.llm import LLM
     from minfer.lora.request import LoRARequest
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchParams"]
 __all__ += ["EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine"]  # vLLM's engine classes
 
 

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
+from minfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from minfer.config import EngineConfig
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import PromptType
@@ -115,6 +116,28 @@ class LLM:
                 engine.abort_request(rid)
             raise
         return [EmbeddingRequestOutput.from_base(out) for out in self._run(ids, use_tqdm)]
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search`` with HF's semantics (``minfer.beam_search``): per prompt, its ``beam_width``
+        sequences, best first. Each round is one batch of one-token requests down ``generate``'s path, their
+        prompts (prompt + beam) sharing KV blocks through the prefix cache."""
+        engine, tok = self._engine, self.get_tokenizer()
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        searches = []
+        for prompt in prompts:
+            _, ids = engine.processor.tokenize(prompt)
+            max_total = engine.processor.check_prompt(ids, params.max_tokens)  # a max_tokens past the context: cut
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids, max_total - len(ids)))
+
+        def step(beams: list[list[int]], step_params: SamplingParams) -> list[dict[int, float]]:
+            outs = self._generate([{"prompt_token_ids": b} for b in beams], step_params, False,
+                                  lora_request=lora_request)
+            return [out.outputs[0].logprobs[0] for out in outs]
+
+        run_beam_search(searches, step)
+        return [s.output(tok.decode if tok is not None else None) for s in searches]
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load and check an adapter ahead of its requests (False: loaded already)."""

@@ -5,7 +5,7 @@ import upward is still a dependency upward. The layers, from the ground floor up
 
     ebnf < ebnf_regex < structured_grammar < structured_limits < structured_outputs < harmony < spec_config
         < leaf modules (config, sampling_params, pooling_params, outputs, reasoning, version) < pooling_outputs
-        < distributed < kernels < ops < model < engine
+        < beam_search < distributed < kernels < ops < model < engine
         < llm, engine_args, eval_ppl < server, train < benchmark < cli
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ RANK = {
     "ebnf": -1, "ebnf_regex": -0.9, "structured_grammar": -0.8, "structured_limits": -0.7, "structured_outputs": -0.5,
     "harmony": -0.2,
     "config": 0, "sampling_params": 0, "outputs": 0, "reasoning": 0, "version": 0, "spec_config": -0.1,
-    "pooling_params": 0, "pooling_outputs": 0.1,
+    "pooling_params": 0, "pooling_outputs": 0.1, "beam_search": 0.5,
     "distributed": 1, "lora": 1.2, "kernels": 1.5, "ops": 2, "model": 3, "engine": 4,
     "llm": 5, "engine_args": 5, "eval_ppl": 6,
     "server": 7, "train": 7, "benchmark": 8, "cli": 9, "__main__": 10, "__init__": 10,

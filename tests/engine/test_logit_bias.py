@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import hf_greedy, make_checkpoint
+
 from minfer import LLM, SamplingParams
 from minfer.engine.input_batch import SamplingMetadata
 from minfer.engine.sampler import Sampler
@@ -68,7 +68,7 @@ def test_greedy_generation_is_forced_banned_and_restricted(llm: LLM, model: str)
     ref, ref_logits = hf_greedy(model, PROMPT, 1)
     second = int(ref_logits[0].topk(2).indices[1])
     allowed = [40, 41, 42]
-    greedy = dict(max_tokens=NEW, temperature=0, ignore_eos=True)
+    greedy = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
     params = [SamplingParams(**greedy, logit_bias={99: 100.0}),
               SamplingParams(**greedy),
               SamplingParams(**greedy, logit_bias={ref[0]: -100.0}),
@@ -87,19 +87,19 @@ def test_greedy_generation_is_forced_banned_and_restricted(llm: LLM, model: str)
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
-    (dict(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
-    (dict(logit_bias={5: float("nan")}), "logit_bias values must be finite"),
-    (dict(logit_bias=[5]), "logit_bias must be a dict"),
-    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list"),
-    (dict(allowed_token_ids=[3, -2]), "allowed_token_ids must be a non-empty list"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias values must be finite"),
+    ({"logit_bias": [5]}, "logit_bias must be a dict"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+    ({"allowed_token_ids": [3, -2]}, "allowed_token_ids must be a non-empty list"),
 ])
 def test_bad_values_are_refused_at_construction(kw, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kw)
 
 
-@pytest.mark.parametrize("kw", [dict(logit_bias={5: 1.0, 320: 2.0}), dict(allowed_token_ids=[1, 10**6])])
+@pytest.mark.parametrize("kw", [{"logit_bias": {5: 1.0, 320: 2.0}}, {"allowed_token_ids": [1, 10**6]}])
 def test_ids_past_the_vocabulary_are_refused_before_anything_runs(llm: LLM, kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=rf"^{name} has token id \d+, outside the vocabulary \[0, 320\)"):
