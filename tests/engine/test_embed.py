@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_checkpoint
+from conftest import kv_settings, make_checkpoint
 
 from minfer import LLM, SamplingParams
 from minfer.config import EngineConfig
@@ -42,7 +42,7 @@ def write_st_config(model_dir: Path, mode: str, normalize: bool, extra_modules: 
     modules += extra_modules
     (model_dir / "modules.json").write_text(json.dumps(modules))
     (model_dir / "1_Pooling").mkdir(exist_ok=True)
-    cfg = {"word_embedding_dimension": 64, "include_prompt": True, **{key: False for key in ST_MODES.values()},
+    cfg = {"include_prompt": True, **{key: False for key in ST_MODES.values()},
            "pooling_mode_max_tokens": False, **({ST_MODES[mode]: True} if mode in ST_MODES else {}), **pooling}
     (model_dir / "1_Pooling" / "config.json").write_text(json.dumps(cfg))
     return model_dir
@@ -103,6 +103,25 @@ def test_embed_matches_hf(models, hf_states, scenario, variant, mode, normalize)
         assert out.finished and out.outputs.hidden_size == 64
         assert_close(out.outputs.embedding, reference(hf_states[tuple(prompt)], mode, normalize))
     check_all_free(llm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3_5"])
+def test_other_architectures_chunked(tmp_path, arch):
+    """Gemma 3's final norm ((1 + w)) and sliding layers in a hybrid cache, Qwen3.5's recurrent state carried across
+    chunks: the pooled states are still HF's, mean (from a sentence-transformers config) and last-token alike."""
+    from transformers import AutoModel
+
+    path = make_checkpoint(tmp_path / arch, arch)
+    hf = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = [hf(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
+    settings = kv_settings(path, SCENARIOS["chunked"])
+    with LLM(str(path), runner="pooling", **settings) as llm:
+        for out, s in zip(llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False), states):
+            assert_close(out.outputs.embedding, reference(s, "LAST", True))
+    with LLM(str(write_st_config(path, "MEAN", False)), runner="pooling", **settings) as llm:
+        for out, s in zip(llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False), states):
+            assert_close(out.outputs.embedding, reference(s, "MEAN", False))
 
 
 def test_pooling_params_normalize_and_dimensions(models, hf_states):
@@ -197,10 +216,24 @@ def test_refused_configurations(models, tmp_path):
     bad = {"max": dict(mode="none", pooling_mode_max_tokens=True),
            "two": dict(mode="MEAN", pooling_mode_cls_token=True),
            "prompt": dict(mode="MEAN", include_prompt=False),
+           "width": dict(mode="MEAN", word_embedding_dimension=32),
            "dense": dict(mode="MEAN", extra_modules=({"path": "2_Dense", "type": _ST + "Dense"},))}
     messages = {"max": r"\['pooling_mode_max_tokens'\] are not supported", "two": "exactly one pooling mode",
-                "prompt": "include_prompt false", "dense": f"the module '{_ST}Dense' is not supported"}
+                "prompt": "include_prompt false", "width": "word_embedding_dimension 32 is not the model's hidden",
+                "dense": f"the module '{_ST}Dense' is not supported"}
     for name, kw in bad.items():
         path = write_st_config(Path(shutil.copytree(models["default"], tmp_path / name)), normalize=False, **kw)
         with pytest.raises(ValueError, match=messages[name]):
             LLM(str(path), runner="pooling", num_kv_blocks=16)
+
+
+def test_serve_runner_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``minfer serve MODEL --runner pooling``: the flag comes from EngineConfig's field."""
+    import minfer.cli.serve as serve_cli
+    from minfer.cli import main
+
+    got: dict = {}
+    monkeypatch.setattr(serve_cli, "run_server", lambda model, engine_kwargs, **kw: got.update(engine_kwargs))
+    assert main(["serve", "org/model", "--runner", "pooling"]) == 0
+    assert EngineConfig(model="org/model", **got).runner == "pooling"
+    assert main(["serve", "org/model"]) == 0 and EngineConfig(model="org/model", **got).runner == "generate"
