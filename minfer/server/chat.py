@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -22,8 +23,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from minfer.engine.processor import EngineRequest, Processor
+from minfer.engine.request_stream import RequestStream
 from minfer.outputs import RequestOutput
 from minfer.reasoning import grammar_gate
+from minfer.server.beam_search import run_beam_search
 from minfer.server.chat_template import RenderBudget, RenderStopped
 from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
@@ -136,7 +139,21 @@ def needs_trace(req: ChatCompletionRequest) -> bool:
                 len(req.messages) + len(req.tools or ()) > TRACE_ABOVE_ITEMS)
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request checked, rendered and queued: what a response is built from (the chat completion's, and
+    the Responses API's, which runs its conversation through here)."""
+
+    model: str  # the served name the request named
+    plan: ToolPlan
+    request: EngineRequest
+    streams: list[RequestStream]
+    top_k: int | None  # logprobs' top k (None: no logprobs)
+
+
+async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request, cid: str) -> ChatRun:
+    """Every check, the constraint, the render and the tokenizing (on the pools), then the engine request
+    ``cid`` queued; any refusal is an ``APIError`` before anything is queued."""
     model = ctx.check_model(req.model)
     lora = ctx.lora_request(model)  # None: the base model
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -160,7 +177,6 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     params = ctx.sampling_params(req, max_tokens, top_k, req.prompt_logprobs, constraint)
     if needs_special_tokens(ctx.reasoning_parser) or plan.needs_special_tokens:  # the parsers read the markers
         params.skip_special_tokens = False
-    cid, created = request_id("chatcmpl"), int(time.time())
     traced = needs_trace(req)
 
     def prepare(p: Processor, budget: RenderBudget) -> EngineRequest:
@@ -173,7 +189,18 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         return request
 
     request = await ctx.render(raw, prepare, own_template)
-    streams = ctx.submit([request])
+    # a beam search queues its own rounds (server/beam_search.py), never this request
+    return ChatRun(model, plan, request, [] if req.use_beam_search else ctx.submit([request]), top_k)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request) -> Response:
+    cid, created = request_id("chatcmpl"), int(time.time())
+    run = await start_chat(ctx, req, raw, cid)
+    model, plan, request, streams, top_k = run.model, run.plan, run.request, run.streams, run.top_k
+    if req.use_beam_search:  # never streamed
+        (final,) = await run_beam_search(ctx, raw, [request], req)
+        return JSONResponse(_response(cid, created, model, final, TokenText(ctx.tokenizer), None, False, plan,
+                                      ctx.reasoning_parser))
     num_prompt_tokens = len(request.prompt_token_ids)
     tok = TokenText(ctx.tokenizer)
 
