@@ -91,16 +91,16 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
                  ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False, WS=None, stride_ws=0, n_groups=1,
                  SCALE: tl.constexpr = 0, NSUB: tl.constexpr = 1, SUB: tl.constexpr = 1,
                  GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1,
-                 PREFETCH: tl.constexpr = False, LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, k_part=0,
+                 LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, k_part=0,
                  XA=None, stride_xa=0, LB=None, stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1,
                  LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1):
     pid = tl.program_id(0)
     k_lo = 0
     k_hi = K
-    if LORA == 1:  # LORA_SHRINK: the slot's A rows (gemv_lora.py); an idle slot's programs still wait, as PDL needs
-        slot = tl.load(LORA_SLOT)
-        wait_for_previous(PDL)
+    if LORA == 1:  # LORA_SHRINK: the slot's A rows (gemv_lora.py; the slot and A are set before a graph's replay, so
+        slot = tl.load(LORA_SLOT)  # both may be read before the PDL wait); an idle slot's programs still wait
         if (slot < 0) | (slot >= n_loras):
+            wait_for_previous(PDL)
             return
         W += slot.to(tl.int64) * N * stride_wn
         k_lo = tl.program_id(1) * k_part  # this program's part of K; its partial sums go to its own row of Y
@@ -109,8 +109,8 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    if PREFETCH:  # the first weight tile streams in while the previous kernel drains (weights never change)
-        w_first = _weight_tile(w_ptrs, 0, rows, cols, N, K, EVEN_N, EVEN_K)
+    if PDL:  # the first weight tile streams in while the previous kernel drains (weights never change)
+        w_first = _weight_tile(w_ptrs, k_lo, rows, cols, N, K, EVEN_N, EVEN_K)
         wait_for_previous(PDL)
     if LORA == 2:  # LORA_EXPAND: the adapter's operands, in flight during the weight stream
         lora_xa, lora_b = lora_load_rows(rows, N, LORA_SLOT, n_loras, XA, stride_xa, LB, stride_lb, shard_end0,
@@ -125,12 +125,12 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
         write_residual = pid == 0
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     first = k_lo
-    if PREFETCH:  # the first chunk with the prefetched tile
-        x = input_chunk(X, R, NW, R_OUT, cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE, HAS_RESIDUAL,
-                        not EVEN_K, F32_NORM, HEAD, BLOCK_K)
-        acc += _products(w_first, x, WS, rows, 0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
+    if PDL:  # the first chunk with the prefetched tile
+        x = input_chunk(X, R, NW, R_OUT, k_lo + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
+                        HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
+        acc += _products(w_first, x, WS, rows, k_lo, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
-        first = BLOCK_K
+        first = k_lo + BLOCK_K
     for k0 in range(first, k_hi, BLOCK_K):
         x = input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
                         HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
@@ -184,6 +184,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         shrink = lora_shrink_config(rows, k, prologue)
         split = min(triton.cdiv(k, shrink.block_k), LORA_MAX_SPLIT)
         k_part = triton.cdiv(triton.cdiv(k, split), shrink.block_k) * shrink.block_k  # whole chunks: no overlap
+        split = triton.cdiv(k, k_part)  # and no empty part (the first chunk of each is loaded unmasked)
         xa = torch.empty(split, rows, dtype=torch.float32, device=x.device)
         _run(x, lora.shrink_weight(), rows, None, shrink, xa, None, NO_SCALE,
              dict(LORA=LORA_SHRINK, LORA_SLOT=lora.slot, n_loras=lora.a_stack.shape[0], k_part=k_part), split,
@@ -217,7 +218,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | Non
         n_groups=num_groups(k), SCALE=scale, NSUB=cfg.block_k // sub, SUB=sub, GROUP=FP8_GROUP,
         F32_NORM=norm_weight is not None and norm_weight.dtype == torch.float32,
         stride_r=gate.stride(1) if gate is not None else 0, HEAD=gate.shape[2] if gate is not None else 1,
-        PREFETCH=pdl and extra.get("LORA") != LORA_SHRINK, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **extra, **launch_options(pdl),
     )
 
