@@ -55,11 +55,11 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
     body.update(model=req.model, stream=req.stream, messages=system + conversation)
     if req.max_output_tokens is not None:
         body["max_completion_tokens"] = req.max_output_tokens
-    if req.tools:
+    if req.tools is not None:  # chat's rules then apply: "required" with no tools is "none"
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]
-        if req.parallel_tool_calls is not None:
-            body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.tools and req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
     choice = req.tool_choice
     if isinstance(choice, FunctionChoice):
         body["tool_choice"] = {"type": "function", "function": {"name": choice.name}}

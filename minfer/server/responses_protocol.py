@@ -21,6 +21,7 @@ from minfer.server.request_fields import UNSUPPORTED, JsonObject, RequestModel, 
 RESPONSES_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "background": (False,), "conversation": (), "prompt": (), "truncation": ("disabled",), "top_logprobs": (0,),
     "max_tool_calls": (), "context_management": (), "n": (1,),
+    "use_beam_search": (False,), "length_penalty": (1.0, 1), "early_stopping": (False,),  # one answer, sampled
     "response_format": (),  # chat's name: the Responses API's is text.format
 }
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")

@@ -279,6 +279,7 @@ REFUSED = [  # (body beyond the model, the param named, a word of the message)
     ({"input": "x", "background": True}, "background", "background"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include", "reasoning.encrypted_content"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "use_beam_search": True}, "use_beam_search", "use_beam_search"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "summar"),
@@ -310,6 +311,21 @@ def test_errors_through_the_client(oai: Any) -> None:
     assert builtin.value.body["param"] == "tools"
     with pytest.raises(openai.NotFoundError):
         oai.responses.create(input="x", model="gpt-5")
+
+
+def test_key_and_body_cap_guard_the_route(tiny_model: Path) -> None:
+    """The route sits behind the app's middlewares, as chat does: the API key, then the body cap."""
+    keyed = LiveServer(tiny_model, api_key="sesame", max_request_bytes=4096)
+    try:
+        url = keyed.base_url + "/v1/responses"
+        assert httpx.post(url, json={"input": "hi"}, timeout=30).status_code == 401
+        headers = {"Authorization": "Bearer sesame"}
+        assert httpx.post(url, json={"input": "x" * 5000}, headers=headers, timeout=30).status_code == 413
+        good = openai.OpenAI(base_url=keyed.base_url + "/v1", api_key="sesame", max_retries=0, timeout=60)
+        resp = good.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=2)
+        assert resp.usage.output_tokens <= 2 and good.responses.retrieve(resp.id).id == resp.id
+    finally:
+        keyed.stop()
 
 
 def test_renamed_params() -> None:
