@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
+from minfer.outputs import CompletionOutput, RequestOutput
 from minfer.sampling_params import SamplingParams
 
 Round = tuple[list[list[int]], SamplingParams]  # the token-id prompts of a round and their one-token parameters
@@ -167,6 +168,18 @@ class BeamSearch:
             sequences.append(BeamSearchSequence(tokens, beam.logprobs, beam.cum_logprob, n, score, reason,
                                                 decode(tokens) if decode is not None else None))
         return BeamSearchOutput(sequences)
+
+    def request_output(self, request_id: str, prompt: str | None,
+                       decode: Callable[[list[int]], str] | None = None) -> RequestOutput:
+        """The result as a finished ``RequestOutput``, a choice per sequence, best first (what the server's responses
+        render, as vLLM's do): ``text`` the generated tokens' decoding, a final EOS left out."""
+        choices = []
+        for i, seq in enumerate(self.output().sequences):
+            ids = seq.output_token_ids
+            shown = ids[:-1] if seq.finish_reason == "stop" else ids
+            choices.append(CompletionOutput(i, decode(shown) if decode is not None else "", ids, seq.cum_logprob,
+                                            seq.logprobs, seq.finish_reason))
+        return RequestOutput(request_id, prompt, self.prompt_token_ids, choices, finished=True)
 
 
 def step_params(num_logprobs: int) -> SamplingParams:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minfer.engine.processor import Processor
 from minfer.outputs import RequestOutput
+from minfer.server.beam_search import run_beam_search
 from minfer.server.protocol import CompletionRequest
 from minfer.server.serving import ServerContext, collect, process, request_id, stream_response
 from minfer.server.stream import (DeltaTracker, TokenText, completion_logprobs, echo_logprobs, holdback_for,
@@ -47,8 +48,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
                 for i, prompt in enumerate(prompts)]
 
     requests = await ctx.offload(prepare)
-    streams = ctx.submit(requests)
     num_prompt_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    if req.use_beam_search:  # rounds of one-token requests (server/beam_search.py); never streamed
+        finals = await run_beam_search(ctx, raw, requests, req)
+        return JSONResponse(_response(cid, created, model, finals, req, num_prompt_tokens, TokenText(ctx.tokenizer)))
+    streams = ctx.submit(requests)
 
     if not req.stream:
         finals = await collect(ctx, raw, streams)

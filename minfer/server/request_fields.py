@@ -9,8 +9,11 @@ the chat template or the response's own encoding raise later. Names beyond OpenA
 through ``extra_body``.
 
 A field that would change the output is either honoured or refused: ``UNSUPPORTED`` lists those
-not implemented (the legacy ``functions``, beam search, ...), each a 400 naming it unless it holds
-its neutral value; completions add the chat-only tool fields (``CHAT_ONLY``). Other unknown fields are
+not implemented (the legacy ``functions``, ``bad_words``, ...), each a 400 naming it unless it holds
+its neutral value; completions add the chat-only tool fields (``CHAT_ONLY``). ``use_beam_search`` (vLLM's, with ``n``
+as the beam width, ``length_penalty`` and HF's ``early_stopping``: ``server/beam_search.py``) refuses in the same way
+the fields a beam search does not honour (``BEAM_SEARCH_UNSUPPORTED``: streaming, logprobs, stops, penalties,
+filters, biases, constraints, tools). Other unknown fields are
 ignored, as the OpenAI API does; ``HARMLESS`` names the ones clients are known to send that change nothing
 here (bookkeeping, caching and routing hints).
 
@@ -43,13 +46,24 @@ HARMLESS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "sa
 # Not implemented: a 400 naming the field unless it holds one of its neutral values (None is always one).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": ([],), "function_call": ("none",), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "use_beam_search": (False,), "length_penalty": (1.0, 1),
+    "guided_whitespace_pattern": (),
     "logits_processors": ([],), "bad_words": ([],), "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,), "prompt_embeds": (), "audio": (), "modalities": (["text"],),
     "prediction": (), "web_search_options": (), "documents": (),
     "mm_processor_kwargs": (), "spaces_between_special_tokens": (True,),
 }
 
+
+# With use_beam_search: the fields a search does not honour, each a 400 unless at its neutral value. temperature and
+# seed are accepted and change nothing (beam scores are raw logprobs, as in vLLM).
+BEAM_SEARCH_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "stream": (False,), "logprobs": (False,), "top_logprobs": (), "echo": (False,), "prompt_logprobs": (),
+    "suffix": ("",), "stop": ([],), "stop_token_ids": ([],), "min_tokens": (0,), "presence_penalty": (0.0, 0),
+    "frequency_penalty": (0.0, 0), "repetition_penalty": (1.0, 1), "top_p": (1.0, 1), "top_k": (0, -1),
+    "min_p": (0.0, 0), "logit_bias": ({},), "allowed_token_ids": (), "tools": ([],), "tool_choice": ("none",),
+    "response_format": ({"type": "text"},), "structured_outputs": (), "guided_json": (), "guided_regex": (),
+    "guided_choice": (), "guided_grammar": (),
+}
 
 # Chat's tool fields and template variables, on /v1/completions (which has no messages and no template).
 CHAT_ONLY: dict[str, tuple[Any, ...]] = {"tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (),
@@ -170,6 +184,9 @@ class SamplingFields(RequestModel):
     logit_bias: dict[Text, float] | None = Field(None, description="OpenAI's: token id (a string) -> bias in "
                                                                    "[-100, 100], added to its logit")
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description="vLLM's: only these may be drawn")
+    use_beam_search: bool = Field(False, description="vLLM's: n beams, the n best sequences are the choices")
+    length_penalty: float = Field(1.0, allow_inf_nan=False, description="beam search: score = logprob / len ** this")
+    early_stopping: bool | Literal["never"] = Field(False, description="beam search: HF's rule for when it ends")
     # constraints on the output (at most one)
     response_format: ResponseFormat | None = Field(None, description="OpenAI's: text, json_object or json_schema")
     structured_outputs: StructuredOutputsField | None = Field(None, description="vLLM's: json, regex, choice, "
@@ -186,6 +203,10 @@ class SamplingFields(RequestModel):
         name = _unsupported_field(data, cls._unsupported, cls.model_fields)
         if name is not None:
             raise ValueError(f"{name} is not supported by this server (remove it or send null)")
+        if isinstance(data, dict) and data.get("use_beam_search") is True:
+            name = _unsupported_field(data, BEAM_SEARCH_UNSUPPORTED, cls.model_fields)
+            if name is not None:
+                raise ValueError(f"{name} is not supported with use_beam_search (remove it or send null)")
         return data
 
     @model_validator(mode="after")
@@ -195,6 +216,10 @@ class SamplingFields(RequestModel):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers as strings), got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if not self.use_beam_search:
+            for name, neutral in (("length_penalty", 1.0), ("early_stopping", False)):
+                if getattr(self, name) != neutral:
+                    raise ValueError(f"{name} applies only with use_beam_search")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         given = self.constraints()

@@ -55,7 +55,7 @@ MEANINGFUL: dict[str, Any] = {
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": True,
     "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "use_beam_search": True, "length_penalty": 2.0, "logits_processors": ["x"],
+    "guided_whitespace_pattern": " ", "length_penalty": 2.0, "logits_processors": ["x"],
     "bad_words": ["x"], "truncate_prompt_tokens": 4, "return_tokens_as_token_ids": True,
     "prompt_embeds": "AAAA", "audio": {"voice": "x"}, "modalities": ["text", "audio"], "prediction": {"type": "content"},
     "web_search_options": {}, "documents": [{"text": "x"}], "mm_processor_kwargs": {},
