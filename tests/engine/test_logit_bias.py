@@ -27,14 +27,16 @@ def llm(model: str) -> LLM:
     return LLM(model, num_kv_blocks=64)
 
 
-def _sample(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list]:
+def _sample(logits: torch.Tensor, params: list[SamplingParams], backend: str = "torch") -> tuple[list[int], list]:
+    """``backend``: the argmax passes' ops; 'triton' runs the GPU's kernels in Triton's interpreter."""
     n = len(params)
     meta = SamplingMetadata.from_params(params, list(range(n)), [0] * n, CPU)
-    out = Sampler(CPU, select_ops("torch", CPU, 16, 64))(logits, meta).result()
+    out = Sampler(CPU, select_ops(backend, CPU, 16, 64))(logits, meta).result()
     return out.token_ids, out.logprobs
 
 
-def test_a_mixed_batch_biases_only_its_rows():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_mixed_batch_biases_only_its_rows(backend):
     torch.manual_seed(0)
     logits = torch.randn(5, 50)
     before = logits.clone()
@@ -44,7 +46,7 @@ def test_a_mixed_batch_biases_only_its_rows():
               SamplingParams(temperature=0, logit_bias={top[2]: -100.0}),  # its best token banned
               SamplingParams(temperature=0, allowed_token_ids=[11, 12, 13]),
               SamplingParams(temperature=1.0, seed=3, allowed_token_ids=[20, 21])]
-    ids, logprobs = _sample(logits, params)
+    ids, logprobs = _sample(logits, params, backend)
     assert ids[0] == 7 and ids[1] == top[1]
     assert ids[2] == int(logits[2].topk(2).indices[1])
     assert ids[3] == 11 + int(logits[3, 11:14].argmax()) and ids[4] in (20, 21)
