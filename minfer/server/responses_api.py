@@ -12,7 +12,9 @@ whole or as the Responses API's event stream.
 ``text.format`` shapes the message's text; with ``tool_choice`` ``required`` or a named function the output is
 the call and no message, so the format does not apply to that turn (chat would refuse the two constraints
 together; an agent that wants both a forced tool call and a typed final answer sends exactly that). The
-conversation is kept (``store``, the default) in ``responses_store.ResponseStore``, bounded and in memory.
+conversation is kept (``store``, the default) in ``responses_store.ResponseStore``, bounded and in memory, once
+the response is whole (a stream its client left early is not kept). A cut stream ends with ``response.incomplete``,
+as OpenAI's does (the client's ``stream.get_final_response()`` then raises; the event carries the response).
 """
 from __future__ import annotations
 
