@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from minfer.beam_search import BeamSearchParams
 from minfer.outputs import CompletionOutput, RequestOutput
+from minfer.pooling_outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingRequestOutput
+from minfer.pooling_params import PoolingParams
 from minfer.sampling_params import SamplingParams
 from minfer.structured_outputs import StructuredOutputsParams
 from minfer.version import __version__  # noqa: F401 - minfer.__version__
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from minfer.lora.request import LoRARequest
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams"]
+           "BeamSearchParams", "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingRequestOutput"]
 __all__ += ["EngineArgs", "AsyncEngineArgs", "LLMEngine", "AsyncLLMEngine"]  # vLLM's engine classes
 
 
