@@ -133,15 +133,17 @@ class BeamSearch:
         # HF's topk over (beam, token) in that order: ties go to the earlier beam, then the lower token id
         candidates = sorted(((beam.cum_logprob + lp, i, token) for i, (beam, top) in enumerate(zip(self.running, tops))
                              for token, lp in top.items()), key=lambda c: (-c[0], c[1], c[2]))[:self.num_candidates]
-        running = []
+        running: list[_Beam] = []
         for rank, (cum, i, token) in enumerate(candidates):
+            ends = last or token in self.eos_token_ids
+            if rank >= width if ends else len(running) >= width:  # only the k best may finish; k beams run on
+                continue
             parent = self.running[i]
-            if last or token in self.eos_token_ids:
-                if rank < width:  # only the k best may finish; the rest only kept k beams alive
-                    beam = _Beam(parent.tokens + [token], parent.logprobs + [tops[i]], cum)
-                    self.finished.append((cum / self.length ** penalty, beam))
-            elif len(running) < width:
-                running.append(_Beam(parent.tokens + [token], parent.logprobs + [tops[i]], cum))
+            child = _Beam(parent.tokens + [token], parent.logprobs + [tops[i]], cum)
+            if ends:
+                self.finished.append((cum / self.length ** penalty, child))
+            else:
+                running.append(child)
         self.finished.sort(key=lambda f: -f[0])  # stable: an older sequence stays ahead of a new one it ties
         del self.finished[width:]
         self.running = [] if last else running

@@ -230,7 +230,7 @@ class Sampler:
         the distributions q they were drawn from [S, vocab] float32, or None when every row is greedy).
 
         Greedy rows take the argmax (their q a point mass on it). Random rows draw from q = the plain sampler's
-        temperature and top-k / top-p / min-p over the draft's logits (no penalties, no bitmask: the verifier
+        temperature and top-k / top-p / min-p over the draft's logits (no penalties, bitmask or bias: the verifier
         corrects any difference from the target, they would only cost acceptance), from the draft noise stream."""
         facts = meta.rows
         greedy = facts.greedy
