@@ -18,7 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (the README's `pytest -n 2`) each worker takes its share of the cores, so that two workers on a
+# two-core machine do not each run two-thread kernels against the other's.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 VOCAB = 320
 _CORPUS = [
