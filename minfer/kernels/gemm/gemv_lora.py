@@ -1,4 +1,4 @@
-"""LoRA inside the batch-1 matrix-vector kernel (``gemv.py``): the one token's adapter at two extra reads a layer.
+"""LoRA inside the batch-1 matrix-vector kernel (``gemv.py``): the token's adapter at one extra launch a projection.
 
 At batch 1 the batched LoRA kernels (``kernels/lora``) cost two launches per projection, eight a layer, each a few
 microseconds of launch and ramp-up for a few KB of work: about a quarter of an 8B decode step. Here a projection
