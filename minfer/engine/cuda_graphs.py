@@ -61,6 +61,10 @@ class DecodeGraphs:
         self.logits = torch.empty(b, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # With LoRA on, each bucket is captured twice: with the adapters' launches (reading the static slots) and,
+        # for the steps in which no row has an adapter, without them (their kernels would only exit at once).
+        self.plain: dict[int, torch.cuda.CUDAGraph] = {}
+        self.plain_outputs: dict[int, torch.Tensor] = {}
 
     def _meta(self, b: int) -> AttentionMetadata:
         state = {} if self.spare_slot < 0 else dict(state_slots=self.state_slots[:b], has_state=self.has_state[:b],
@@ -73,21 +77,25 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first so the pool is sized by the first."""
         # The staging kernel compiles now, not in the first decode step.
-        packed = torch.zeros(packed_words(1, 1, len(self.block_tables)), dtype=torch.int64, device=self.input_ids.device)
+        packed = torch.zeros(packed_words(1, 1, len(self.block_tables)), dtype=torch.int64,
+                             device=self.input_ids.device)
         stage_decode_inputs(packed, 1, 1, None, self.input_ids, self.positions, self.slot_mapping, self.context_lens,
                             self.block_tables)
         pool = None
         for b in reversed(self.sizes):
             meta = self._meta(b)
-            if self.lora is not None:
-                self.lora.use_static(b)
-            self._forward(b, meta)  # compile kernels, settle allocations
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[b] = self._forward(b, meta)
-            pool = graph.pool()
-            self.graphs[b] = graph
+            for adapters in (True, False) if self.lora is not None else (False,):
+                if self.lora is not None:
+                    self._use_lora(b, adapters)
+                self._forward(b, meta)  # compile kernels, settle allocations
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(b, meta)
+                pool = graph.pool()
+                graphs, outputs = (self.graphs, self.outputs) if adapters or self.lora is None else \
+                    (self.plain, self.plain_outputs)
+                graphs[b], outputs[b] = graph, out
         torch.cuda.synchronize()
         if self.lora is not None:
             self.lora.state.meta = None  # eager forwards set their own
@@ -120,16 +128,26 @@ class DecodeGraphs:
                             self.slot_mapping[:, :b], self.context_lens[:b], self.block_tables[:, :b])
         if self.spare_slot >= 0:  # recurrent layers: the rows' state slots (``state_rows``), padding to the spare
             self._stage_state(n, b, state_rows, ctx_lens)
-        if self.lora is not None:  # each row's LoRA slot (``lora_slots``), the padding rows' none
+        adapters = lora_slots is not None and bool((lora_slots >= 0).any())
+        if adapters:  # each row's LoRA slot (``lora_slots``), the padding rows' none
             self.lora.stage(lora_slots, n, b)
-        if b in self.graphs:
-            self.graphs[b].replay()
-            hidden = self.outputs[b]
+        graphs, outputs = (self.plain, self.plain_outputs) if self.lora is not None and not adapters else \
+            (self.graphs, self.outputs)
+        if b in graphs:
+            graphs[b].replay()
+            hidden = outputs[b]
         else:  # uncaptured: the same buffers, eagerly
             if self.lora is not None:
-                self.lora.use_static(b)
+                self._use_lora(b, adapters)
             hidden = self._forward(b, self._meta(b))
         return hidden[:n], self.logits[:n]
+
+    def _use_lora(self, b: int, adapters: bool) -> None:
+        """The adapters' static slots for a forward of ``b`` rows, or none (the projections skip their kernels)."""
+        if adapters:
+            self.lora.use_static(b)
+        else:
+            self.lora.state.meta = None
 
     def _stage_state(self, n: int, b: int, rows: np.ndarray, ctx_lens: np.ndarray) -> None:
         """The state slots and has-state flags of a replay's ``n`` rows (one more small upload), the padding
