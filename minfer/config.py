@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from minfer.structured_outputs import DEFAULT_LIMITS, StructuredOutputsLimits
 from minfer.spec_config import DEFAULT_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
+from minfer.kv_events_config import KVEventsConfig
 
 if TYPE_CHECKING:
     import torch
@@ -245,6 +246,8 @@ class EngineConfig:
                                      "are detected from config.json without it", QUANTIZATION_METHODS)
     tensor_parallel_size: int = _knob(1, "GPUs (on the CPU: processes) the model is sharded over; under torchrun, "
                                       "its WORLD_SIZE")
+    data_parallel_size: int = _knob(1, "engine replicas (processes, tensor_parallel_size GPUs each) behind a balancer")
+    data_parallel_rank: int = _knob(0, "this replica's index in [0, data_parallel_size), set by the launcher")
     generation_config: str = _knob("auto", "auto: the model's generation_config.json supplies the default sampling "
                                    "settings of requests that give none; vllm: SamplingParams' own defaults",
                                    ("auto", "vllm"))
@@ -286,10 +289,13 @@ class EngineConfig:
     structured_outputs_compile_timeout: float = _knob(30.0, "structured outputs: seconds a grammar may take to "
                                                       "compile (in its compiler process, which is killed past "
                                                       "them); the request then fails naming this flag")
+    kv_events_config: KVEventsConfig | None = _knob(None, "prefix-cache block events for a prefix-aware router, "
+                                                    "vLLM's JSON (enable_kv_cache_events, endpoint, topic, ...)")
 
     def __post_init__(self) -> None:
         self.structured_outputs_limits()  # checks them
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if spec is not None and spec.method != "ngram":
             tp = spec.draft_tensor_parallel_size
             if tp is not None and tp != self.tensor_parallel_size:
@@ -321,6 +327,8 @@ class EngineConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        _check_int("data_parallel_rank", self.data_parallel_rank, 0, self.data_parallel_size - 1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.num_kv_blocks is not None:

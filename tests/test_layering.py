@@ -4,8 +4,8 @@ Every ``import`` and ``from ... import`` in ``minfer/`` counts, those inside fun
 import upward is still a dependency upward. The layers, from the ground floor up:
 
     ebnf < ebnf_regex < structured_grammar < structured_limits < structured_outputs < harmony < spec_config
-        < leaf modules (config, sampling_params, pooling_params, outputs, reasoning, version) < pooling_outputs
-        < beam_search < distributed < kernels < ops < model < engine
+        < kv_events_config < leaf modules (config, sampling_params, pooling_params, outputs, reasoning, version)
+        < pooling_outputs < beam_search < distributed < kernels < ops < model < engine
         < llm, engine_args, eval_ppl < server, train < benchmark < cli
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ RANK = {
     "ebnf": -1, "ebnf_regex": -0.9, "structured_grammar": -0.8, "structured_limits": -0.7, "structured_outputs": -0.5,
     "harmony": -0.2,
     "config": 0, "sampling_params": 0, "outputs": 0, "reasoning": 0, "version": 0, "spec_config": -0.1,
+    "kv_events_config": -0.05,
     "pooling_params": 0, "pooling_outputs": 0.1, "beam_search": 0.5,
     "distributed": 1, "lora": 1.2, "kernels": 1.5, "ops": 2, "model": 3, "engine": 4,
     "llm": 5, "engine_args": 5, "eval_ppl": 6,
