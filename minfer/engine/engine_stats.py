@@ -15,7 +15,9 @@ def engine_stats(engine: Any) -> dict[str, Any]:
     heads of every block, under tensor parallelism). ``kv_cache_dtype`` is the stored format ('int8', 'fp8_e4m3',
     'fp8_e5m2', or the model dtype for 'auto'); ``kv_block_bytes`` one block's K and V across all layers (of its
     group, for a hybrid cache), scales included. ``kv_group_windows`` and ``kv_group_blocks``: each KV group's
-    attention window (0: full) and the blocks it holds now."""
+    attention window (0: full) and the blocks it holds now. ``num_requests_waiting``: the sequences not yet running
+    as vLLM counts waiting requests (each of n samples is one there): queued, held back until sample 0 has computed
+    the prompt they fork from, or waiting for their grammar to compile; ``num_waiting`` is the scheduler's queue."""
     bm, sched, runner = engine.block_manager, engine.scheduler, engine.runner
     model = runner.model
     return {
@@ -31,6 +33,10 @@ def engine_stats(engine: Any) -> dict[str, Any]:
         "kv_group_blocks": list(bm.group_blocks),
         "num_running": len(sched.running),
         "num_waiting": len(sched.waiting),
+        "num_requests_waiting": len(sched.waiting) + sum(map(len, sched.unforked.values()))
+        + sum(len(seqs) for _, seqs in engine._compiling.values()),
+        "block_size": bm.block_size,
+        "enable_prefix_caching": bm.enable_prefix_caching,
         "num_preemptions": sched.num_preemptions,
         "prefix_cache_hit_tokens": bm.hit_tokens,
         "prefix_cache_queried_tokens": bm.queried_tokens,

@@ -129,10 +129,14 @@ class EngineLoRA:
         return self._lora().list()
 
     def _lora_stats(self) -> dict[str, Any]:
-        """vLLM's ``lora_requests_info``: the adapters of the running and the waiting sequences, and max_lora."""
+        """vLLM's ``lora_requests_info``: the adapters of the running and the waiting sequences, and max_lora. Waiting
+        as vLLM counts it (``engine_stats``' ``num_requests_waiting``): queued, unforked samples, grammars compiling."""
         if self.runner.lora is None:
             return {}
         names = lambda seqs: sorted({s.lora_request.lora_name for s in seqs if s.lora_request})  # noqa: E731
-        return {"lora_requests_info": {"running_lora_adapters": names(self.scheduler.running),
-                                       "waiting_lora_adapters": names(self.scheduler.waiting),
+        sched = self.scheduler
+        waiting = [*sched.waiting, *(s for seqs in sched.unforked.values() for s in seqs),
+                   *(s for _, seqs in self._compiling.values() for s in seqs)]
+        return {"lora_requests_info": {"running_lora_adapters": names(sched.running),
+                                       "waiting_lora_adapters": names(waiting),
                                        "max_lora": self.runner.lora.max_loras}}
