@@ -21,9 +21,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from minfer.config import cdiv
 from minfer.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from minfer.engine.kv_events import KVEventRecorder
 
 NO_BLOCK = -1  # a sliding group's table entry for a block its window has passed (given back to the pool)
 
@@ -51,6 +55,7 @@ class BlockManager:
         self.hit_tokens = 0
         self.queried_tokens = 0
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies for copy on write
+        self.kv_events: KVEventRecorder | None = None  # set while block events are published (engine/kv_events.py)
 
     @property
     def num_blocks(self) -> int:
@@ -166,7 +171,7 @@ class BlockManager:
         per step, so it reads plain attributes (the known tokens inline, not ``num_known_tokens``)."""
         if not self.enable_prefix_caching:
             return
-        bs, hashes = self.block_size, seq.block_hashes
+        bs, hashes, events = self.block_size, seq.block_hashes, self.kv_events
         for i in range(len(hashes), min(seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending) // bs):
             key = (hashes[-1] if hashes else _salt(seq), tuple(seq.token_ids[i * bs:(i + 1) * bs]))
             h = hash(key)
@@ -179,6 +184,8 @@ class BlockManager:
                 if h not in self.cached[g] and block.hash is None:
                     block.hash, block.key = h, key
                     self.cached[g][h] = block_id
+                    if events is not None:
+                        events.stored(g, h, hashes[i - 1] if i else None, key[1], seq)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back the blocks past those of the first ``num_tokens`` tokens: a speculative step allocates slots
@@ -200,6 +207,19 @@ class BlockManager:
         seq.block_tables = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``: after the weights change, or to measure a cold
+        cache). Refused (False) while any sequence holds blocks: the hashes of running sequences chain on."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.hash = block.key = None
+        for cache in self.cached:
+            cache.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
+        return True
 
     def _deref(self, block_id: int) -> None:
         """Drop one reference; a block nobody holds goes back to the pool: to the end of the queue when a
@@ -223,7 +243,9 @@ class BlockManager:
     def _take_free_block(self, group: int) -> int:
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:
+        if block.hash is not None:  # evicted: its tokens are no longer a prefix hit
+            if self.kv_events is not None:
+                self.kv_events.removed(block.group, block.hash)
             del self.cached[block.group][block.hash]
             block.hash = block.key = None
         block.ref_count, block.group = 1, group

@@ -31,6 +31,7 @@ from minfer.config import EngineConfig
 from minfer.engine.block_manager import BlockManager
 from minfer.engine.engine_stats import engine_stats
 from minfer.engine.grammar import BitmaskFiller, GrammarCompiler, advance_grammar, new_matcher
+from minfer.engine.kv_events import start_kv_events
 from minfer.engine.model_runner import LaunchedStep, ModelRunner
 from minfer.engine.step_arrays import StepArrays
 from minfer.engine.output_processor import OutputProcessor
@@ -95,6 +96,7 @@ class LLMEngine(EngineLoRA, VLLMEngineAPI):
                                    fork_samples=not recurrent, max_loras=config.max_loras if config.enable_lora else 0)
         try:
             self.speculator = make_speculator(config, self.runner, draft)
+            self.kv_events = start_kv_events(config, self.block_manager)  # prefix-cache block events, or None
         except Exception:  # a configuration refused here, on rank 0: the workers must not outlive it
             if self.workers is not None:
                 self.workers.shutdown()
@@ -221,12 +223,16 @@ class LLMEngine(EngineLoRA, VLLMEngineAPI):
         """Launch the next step and complete the previous one (async scheduling), or launch and
         complete one step; return the outputs that the output kind asks for."""
         if self.workers is None:
-            return self._step()
-        self.workers.check()
-        try:
-            return self._step()
-        except Exception as exc:
-            raise self.workers.explain(exc) from exc
+            outputs = self._step()
+        else:
+            self.workers.check()
+            try:
+                outputs = self._step()
+            except Exception as exc:
+                raise self.workers.explain(exc) from exc
+        if self.kv_events is not None:
+            self.kv_events.end_step()  # the step's block events go out as one batch
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         if self.pooler is not None:
@@ -355,7 +361,11 @@ class LLMEngine(EngineLoRA, VLLMEngineAPI):
         return outputs
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and the grammar compiler's processes. Also runs at exit."""
+        """Stop the tensor-parallel workers, the grammar compiler's processes and the block-event publisher. Also
+        runs at exit."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
         if self._grammars is not None:
             self._grammars.shutdown()
         if self.workers is not None:

@@ -27,6 +27,8 @@ class VLLMEngineAPI:
 
     requests: dict[str, Any]
     tokenizer: Any
+    block_manager: Any
+    kv_events: Any  # engine/kv_events.py's KVEvents, or None
     _abort: Callable[[str], None]  # the engine's abort of one request
 
     @classmethod
@@ -40,6 +42,14 @@ class VLLMEngineAPI:
         are ignored."""
         for one in [request_id] if isinstance(request_id, str) else list(request_id):
             self._abort(one)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (after new weights, or to measure a cold cache); False, and nothing done,
+        while requests hold blocks. With block events on, their ``AllBlocksCleared`` goes out at once."""
+        done = self.block_manager.reset_prefix_cache()
+        if done and self.kv_events is not None:
+            self.kv_events.end_step()
+        return done
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
