@@ -14,6 +14,7 @@ Each app gets its own registry, so several servers (tests) can live in one proce
 """
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any, Callable, Iterator
 
@@ -85,13 +86,37 @@ class _EngineStateCollector(Collector):
         yield _snapshot_histogram("minfer_grammar_compile_seconds",
                                   "time to compile a structured-output grammar for the tokenizer (cache misses)",
                                   s.get("grammar_compile_seconds"))
-        yield from self._vllm(s)
+        yield from self._vllm_per_engine(s)
+
+    def _vllm_per_engine(self, s: dict[str, Any]) -> Iterator[Metric]:
+        """vLLM's engine-state series, one per engine as vLLM exposes them: a data-parallel server's live replicas
+        (``s["replicas"]``) each under its own ``engine`` label (a reader sums them, ``sum by (model_name)``; the
+        unlabelled ``minfer_*`` gauges are the totals), its adapters' info once; one engine's under "0"."""
+        replicas = [r for r in s.get("replicas", ()) if r.get("alive", True)]
+        if not replicas:
+            yield from self._vllm(s)
+            return
+        families: dict[str, Metric] = {}
+        for r in replicas:
+            view = copy.copy(self)
+            view.labels = [self.labels[0], str(r["engine"])]
+            for family in view._vllm({k: v for k, v in r.items() if k != "lora_requests_info"}):
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
+        if "lora_requests_info" in s:
+            yield _lora_info(s["lora_requests_info"])
 
     def _vllm(self, s: dict[str, Any]) -> Iterator[Metric]:
-        """vLLM's engine-state series: a sequence counts as a request, as each of n samples is one in vLLM v1."""
+        """vLLM's engine-state series: a sequence counts as a request, as each of n samples is one in vLLM v1 (so the
+        waiting ones include samples not yet forked and grammars compiling: engine_stats' ``num_requests_waiting``);
+        the KV usage is a fraction (0..1) of the blocks, the cached but unreferenced ones counting as free."""
         for name, doc, value in (
                 ("vllm:num_requests_running", "Number of requests in model execution batches.", s["num_running"]),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s["num_waiting"]),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                 s.get("num_requests_waiting", s["num_waiting"])),
                 ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s["kv_cache_usage"])):
             family = GaugeMetricFamily(name, doc, labels=VLLM_LABELS)
             family.add_metric(self.labels, value)
@@ -105,10 +130,21 @@ class _EngineStateCollector(Collector):
             family = CounterMetricFamily(name, doc, labels=VLLM_LABELS)
             family.add_metric(self.labels, value)
             yield family
+        if "block_size" in s:
+            yield self._cache_config(s)
         if "spec_decode_num_drafts" in s:
             yield from self._spec_decode(s)
         if "lora_requests_info" in s:
             yield _lora_info(s["lora_requests_info"])
+
+    def _cache_config(self, s: dict[str, Any]) -> GaugeMetricFamily:
+        """vLLM's ``vllm:cache_config_info`` (value 1, the settings as labels): the inference gateway's endpoint picker
+        reads ``block_size`` and ``num_gpu_blocks`` from it to size its prefix-cache model of this server."""
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   labels=("block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"))
+        family.add_metric([str(s["block_size"]), str(bool(s["enable_prefix_caching"])), str(s["num_kv_blocks"]),
+                           self.labels[1]], 1.0)
+        return family
 
     def _spec_decode(self, s: dict[str, Any]) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (present when the engine speculates)."""
@@ -152,8 +188,12 @@ class _VllmRequestMetrics:
     """vLLM's per-request series, bound to this server's label values once."""
 
     def __init__(self, r: CollectorRegistry, labels: tuple[str, str], max_model_len: int) -> None:
+        self._parents: dict[int, Any] = {}  # id of a bound series -> its family, for ``for_engine``
+
         def bound(metric: Any) -> Any:
-            return metric.labels(*labels)
+            child = metric.labels(*labels)
+            self._parents[id(child)] = metric
+            return child
 
         tokens = _one_two_five(max_model_len)
         self.prompt_tokens = bound(Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
@@ -192,6 +232,18 @@ class _VllmRequestMetrics:
 
     def success(self, reason: str) -> Any:
         return self._success.labels(*self._labels, reason)
+
+    def for_engine(self, engine: int) -> "_VllmRequestMetrics":
+        """The same series bound to another ``engine`` label (a data-parallel replica's), each present from now on."""
+        other = copy.copy(self)
+        other._labels = (self._labels[0], str(engine))
+        for name, value in vars(self).items():
+            parent = self._parents.get(id(value))
+            if parent is not None:
+                setattr(other, name, parent.labels(*other._labels))
+        for reason in FINISH_REASONS:
+            other.success(reason)
+        return other
 
     def finished(self, out: RequestOutput, reason: str, now: float) -> None:
         self.success(reason).inc()
@@ -257,6 +309,13 @@ class ServerMetrics:
         self._last_token_time.pop(request_id, None)
         self.requests.labels("abort").inc()
         self.vllm.success("abort").inc()
+
+    def for_engine(self, engine: int) -> "ServerMetrics":
+        """The hooks for data-parallel replica ``engine``'s outputs (``DataParallelEngine`` calls them on its
+        receiver thread): vLLM's per-request series under its ``engine`` label, ours (unlabelled) summed over all."""
+        view = copy.copy(self)  # the same registry, counters and token times
+        view.vllm = self.vllm if engine == 0 else self.vllm.for_engine(engine)
+        return view
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
