@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from minfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from minfer.config import EngineConfig
+from minfer.engine.dp.engine import DataParallelLLMEngine
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import PromptType
 from minfer.lora.request import LoRARequest
@@ -36,6 +37,9 @@ class LLM:
     An LLM ends with ``shutdown()``, at the end of a ``with LLM(...) as llm:`` block, or when its last
     reference goes: its tensor-parallel workers stop and the process leaves their process group, so another
     LLM (tensor-parallel or not) can run in the same process.
+
+    ``data_parallel_size=N``: N engine replicas, each in a process of its own with its own GPUs (``engine/dp/``); the
+    prompts are spread over them by the balancer and the outputs come back in input order; ``shutdown()`` stops them.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -43,7 +47,8 @@ class LLM:
         if "task" in kwargs:
             kwargs["runner"] = runner_of_task(kwargs.pop("task"), kwargs.get("runner", "auto"))
         config = EngineConfig.from_kwargs(model=str(model or builtin_model_path()), **kwargs)
-        self.llm_engine: LLMEngine | None = LLMEngine(config, RequestOutputKind.FINAL_ONLY)
+        engine_class = LLMEngine if config.data_parallel_size == 1 else DataParallelLLMEngine
+        self.llm_engine: LLMEngine | DataParallelLLMEngine | None = engine_class(config, RequestOutputKind.FINAL_ONLY)
         self._counter = 0
         # A finalizer rather than __del__: it holds the engine, not the LLM, runs once however the LLM goes
         # (a reference count reaching zero, a collection, interpreter exit), and shutdown() can run it early.
@@ -62,7 +67,7 @@ class LLM:
         self.llm_engine = None
 
     @property
-    def _engine(self) -> LLMEngine:
+    def _engine(self) -> LLMEngine | DataParallelLLMEngine:
         if self.llm_engine is None:
             raise RuntimeError("this LLM has been shut down (shutdown() or the end of its `with` block); "
                                "create a new LLM to generate again")

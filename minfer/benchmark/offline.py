@@ -199,6 +199,9 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
             raise ValueError(f"{name} must be >= 1, got {value}")
     if compare_hf and engine_kwargs.get("load_format") == "dummy":
         raise ValueError("compare_hf needs the weights on disk (HF loads them), not load_format='dummy'")
+    if engine_kwargs.get("data_parallel_size", 1) > 1:
+        raise ValueError("minfer bench measures one engine (its bounds are one engine's); data-parallel replicas: "
+                         "minfer bench-serve --launch --data-parallel-size N")
     llm = LLM(model, **(engine_kwargs | {"skip_tokenizer_init": True}))  # the prompts are token ids
     try:
         vocab, max_len = llm.llm_engine.model_config.vocab_size, llm.llm_engine.max_model_len

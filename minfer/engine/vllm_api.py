@@ -34,8 +34,13 @@ class VLLMEngineAPI:
     @classmethod
     def from_engine_args(cls: type[E], engine_args: EngineArgsLike) -> E:
         """An engine of ``engine_args`` (``minfer.EngineArgs``) whose ``step`` returns whole outputs of every request
-        that advanced (``RequestOutputKind.CUMULATIVE``, vLLM's default)."""
-        return cls(engine_args.create_engine_config())  # type: ignore[call-arg]
+        that advanced (``RequestOutputKind.CUMULATIVE``, vLLM's default). One engine: replicas
+        (``data_parallel_size`` > 1) run under ``LLM`` and ``minfer serve`` (``engine/dp/``)."""
+        config = engine_args.create_engine_config()
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: LLMEngine.from_engine_args builds one "
+                             f"engine; replicas run under LLM(..., data_parallel_size=N) and minfer serve")
+        return cls(config)  # type: ignore[call-arg]
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request, or each of several (vLLM takes either), now and free its blocks; unknown or finished ids

@@ -45,8 +45,13 @@ class VLLMAsyncAPI:
 
     @classmethod
     def from_engine_args(cls: type[A], engine_args: EngineArgsLike) -> A:
-        """An engine of ``engine_args`` (``minfer.AsyncEngineArgs``) that ``shutdown`` stops with its thread."""
-        engine = LLMEngine(engine_args.create_engine_config(), RequestOutputKind.DELTA)  # the thread streams deltas
+        """An engine of ``engine_args`` (``minfer.AsyncEngineArgs``) that ``shutdown`` stops with its thread; one engine
+        (replicas, ``data_parallel_size`` > 1, serve under ``minfer serve``)."""
+        config = engine_args.create_engine_config()
+        if config.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: AsyncLLMEngine.from_engine_args builds "
+                             f"one engine; replicas serve under minfer serve --data-parallel-size N")
+        engine = LLMEngine(config, RequestOutputKind.DELTA)  # the thread streams deltas
         async_engine = cls(engine)  # type: ignore[call-arg]
         async_engine.owns_engine = True
         return async_engine
