@@ -14,6 +14,8 @@ from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 
 from minfer.engine.async_engine import AsyncLLMEngine
+from minfer.engine.dp.client import DataParallelEngine
+from minfer.engine.dp.engine import DataParallelLLMEngine
 from minfer.engine.llm_engine import LLMEngine
 from minfer.server.auth import APIKeyMiddleware
 from minfer.server.chat import create_chat_completion
@@ -41,7 +43,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for c
 _STREAMED = {"text/event-stream": {"schema": {"type": "string", "description": "SSE chunks, then [DONE]"}}}
 
 
-def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
+def build_app(engine: LLMEngine | DataParallelLLMEngine, served_model_names: list[str] | None = None,
               max_waiting_requests: int | None = 1024, api_key: str | None = None,
               chat_template: str | None = None,
               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, enable_auto_tool_choice: bool = False,
@@ -49,7 +51,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
               trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
               allowed_hosts: Sequence[str] = (), allowed_origins: Sequence[str] = (),
               lora_modules: Sequence[LoRAModulePath] = (), allow_runtime_lora_updating: bool | None = None) -> FastAPI:
-    """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API.
+    """Wrap ``engine`` (which the app's engine thread then owns) in the HTTP API; a ``DataParallelLLMEngine``'s
+    replicas are served through a ``DataParallelEngine`` (``engine/dp/client.py``) in place of that thread.
 
     The engine thread starts and stops with the app's lifespan, on the server's event loop.
     ``api_key``: every route but the probes and pages (``auth.OPEN_PATHS``) then needs it as a bearer
@@ -86,7 +89,8 @@ def build_app(engine: LLMEngine, served_model_names: list[str] | None = None,
         if engine.processor.tokenizer is None:
             raise ValueError("--chat-template needs a tokenizer, but the server runs with --skip-tokenizer-init")
         engine.processor.tokenizer.chat_template = chat_template
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests)
+    serving = DataParallelEngine if isinstance(engine, DataParallelLLMEngine) else AsyncLLMEngine
+    async_engine = serving(engine, max_waiting_requests)  # type: ignore[arg-type]
     ctx = ServerContext(async_engine, served_names,
                         auto_tool_parser=tool_call_parser if enable_auto_tool_choice else None,
                         trust_request_chat_template=trust_request_chat_template,

@@ -43,7 +43,9 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
     the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
-    would never be restarted. The engine's tensor-parallel workers stop however serving ends.
+    would never be restarted. The engine's tensor-parallel workers stop however serving ends, and so do the
+    replicas of ``data_parallel_size`` > 1 (``engine/dp/``: this process then loads no weights; the server exits
+    only once every replica has died, and /health names a dead one while the others serve).
 
     ``engine_kwargs``: ``EngineConfig`` fields but ``model``; ``model`` None serves the built-in model.
     ``chat_template``: the template's text (``chat_template.load_chat_template`` reads a file).
@@ -80,6 +82,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                        "by DNS rebinding (pass --api-key, or name the hosts to answer to)")
 
     from minfer.config import EngineConfig
+    from minfer.engine.dp.engine import DataParallelLLMEngine
     from minfer.engine.llm_engine import LLMEngine
     from minfer.llm import builtin_model_path
     from minfer.outputs import RequestOutputKind
@@ -93,7 +96,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         names = served_model_names or [model]
     check_lora_modules(lora_modules or [], names, bool(engine_kwargs.get("enable_lora", False)))
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-    engine = LLMEngine(config, RequestOutputKind.DELTA)  # the server streams deltas
+    engine_class = LLMEngine if config.data_parallel_size == 1 else DataParallelLLMEngine  # replicas: engine/dp/
+    engine = engine_class(config, RequestOutputKind.DELTA)  # the server streams deltas
     # uvicorn handles SIGTERM while it serves, shuts down gracefully, then restores the handler it found and
     # raises the signal again: with the default handler the process would end right there, before the
     # workers are stopped. Ours raises _Terminated instead; the signal is raised again once they are stopped.
@@ -132,7 +136,9 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         if catching:  # first, so that a second SIGTERM while they stop ends the process at once
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         engine.shutdown()
-        if config.tensor_parallel_size > 1:
+        if config.data_parallel_size > 1:
+            logger.info("the data-parallel replicas have stopped")
+        elif config.tensor_parallel_size > 1:
             logger.info("the tensor-parallel workers have stopped")
     if terminated:  # end as SIGTERM ends the process (its exit status says so), now that the workers are gone
         signal.raise_signal(signal.SIGTERM)
