@@ -12,6 +12,7 @@ import pytest
 from minfer.cli import build_parser, main
 from minfer.config import EngineConfig
 from minfer.engine_args import engine_kwargs, flag_name
+from minfer.kv_events_config import KVEventsConfig
 from minfer.spec_config import SpeculativeConfig
 
 # Each engine command with the positional arguments it needs to parse.
@@ -31,7 +32,9 @@ def _sample(f: dataclasses.Field) -> tuple[str, object]:
         return value, value
     kind = next((a for a in typing.get_args(HINTS[f.name]) if a is not type(None)), HINTS[f.name])
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'  # JSON: EngineConfig parses it
-    return {int: ("3", 3), float: ("0.5", 0.5), str: ("x", "x"), SpeculativeConfig: (spec, spec)}[kind]
+    events = '{"enable_kv_cache_events": true, "publisher": "null"}'
+    return {int: ("3", 3), float: ("0.5", 0.5), str: ("x", "x"), SpeculativeConfig: (spec, spec),
+            KVEventsConfig: (events, events)}[kind]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
