@@ -6,7 +6,9 @@ import upward is still a dependency upward. The layers, from the ground floor up
     ebnf < ebnf_regex < structured_grammar < structured_limits < structured_outputs < harmony < spec_config
         < kv_events_config < leaf modules (config, sampling_params, pooling_params, outputs, reasoning, version)
         < pooling_outputs < beam_search < distributed < kernels < ops < model < engine
-        < llm, engine_args, eval_ppl < server, train < benchmark < cli
+        < llm, engine_args, eval_ppl < server, train < ray < benchmark < cli
+
+``ray`` (Ray Data's predictor, Ray Serve's application) sits above ``server``: it builds the server's app.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ RANK = {
     "pooling_params": 0, "pooling_outputs": 0.1, "beam_search": 0.5,
     "distributed": 1, "lora": 1.2, "kernels": 1.5, "ops": 2, "model": 3, "engine": 4,
     "llm": 5, "engine_args": 5, "eval_ppl": 6,
-    "server": 7, "train": 7, "benchmark": 8, "cli": 9, "__main__": 10, "__init__": 10,
+    "server": 7, "train": 7, "ray": 7.5, "benchmark": 8, "cli": 9, "__main__": 10, "__init__": 10,
 }
 
 
