@@ -30,7 +30,7 @@ from typing import Any, Callable
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import EngineRequest, Processor
 from minfer.engine.request_stream import (Done, EngineDeadError, EngineObserver, QueueFullError,  # noqa: F401
-                                          RequestStream, StepFailedError, join_outputs)
+                                          RequestStream, StepFailedError, StreamTable, join_outputs)
 from minfer.engine.tp_workers import TensorParallelError
 from minfer.engine.vllm_async_api import VLLMAsyncAPI
 from minfer.lora.request import LoRARequest
@@ -61,8 +61,7 @@ class AsyncLLMEngine(VLLMAsyncAPI):
         self.observer: EngineObserver | None = None  # told of every step and abort, on the engine thread
         self.on_dead: Callable[[str], None] | None = None  # called on the event loop with ``failure`` once dead
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
-        self._num_waiting = 0
+        self._streams = StreamTable()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -132,7 +131,7 @@ class AsyncLLMEngine(VLLMAsyncAPI):
         used, queried = s["num_kv_blocks"] - s["num_free_kv_blocks"], s["prefix_cache_queried_tokens"]
         return dict(s, kv_blocks_used=used, kv_cache_usage=used / max(s["num_kv_blocks"], 1),
                     prefix_cache_hit_rate=s["prefix_cache_hit_tokens"] / queried if queried else 0.0,
-                    generation_tokens_per_s=float(recent), num_waiting_requests=self._num_waiting,
+                    generation_tokens_per_s=float(recent), num_waiting_requests=self._streams.num_waiting,
                     num_streams=len(self._streams))
 
     # ---- engine calls: LoRA adapters (event loop side) --------------------------------------
@@ -161,52 +160,30 @@ class AsyncLLMEngine(VLLMAsyncAPI):
         """Queue a request (checked by ``self.processor``) for the engine thread; its outputs arrive on the stream."""
         if not self.healthy:
             raise EngineDeadError(f"the engine has stopped: {self.failure} (the server log has the details)")
-        limit = self.max_waiting_requests
-        if limit is not None and self._num_waiting >= limit:
-            raise QueueFullError(f"{self._num_waiting} requests are already waiting (limit {limit})")
-        if request.request_id in self._streams:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        stream = RequestStream(request.request_id)
-        self._streams[request.request_id] = stream
-        self._num_waiting += 1
+        self._streams.check(request.request_id, self.max_waiting_requests)
+        stream = self._streams.open(request.request_id)
         self._commands.put(("add", request))
         return stream
 
     def abort(self, request_id: str | Iterable[str]) -> Done:
         """Stop a request, or each of several; its KV blocks are freed before the engine's next step and its stream
         ends (a reader waiting on it stops). Done when it returns; ``await engine.abort(id)`` (vLLM's) works too."""
-        for one in [request_id] if isinstance(request_id, str) else list(request_id):
-            stream = self._streams.pop(one, None)
-            if stream is None:
-                continue
-            if not stream.started:
-                self._num_waiting -= 1
-            if not stream.finished:
-                stream.close()
-                self._commands.put(("abort", one))
+        for one in self._streams.close([request_id] if isinstance(request_id, str) else list(request_id)):
+            self._commands.put(("abort", one))
         return Done()
 
+    # What the engine thread hands the event loop (``_call_on_loop``; a data-parallel replica forwards them by name).
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted meanwhile
-            if not stream.started:
-                stream.started = True
-                self._num_waiting -= 1
-            stream.put(out)
-            if out.finished:
-                del self._streams[out.request_id]
+        self._streams.deliver(outputs)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            if not stream.started:
-                self._num_waiting -= 1
-            stream.fail(error)
+        self._streams.fail([request_id], error)
+
+    def _fail_each(self, request_ids: list[str], error: BaseException) -> None:
+        self._streams.fail(request_ids, error)
 
     def _fail_all(self, error: BaseException) -> None:
-        self._fail_each(list(self._streams), error)
+        self._streams.fail(list(self._streams.streams), error)
         for future in list(self._calls):
             _settle(future, None, error)
 
@@ -271,10 +248,6 @@ class AsyncLLMEngine(VLLMAsyncAPI):
         error = StepFailedError(f"the engine step serving this request failed: {exc!r}; the requests in flight "
                                 "were aborted")
         self._call_on_loop(self._fail_each, ids, error)
-
-    def _fail_each(self, request_ids: list[str], error: BaseException) -> None:
-        for request_id in request_ids:
-            self._fail(request_id, error)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False once told to stop."""

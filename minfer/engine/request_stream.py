@@ -1,7 +1,9 @@
-"""What the engine thread hands the event loop: one ``RequestStream`` per request, and the errors that end one.
+"""What the engine thread hands the event loop: one ``RequestStream`` per request, the table of a front's open
+streams, and the errors that end one.
 
-``AsyncLLMEngine`` (``async_engine.py``) fills the streams from its engine thread; the readers (the server, which
-maps these errors to HTTP statuses, and ``generate``) need only this file.
+``AsyncLLMEngine`` (``async_engine.py``) and data parallelism's ``DataParallelEngine`` (``dp/client.py``) keep their
+streams in a ``StreamTable`` and fill them from their engines; the readers (the server, which maps these errors to
+HTTP statuses, and ``generate``) need only this file.
 """
 from __future__ import annotations
 
@@ -97,6 +99,64 @@ def join_outputs(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     if new.prompt_logprobs is None:
         new.prompt_logprobs = old.prompt_logprobs
     return new
+
+
+class StreamTable:
+    """An engine front's open streams by request id, touched on the event loop only, and how many of them wait for
+    their first output (what ``max_waiting_requests`` bounds)."""
+
+    def __init__(self) -> None:
+        self.streams: dict[str, RequestStream] = {}
+        self.num_waiting = 0
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def check(self, request_id: str, limit: int | None) -> None:
+        """Whether a new request may open a stream: the waiting queue has room and its id is not in use."""
+        if limit is not None and self.num_waiting >= limit:
+            raise QueueFullError(f"{self.num_waiting} requests are already waiting (limit {limit})")
+        if request_id in self.streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+
+    def open(self, request_id: str) -> RequestStream:
+        stream = self.streams[request_id] = RequestStream(request_id)
+        self.num_waiting += 1
+        return stream
+
+    def close(self, request_ids: list[str]) -> list[str]:
+        """End the streams of aborted requests; returns those whose engine request still runs (to abort there)."""
+        running = []
+        for request_id in request_ids:
+            stream = self._pop(request_id)
+            if stream is not None and not stream.finished:
+                stream.close()
+                running.append(request_id)
+        return running
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted meanwhile
+            if not stream.started:
+                stream.started = True
+                self.num_waiting -= 1
+            stream.put(out)
+            if out.finished:
+                del self.streams[out.request_id]
+
+    def fail(self, request_ids: list[str], error: BaseException) -> None:
+        for request_id in request_ids:
+            stream = self._pop(request_id)
+            if stream is not None:
+                stream.fail(error)
+
+    def _pop(self, request_id: str) -> RequestStream | None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None and not stream.started:
+            self.num_waiting -= 1
+        return stream
 
 
 class Done:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import EngineRequest, Processor, PromptType
-from minfer.engine.request_stream import RequestStream
+from minfer.engine.request_stream import RequestStream, StreamTable
 from minfer.engine.vllm_api import EngineArgsLike
 from minfer.lora.request import LoRARequest
 from minfer.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
@@ -38,7 +38,7 @@ class VLLMAsyncAPI:
     owns_engine: bool
     _thread: threading.Thread | None
     _loop: asyncio.AbstractEventLoop | None
-    _streams: dict[str, RequestStream]
+    _streams: StreamTable
     start: Callable[[], None]
     add_request: Callable[[EngineRequest], RequestStream]
     abort: Callable[[str], Any]

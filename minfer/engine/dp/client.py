@@ -20,9 +20,9 @@ from operator import methodcaller
 from typing import Any, Callable
 
 from minfer.engine.dp.engine import DataParallelLLMEngine, broadcast_result
-from minfer.engine.request_stream import Done, EngineDeadError, QueueFullError, RequestStream
+from minfer.engine.request_stream import Done, EngineDeadError, RequestStream, StreamTable
 from minfer.lora.request import LoRARequest
-from minfer.outputs import RequestOutput, RequestOutputKind
+from minfer.outputs import RequestOutputKind
 
 
 class DataParallelEngine:
@@ -38,8 +38,7 @@ class DataParallelEngine:
         self.observer: Any = None  # told of every step and abort, on a replica's receiver thread
         self.on_dead: Callable[[str], None] | None = None  # called on the event loop once every replica has died
         self.owns_engine = False  # ``shutdown`` stops the replicas too
-        self._streams: dict[str, RequestStream] = {}
-        self._num_waiting = 0
+        self._streams = StreamTable()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shut_down = False
 
@@ -74,7 +73,7 @@ class DataParallelEngine:
         """Fail the requests in flight and stop taking messages; ``owns_engine``: stop the replicas too."""
         self._shut_down = True
         self.engine.replicas.set_sink(None)
-        self._fail_all(EngineDeadError("the engine is shutting down"))
+        self._streams.fail(list(self._streams.streams), EngineDeadError("the engine is shutting down"))
         if self.owns_engine:
             self.owns_engine = False
             self.engine.shutdown()
@@ -103,7 +102,8 @@ class DataParallelEngine:
 
     def stats(self) -> dict[str, Any]:
         """The replicas' stats merged (``dp/stats.py``), with the requests waiting here and the open streams."""
-        return dict(self.engine.get_stats(), num_waiting_requests=self._num_waiting, num_streams=len(self._streams))
+        return dict(self.engine.get_stats(), num_waiting_requests=self._streams.num_waiting,
+                    num_streams=len(self._streams))
 
     # ---- engine calls: on every replica ----------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -129,29 +129,15 @@ class DataParallelEngine:
         """Route a checked request (``EngineRequest``) to a replica; its outputs arrive on the stream."""
         if not self._serving():
             raise EngineDeadError(f"the engine has stopped: {self.failure} (the server log has the details)")
-        limit = self.max_waiting_requests
-        if limit is not None and self._num_waiting >= limit:
-            raise QueueFullError(f"{self._num_waiting} requests are already waiting (limit {limit})")
-        if request.request_id in self._streams:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self._streams.check(request.request_id, self.max_waiting_requests)
         self.engine.add_processed_request(request)
-        stream = RequestStream(request.request_id)
-        self._streams[request.request_id] = stream
-        self._num_waiting += 1
-        return stream
+        return self._streams.open(request.request_id)
 
     def abort(self, request_id: str | Iterable[str]) -> Done:
         """Stop a request, or each of several: its stream ends now, its replica frees its blocks before its next
         step. ``await engine.abort(id)`` works too."""
-        for one in [request_id] if isinstance(request_id, str) else list(request_id):
-            stream = self._streams.pop(one, None)
-            if stream is None:
-                continue
-            if not stream.started:
-                self._num_waiting -= 1
-            if not stream.finished:
-                stream.close()
-                self.engine.abort_request(one)
+        for one in self._streams.close([request_id] if isinstance(request_id, str) else list(request_id)):
+            self.engine.abort_request(one)
         return Done()
 
     # ---- the replicas' messages (event loop side) ----------------------------------------------------
@@ -161,43 +147,19 @@ class DataParallelEngine:
             return
         kind = event[0]
         if kind == "out":
-            self._deliver(event[1])
+            self._streams.deliver(event[1])
         elif kind == "fail":
-            self._fail(event[1], event[2])
+            self._streams.fail([event[1]], event[2])
         elif kind == "fail_each":
-            for request_id in event[1]:
-                self._fail(request_id, event[2])
+            self._streams.fail(event[1], event[2])
         elif kind == "exited":
             self._replica_died(event[1], event[2])
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted meanwhile
-            if not stream.started:
-                stream.started = True
-                self._num_waiting -= 1
-            stream.put(out)
-            if out.finished:
-                del self._streams[out.request_id]
-
-    def _fail(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            if not stream.started:
-                self._num_waiting -= 1
-            stream.fail(error)
-
     def _replica_died(self, failure: str, lost: list[str]) -> None:
         error = EngineDeadError(f"the engine has stopped: {failure} (the server log has the details)")
-        for request_id in lost:
-            self._fail(request_id, error)
+        self._streams.fail(lost, error)
         if not any(self.engine.balancer.alive):
-            self._fail_all(error)
+            self._streams.fail(list(self._streams.streams), error)
             if self.on_dead is not None:
                 self.on_dead(self.engine.failure or failure)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._fail(request_id, error)
