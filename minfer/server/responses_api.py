@@ -42,7 +42,8 @@ from minfer.server.stream import DeltaTracker, holdback_for
 # The sampling fields (OpenAI's and vLLM's extras) a response passes to chat as they are.
 _PASSED = frozenset(SamplingFields.model_fields) - {"n", "stream_options", "response_format", "model", "stream"}
 # Chat's parameter names in an error, as the Responses API names them.
-_RENAMES = [(re.compile(r"^messages(\[.*)?$"), "input"), (re.compile(r"^max_(completion_)?tokens$"), "max_output_tokens"),
+_RENAMES = [(re.compile(r"^messages(\[.*)?$"), "input"),
+            (re.compile(r"^max_(completion_)?tokens$"), "max_output_tokens"),
             (re.compile(r"^response_format\.json_schema\.schema$"), "text.format.schema"),
             (re.compile(r"^response_format(\..*)?$"), "text.format"),
             (re.compile(r"^tools\[(\d+)\]\.function\.(.*)$"), r"tools[\1].\2"),

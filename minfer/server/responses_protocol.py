@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from minfer.server.protocol import MEDIA_PARTS, FunctionName
+from minfer.server.protocol import MEDIA_PARTS, FunctionDef, FunctionName
 from minfer.server.request_fields import UNSUPPORTED, JsonObject, RequestModel, SamplingFields, Text
 
 # Fields of the API this server does not implement: a 400 naming the field unless it holds a neutral value.
@@ -104,7 +104,9 @@ def _item_kind(value: Any) -> str | None:
     return getattr(value, "type", None)
 
 
-InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] | Annotated[FunctionCallOutputItem, Tag("function_call_output")] | Annotated[ReasoningItem, Tag("reasoning")],
+InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+                      | Annotated[ReasoningItem, Tag("reasoning")],
                       Discriminator(_item_kind, custom_error_type="input_item_type",
                                     custom_error_message=f"an input item is one of {', '.join(ITEM_TYPES)}")]
 
@@ -118,14 +120,11 @@ Input = Annotated[Annotated[Text, Tag("str")] | Annotated[list[InputItem], Tag("
                                 custom_error_message="input is a string or a list of items")]
 
 
-class FunctionTool(RequestModel):
-    """The Responses API's flat function tool (chat nests the same fields under ``function``)."""
+class FunctionTool(FunctionDef):
+    """The Responses API's flat function tool: chat's function fields (which chat nests under ``function``) beside
+    its type."""
 
     type: Literal["function"]
-    name: FunctionName
-    description: Text | None = None
-    parameters: JsonObject | None = Field(None, description="a JSON Schema; omitted means no arguments")
-    strict: bool | None = Field(None, description="accepted; required and named tool choices always enforce")
 
 
 class FunctionChoice(RequestModel):
