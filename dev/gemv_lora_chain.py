@@ -31,20 +31,11 @@ def _lora(slot: torch.Tensor, sizes: tuple[int, ...], k: int) -> GemvLora:
     return GemvLora(slot, a, b, sizes)
 
 
-def _replay_us(fn, iters: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / iters / LAYERS
+def _replay_us(fn) -> float:
+    """µs a layer per replay of a graph of ``fn`` (lora_tiles' graph timer; this script's directory is on the path)."""
+    from lora_tiles import _time
+
+    return _time(fn) / LAYERS
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ from .gemv_prologue import input_chunk, sum_squares
 # Widest single block the RMS prologue sums in one tl.sum (like rmsnorm.py's one next_pow2(K) block); wider
 # rows are summed block by block, which changes the float32 summation order. Module-level so tests can shrink it.
 RMS_MAX_BLOCK = 8192
-NO_LORA, LORA_SHRINK, LORA_EXPAND = 0, 1, 2  # the kernel's LORA: what a launch does with an adapter (gemv_lora.py)
+LORA_SHRINK, LORA_EXPAND = 1, 2  # the kernel's LORA (0: none): what a launch does with an adapter (gemv_lora.py)
 LORA_MAX_SPLIT = 4  # a shrink's parts of K at most (its partial sums, which the expand epilogue adds)
 
 

@@ -58,8 +58,6 @@ def default_fp8_config(n: int, k: int, prologue: int = PLAIN, scale: int = CHANN
 
 def lora_shrink_config(rows: int, k: int, prologue: int = PLAIN) -> GemvConfig:
     """A LoRA shrink over one slot's ``shards × max_rank`` rows (``gemv_lora.py``): four rows by 2048 columns on
-    eight warps, K split in up to ``gemv.LORA_MAX_SPLIT`` (4) parts of whole chunks. The best of 16 configs in
-    ``dev/gemv_lora_chain.py`` (four llama-3.1-8b layers in one graph, H200): a layer's four projections cost
-    126.5 µs with a rank-16 adapter against 110.5 µs without LoRA, and 116.9 µs with LoRA on but no adapter; a
-    shrink streaming whole rows alone (no split) cost 136 µs, one a program per 512 columns up to 16 parts 131 µs."""
+    eight warps, K split in up to ``gemv.LORA_MAX_SPLIT`` (4) parts of whole chunks. The best of the configs
+    ``dev/gemv_lora_chain.py`` times (four llama-3.1-8b layers in one graph, H200; the figures: RESULTS.md)."""
     return GemvConfig(block_n=4, block_k=min(2048, next_pow2(k)), num_warps=8)

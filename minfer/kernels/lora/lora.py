@@ -155,8 +155,8 @@ def max_blocks(num_tokens: int, max_loras: int, block_m: int) -> int:
 def default_block_n(num_tokens: int, shard_sizes: Sequence[int]) -> int:
     """The expand's output columns a program, from graph-replayed timings on an H200 (llama-3.1-8b's layers, rank
     16, ``dev/lora_tiles.py``): 64 for the narrow layers' decode steps below 64 tokens, 128 from there; 256 for a
-    layer with a shard of 8192 columns or more (gate/up) from 8 tokens, where the 64-column tiles made 448 programs
-    per block and cost up to 1.5x."""
+    layer with a shard of 8192 columns or more (gate/up) from 8 tokens, whose narrow tiles make hundreds of programs
+    a block (the figures: RESULTS.md)."""
     if max(shard_sizes) >= 8192 and num_tokens >= 8:
         return 256
     return 128 if num_tokens >= 64 else 64
