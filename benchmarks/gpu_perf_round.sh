@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 42's performance round on one H200: the missed targets' runs in parts that each fit one device call.
+#
+#   PARTS="base" bash benchmarks/gpu_perf_round.sh          # results under $OUT (default /tmp/minfer-out)
+#
+# base:     the targets' engine runs with weights drawn on the GPU (--load-format dummy), one process each:
+#           workload A on qwen3-0.6b and llama-3.2-1b, batch 1 on llama-3.2-1b, workload A on llama-3.1-8b bf16 /
+#           FP8 / FP8 + int8 KV, batch 1 on llama-3.1-8b FP8 and qwen3-30b-a3b; decode attention B=1 x 32k
+#           (benchmarks/sweep_decode_sm90.py, graph-timed)                          -> $OUT/base.md, $OUT/decode32k.md
+# profile:  where the small models' steps go (dev/step_timeline.py, dev/profile_steps.py) and a batch-1 profile of
+#           qwen3-30b-a3b and llama-3.1-8b                                            -> $OUT/profile_*.txt
+# serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients   -> $OUT/policies.md
+# The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
+DEADLINE_DEFAULT=570
+source "$(dirname "$0")/device_call.sh"
+PARTS="${PARTS:-base}"
+{ nvidia-smi --query-gpu=name --format=csv,noheader; date -u; git log -1 --format=%h 2>/dev/null;
+  "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$OUT/gpu.txt"
+BENCH_CAP="${BENCH_CAP:-120}"
+
+case " $PARTS " in *" base "*)
+  bench A_qwen3-0.6b --shape qwen3-0.6b
+  bench A_llama-3.2-1b --shape llama-3.2-1b
+  bench b1_llama-3.2-1b --shape llama-3.2-1b --batch1
+  bench A_8b_bf16 --shape llama-3.1-8b
+  bench A_8b_fp8 --shape llama-3.1-8b --quantization fp8
+  bench A_8b_fp8_int8kv --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8
+  bench b1_8b_fp8 --shape llama-3.1-8b --quantization fp8 --batch1
+  bench b1_qwen3-30b-a3b --shape qwen3-30b-a3b --batch1
+  bench_table base.md
+  echo "== decode attention B=1 x 32k ($(left) s left)"
+  timeout "$(cap 90)" "$PY" benchmarks/sweep_decode_sm90.py --kv-dtype auto --batch 1 --ctx 32768 \
+    > "$OUT/decode32k.md" 2>&1 || echo "   exit $?"
+  grep "^|\|Error" "$OUT/decode32k.md" | head -12 ;;
+esac
+case " $PARTS " in *" profile "*)
+  for s in qwen3-0.6b; do
+    echo "== step timeline $s ($(left) s left)"
+    timeout "$(cap 100)" "$PY" dev/step_timeline.py --shape "$s" --out "$OUT/timeline_$s.md" > "$OUT/timeline_$s.log" 2>&1 \
+      || echo "   exit $?"
+    cat "$OUT/timeline_$s.md" 2>/dev/null
+  done
+  echo "== decode-step profile qwen3-0.6b ($(left) s left)"
+  (cd dev && timeout "$(cap 100)" "$PY" profile_steps.py --shape qwen3-0.6b --load-format dummy --steps 20 \
+    --out "$OUT/profile_qwen3-0.6b.txt" > "$OUT/profile_qwen3-0.6b.log" 2>&1) || echo "   exit $?"
+  head -40 "$OUT/profile_qwen3-0.6b.txt" 2>/dev/null
+  for s in qwen3-30b-a3b; do
+    echo "== batch-1 profile $s ($(left) s left)"
+    (cd dev && timeout "$(cap 100)" "$PY" profile_steps.py --shape "$s" --batch1 --load-format dummy --steps 20 \
+      --out "$OUT/profile_b1_$s.txt" > "$OUT/profile_b1_$s.log" 2>&1) || echo "   exit $?"
+    head -30 "$OUT/profile_b1_$s.txt" 2>/dev/null
+  done
+  echo "== step timeline llama-3.2-1b ($(left) s left)"
+  timeout "$(cap 100)" "$PY" dev/step_timeline.py --shape llama-3.2-1b --out "$OUT/timeline_llama-3.2-1b.md" \
+    > "$OUT/timeline_llama-3.2-1b.log" 2>&1 || echo "   exit $?"
+  cat "$OUT/timeline_llama-3.2-1b.md" 2>/dev/null ;;
+esac
+case " $PARTS " in *" serve "*)
+  bash benchmarks/serve_policies.sh ;;
+esac
+echo "done in $(( SECONDS - START )) s"
