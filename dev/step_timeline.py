@@ -60,16 +60,16 @@ def main() -> None:
 
     host_launch: list[float] = []  # host seconds inside each launch
 
-    def recording_launch(batch):
+    def recording_launch(batch, *args):
         launched.append((len(batch.seqs), batch.num_tokens - batch.num_decodes))
         t0 = time.perf_counter()
         if not cuda:
-            out = launch(batch)
+            out = launch(batch, *args)
             host_launch.append(time.perf_counter() - t0)
             return out
         before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         before.record()
-        out = launch(batch)
+        out = launch(batch, *args)
         after.record()
         host_launch.append(time.perf_counter() - t0)
         events.append((before, after))
