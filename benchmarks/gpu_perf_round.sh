@@ -9,6 +9,7 @@
 #           (benchmarks/sweep_decode_sm90.py, graph-timed)                          -> $OUT/base.md, $OUT/decode32k.md
 # profile:  where the small models' steps go (dev/step_timeline.py, dev/profile_steps.py) and a batch-1 profile of
 #           qwen3-30b-a3b and llama-3.1-8b                                            -> $OUT/profile_*.txt
+# moe:      the MoE decode kernels at the bf16 MoE shapes, each kernel timed (dev/moe_decode_sweep.py) -> moe_decode.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients   -> $OUT/policies.md
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
 DEADLINE_DEFAULT=570
@@ -40,6 +41,7 @@ case " $PARTS " in *" profile "*)
       || echo "   exit $?"
     cat "$OUT/timeline_$s.md" 2>/dev/null
   done
+  [ -n "${TIMELINE_ONLY:-}" ] || {
   echo "== decode-step profile qwen3-0.6b ($(left) s left)"
   (cd dev && timeout "$(cap 100)" "$PY" profile_steps.py --shape qwen3-0.6b --load-format dummy --steps 20 \
     --out "$OUT/profile_qwen3-0.6b.txt" > "$OUT/profile_qwen3-0.6b.log" 2>&1) || echo "   exit $?"
@@ -49,13 +51,21 @@ case " $PARTS " in *" profile "*)
     (cd dev && timeout "$(cap 100)" "$PY" profile_steps.py --shape "$s" --batch1 --load-format dummy --steps 20 \
       --out "$OUT/profile_b1_$s.txt" > "$OUT/profile_b1_$s.log" 2>&1) || echo "   exit $?"
     head -30 "$OUT/profile_b1_$s.txt" 2>/dev/null
-  done
+  done; }
   echo "== step timeline llama-3.2-1b ($(left) s left)"
   timeout "$(cap 100)" "$PY" dev/step_timeline.py --shape llama-3.2-1b --out "$OUT/timeline_llama-3.2-1b.md" \
     > "$OUT/timeline_llama-3.2-1b.log" 2>&1 || echo "   exit $?"
   cat "$OUT/timeline_llama-3.2-1b.md" 2>/dev/null ;;
 esac
+case " $PARTS " in *" moe "*)
+  echo "== MoE decode kernels, bf16 shapes ($(left) s left)"
+  PYTHONPATH="$PYTHONPATH:$PWD" timeout "$(cap 200)" "$PY" dev/moe_decode_sweep.py ${MOE_ARGS:-} > "$OUT/moe_decode.md" 2>&1 \
+    || echo "   exit $?"
+  cat "$OUT/moe_decode.md" | head -80 ;;
+esac
 case " $PARTS " in *" serve "*)
   bash benchmarks/serve_policies.sh ;;
 esac
+# Only a few files come back from the device: the tables stay, the logs and JSON go into one archive.
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.json *.txt 2>/dev/null | grep -v '^gpu.txt$') 2>/dev/null)
 echo "done in $(( SECONDS - START )) s"
