@@ -1,4 +1,4 @@
-"""The MoE decode kernels (``kernels/moe/moe_decode.py``) at the bfloat16 MoE shapes, each kernel timed alone.
+"""The MoE decode kernels (``kernels/moe/moe_decode.py``) at the MoE shapes (bf16; gpt-oss MXFP4), each timed.
 
 A decode step replays the layer in a CUDA graph, so every figure here is a graph replay's (L2 warm: the chosen
 experts' weights, tens of MB, mostly do not fit the 60 MB L2 across 48 layers, but a single layer's replay does;
@@ -6,7 +6,7 @@ the byte bound is printed beside it). For each layer and T: the grouped GEMMs (`
 its default config, the split of that default into its gate/up and down kernels (torch.profiler over replays), and
 the decode op under each candidate ``MoeDecodeConfig``.
 
-Usage (GPU): PYTHONPATH=. python3 dev/moe_decode_sweep.py [--only qwen3-30b-a3b] [--tokens 1,8]
+Usage (GPU): PYTHONPATH=. python3 dev/moe_decode_sweep.py [--only qwen3-30b-a3b] [--tokens 1,4,8]
 """
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from torch.profiler import ProfilerActivity, profile
 from minfer.kernels.moe.moe import fused_moe
 from minfer.kernels.moe.moe_args import MoeDecodeConfig, moe_decode_config
 from minfer.kernels.moe.moe_decode import fused_moe_decode
+from minfer.kernels.quant.mxfp4_ref import quantize_mxfp4
 
-LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3.5-35b-a3b": (2048, 512, 256, 8),
-          "mixtral-8x7b": (4096, 14336, 8, 2)}
-# (gate/up rows, down rows, tile, warps, stages)
-CANDIDATES = [(8, 4, 8192, 4, 3), (8, 4, 8192, 4, 1), (8, 4, 4096, 4, 1), (8, 2, 4096, 4, 1), (8, 1, 2048, 4, 1),
-              (8, 2, 8192, 4, 1), (8, 8, 8192, 8, 1), (8, 4, 8192, 8, 2), (8, 4, 2048, 2, 1), (8, 1, 4096, 4, 2),
-              (4, 2, 4096, 4, 2), (16, 8, 16384, 8, 2), (8, 2, 2048, 2, 2), (8, 1, 1024, 1, 2)]
+# name: (H, I, experts, top_k, MXFP4 experts as gpt-oss's)
+LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8, False), "qwen3.5-35b-a3b": (2048, 512, 256, 8, False),
+          "gpt-oss-20b": (2880, 2880, 32, 4, True), "mixtral-8x7b": (4096, 14336, 8, 2, False)}
+# (gate/up rows, down rows, tile, warps, stages, the down kernel's expert loop)
+CANDIDATES = [(8, 4, 8192, 4, 3, False), (8, 8, 8192, 8, 1, False), (8, 4, 2048, 2, 1, False),
+              (8, 4, 8192, 4, 3, True), (8, 4, 8192, 4, 1, True), (8, 4, 4096, 4, 2, True), (8, 8, 8192, 4, 2, True),
+              (8, 8, 8192, 8, 2, True), (8, 2, 4096, 4, 2, True), (8, 4, 2048, 2, 2, True), (8, 16, 16384, 8, 2, True),
+              (8, 1, 2048, 2, 2, True), (16, 4, 8192, 8, 2, True), (4, 4, 4096, 4, 2, True)]
 
 
 def graph_us(fn, iters: int = 100) -> float:
@@ -63,22 +66,33 @@ def kernel_split(fn, iters: int = 50) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default=",".join(LAYERS))
-    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--only", default="qwen3-30b-a3b,qwen3.5-35b-a3b,gpt-oss-20b")
+    ap.add_argument("--tokens", default="1,4,8")
     args = ap.parse_args()
     dev, dt = "cuda", torch.bfloat16
     print("| layer | T | bound µs | grouped µs | decode default µs | default's kernels µs | best µs | best config |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.only.split(","):
-        h, i, e, k = LAYERS[name]
-        w_gu = (torch.randn(e, 2 * i, h, device=dev) / h ** 0.5).to(dt)
-        w_d = (torch.randn(e, h, i, device=dev) / i ** 0.5).to(dt)
+        h, i, e, k, mxfp4 = LAYERS[name]
+        if mxfp4:  # gpt-oss: MXFP4 codes with biases, clamped SwiGLU, top-k-then-softmax routing
+            gate_up = [quantize_mxfp4(torch.randn(2 * i, h, device=dev) * 3 / h ** 0.5) for _ in range(e)]
+            down = [quantize_mxfp4(torch.randn(h, i, device=dev) / i ** 0.5) for _ in range(e)]
+            w_gu, w_d = torch.stack([b for b, _ in gate_up]), torch.stack([b for b, _ in down])
+            extra = dict(scale_gate_up=torch.stack([s for _, s in gate_up]),
+                         scale_down=torch.stack([s for _, s in down]),
+                         bias_gate_up=torch.randn(e, 2 * i, device=dev).to(dt),
+                         bias_down=(0.1 * torch.randn(e, h, device=dev)).to(dt), swiglu_limit=7.0, swiglu_alpha=1.702,
+                         topk_softmax=True)
+        else:
+            w_gu = (torch.randn(e, 2 * i, h, device=dev) / h ** 0.5).to(dt)
+            w_d = (torch.randn(e, h, i, device=dev) / i ** 0.5).to(dt)
+            extra = {}
         for t in (int(v) for v in args.tokens.split(",")):
             x = torch.randn(t, h, device=dev).to(dt)
             logits = torch.randn(t, e, device=dev).to(dt)
             used = len(torch.unique(torch.topk(logits.float(), k, dim=-1).indices))
-            bound = used * 3 * h * i * 2 / 4.22e12 * 1e6
-            kw = dict(top_k=k, renormalize=True)
+            bound = used * 3 * h * i * (17 / 32 if mxfp4 else 2) / 4.22e12 * 1e6
+            kw = dict(top_k=k, renormalize=not mxfp4, **extra)
             want = fused_moe(x, logits, w_gu, w_d, **kw)
             grouped = graph_us(lambda: fused_moe(x, logits, w_gu, w_d, **kw))
             default = graph_us(lambda: fused_moe_decode(x, logits, w_gu, w_d, **kw))
@@ -95,9 +109,9 @@ def main() -> None:
             best = min(times, key=lambda c: times[c][0])
             split_s = ", ".join(f"{n.split('(')[0]} {v:.1f}" for n, v in split.items())
             print(f"| {name} | {t} | {bound:.1f} | {grouped:.1f} | {default:.1f} "
-                  f"(cfg {moe_decode_config(2, h, i, x.device)}) | {split_s} | {times[best][0]:.1f} "
+                  f"(cfg {moe_decode_config(0.5 if mxfp4 else 2, h, i, x.device)}) | {split_s} | {times[best][0]:.1f} "
                   f"(err {times[best][1]:.1e}) | {best} |", flush=True)
-            for c, (us, err) in sorted(times.items(), key=lambda kv: kv[1][0]):
+            for c, (us, err) in sorted(times.items(), key=lambda kv: kv[1][0])[:6]:
                 print(f"    {c}: {us:.1f} µs, err {err:.1e}")
 
 

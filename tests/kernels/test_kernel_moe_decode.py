@@ -114,6 +114,23 @@ def test_shared_and_cold_experts(gpt_oss, mxfp4):
     check(x, logits, 3, **router, **kw)
 
 
+@pytest.mark.parametrize("gpt_oss,mxfp4", [(True, True), (False, False)], ids=["gpt_oss-mxfp4", "plain-float"])
+def test_down_expert_loop_equals_one_tile(gpt_oss, mxfp4):
+    """The down kernel's two layouts (the experts one after another, or all in one tile) add the same products in
+    the same order: bit-identical outputs at top 3 (a padded slot in the one tile) in one K step; both against the
+    reference at top 8 with K tails."""
+    for top_k, e, h, i, tile in ((3, 6, 64, 32, 1 << 16), (8, 16, 64, 96 if mxfp4 else 40, 2048)):
+        x, logits, kw = make_layer(2, e, h, i, torch.float32, gpt_oss=gpt_oss, mxfp4=mxfp4)
+        router = ROUTERS["topk_softmax" if gpt_oss else "softmax_renorm"]
+        outs = []
+        for loop in (False, True):
+            cfg = MoeDecodeConfig(16, 8, tile=tile, expert_loop=loop)
+            check(x, logits, top_k, cfg, **router, **kw)
+            outs.append(fused_moe_decode(x, logits, top_k=top_k, config=cfg, **router, **kw))
+        if tile == 1 << 16:  # one K step in both (at 2048 the depths differ: the tile is split over fewer rows)
+            assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
 def test_tiles_wrap_and_k_tails(mxfp4):
     """Row tiles that do not divide the layer (the last one's rows wrap around and are not stored) and K loops of

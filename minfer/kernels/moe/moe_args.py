@@ -69,13 +69,15 @@ class MoeDecodeConfig:
     """Launch config of the decode kernels: ``block_n_gate_up`` gate rows (and as many up rows) per program of
     the gate/up kernel, ``block_n_down`` output rows per program of the down kernel (each times top_k experts'
     rows), ``tile`` the weight elements one K step of a program loads (its K depth is ``tile`` over its rows, a
-    power of two), warps, pipelining depth."""
+    power of two), warps, pipelining depth; ``expert_loop``: the down kernel takes a token's experts one after
+    another (a ``[block_n_down, K step]`` tile each) rather than all in one ``[top_k, block_n_down, K step]`` tile."""
 
     block_n_gate_up: int = 8
     block_n_down: int = 4
     tile: int = 8192
     num_warps: int = 4
     num_stages: int = 3
+    expert_loop: bool = False
 
 
 def moe_decode_config(weight_bytes: float, h: int, i: int, device: torch.device) -> MoeDecodeConfig:

@@ -208,33 +208,57 @@ def _moe_decode_down_kernel(A, AW, L, W, S, B, OUT, E, H, I, stride_a, stride_aw
                             stride_se, stride_sn, stride_be, stride_o, TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr,
                             RENORM: tl.constexpr, TOPK_SOFTMAX: tl.constexpr, E_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ROUND_W: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, W_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr):
-    """OUT[t, n] = sum over slots j, in order, of weight_j * (A[t * TOP_K + j] · W[e_j, n] (+ B[e_j, n]))."""
+                            HAS_BIAS: tl.constexpr, W_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr,
+                            EXPERT_LOOP: tl.constexpr):
+    """OUT[t, n] = sum over slots j, in order, of weight_j * (A[t * TOP_K + j] · W[e_j, n] (+ B[e_j, n])).
+
+    EXPERT_LOOP: the slots one after another, each a ``[BLOCK_N, BLOCK_K]`` tile of one expert's rows against one
+    ``inter`` row (the gate/up kernel's shape); otherwise all slots at once in one ``[TOP_K_PAD, BLOCK_N, BLOCK_K]``
+    tile. Both add the slots' products in slot order."""
     t = tl.program_id(0)
     e, slot, w = _route(L, t, stride_l, E, TOP_K, RENORM, TOPK_SOFTMAX, E_PAD)
-    jj = tl.arange(0, TOP_K_PAD)
-    hit = slot[None, :] == jj[:, None]  # [TOP_K_PAD, E_PAD]: slot j's expert lane
-    experts = tl.sum(tl.where(hit, e[None, :], 0), axis=1).to(tl.int64)  # padding slots: 0, never read
-    weights = tl.sum(tl.where(hit, w[None, :], 0.0), axis=1).to(W_DTYPE).to(tl.float32)  # HF rounds them here
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     wcols = (cols % H).to(tl.int64)
-    w_rows = W + experts[:, None] * stride_we + wcols[None, :] * stride_wn
-    s_rows = S + experts[:, None] * stride_se + wcols[None, :] * stride_sn
-    a_rows = (t * TOP_K + tl.minimum(jj, TOP_K - 1)).to(tl.int64)
-    if MXFP4:
-        x_rows = AW + a_rows * stride_aw
-    else:
-        x_rows = A + a_rows * stride_a
-    real = (jj < TOP_K)[:, None]
-    acc = _rows_dot(w_rows, s_rows, x_rows, I, real, BLOCK_K, MXFP4, TOP_K_PAD != TOP_K, A.dtype.element_ty,
-                    ROUND_W)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(B + experts[:, None] * stride_be + wcols[None, :], mask=real, other=0.0).to(tl.float32)
-    y = down_epilogue(acc, bias, weights[:, None], A.dtype.element_ty, HAS_BIAS).to(C_DTYPE).to(tl.float32)
     out = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(TOP_K):  # slot order, as the reference's sum over a token's rows
-        out += tl.sum(tl.where(jj[:, None] == j, y, 0.0), axis=0)
+    if EXPERT_LOOP:
+        for j in tl.static_range(TOP_K):
+            expert = tl.sum(tl.where(slot == j, e, 0), axis=0).to(tl.int64)
+            weight = tl.sum(tl.where(slot == j, w, 0.0), axis=0).to(W_DTYPE).to(tl.float32)  # HF rounds it here
+            w_rows = W + expert * stride_we + wcols[None, :] * stride_wn
+            s_rows = S + expert * stride_se + wcols[None, :] * stride_sn
+            a_row = (t * TOP_K + j).to(tl.int64)
+            if MXFP4:
+                x_row = AW + a_row * stride_aw
+            else:
+                x_row = A + a_row * stride_a
+            acc = _rows_dot(w_rows, s_rows, x_row, I, wcols[None, :] >= 0, BLOCK_K, MXFP4, False, A.dtype.element_ty,
+                            ROUND_W)
+            bias = 0.0
+            if HAS_BIAS:
+                bias = tl.load(B + expert * stride_be + wcols[None, :]).to(tl.float32)
+            y = down_epilogue(acc, bias, weight, A.dtype.element_ty, HAS_BIAS).to(C_DTYPE).to(tl.float32)
+            out += tl.sum(y, axis=0)
+    else:
+        jj = tl.arange(0, TOP_K_PAD)
+        hit = slot[None, :] == jj[:, None]  # [TOP_K_PAD, E_PAD]: slot j's expert lane
+        experts = tl.sum(tl.where(hit, e[None, :], 0), axis=1).to(tl.int64)  # padding slots: 0, never read
+        weights = tl.sum(tl.where(hit, w[None, :], 0.0), axis=1).to(W_DTYPE).to(tl.float32)
+        w_rows = W + experts[:, None] * stride_we + wcols[None, :] * stride_wn
+        s_rows = S + experts[:, None] * stride_se + wcols[None, :] * stride_sn
+        a_rows = (t * TOP_K + tl.minimum(jj, TOP_K - 1)).to(tl.int64)
+        if MXFP4:
+            x_rows = AW + a_rows * stride_aw
+        else:
+            x_rows = A + a_rows * stride_a
+        real = (jj < TOP_K)[:, None]
+        acc = _rows_dot(w_rows, s_rows, x_rows, I, real, BLOCK_K, MXFP4, TOP_K_PAD != TOP_K, A.dtype.element_ty,
+                        ROUND_W)
+        bias = 0.0
+        if HAS_BIAS:
+            bias = tl.load(B + experts[:, None] * stride_be + wcols[None, :], mask=real, other=0.0).to(tl.float32)
+        y = down_epilogue(acc, bias, weights[:, None], A.dtype.element_ty, HAS_BIAS).to(C_DTYPE).to(tl.float32)
+        for j in tl.static_range(TOP_K):  # slot order, as the reference's sum over a token's rows
+            out += tl.sum(tl.where(jj[:, None] == j, y, 0.0), axis=0)
     tl.store(OUT + t.to(tl.int64) * stride_o + cols, out.to(OUT.dtype.element_ty), mask=cols < H)
 
 
@@ -286,6 +310,7 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: to
         inter, aw, router_logits, w_down, s_d, b_d, out, e, h, i, inter.stride(0), aw.stride(0),
         router_logits.stride(0), w_down.stride(0), w_down.stride(1), s_d.stride(0), s_d.stride(1), b_d.stride(0),
         out.stride(0), TOP_K=top_k, TOP_K_PAD=top_k_pad, BLOCK_N=bn,
-        BLOCK_K=decode_block_k(i, top_k_pad * bn, cfg.tile, mxfp4), HAS_BIAS=bias_down is not None,
-        W_DTYPE=_TL_DTYPES[wdt], C_DTYPE=_TL_DTYPES[torch.promote_types(x.dtype, wdt)], **common)
+        BLOCK_K=decode_block_k(i, bn if cfg.expert_loop else top_k_pad * bn, cfg.tile, mxfp4),
+        HAS_BIAS=bias_down is not None, W_DTYPE=_TL_DTYPES[wdt], C_DTYPE=_TL_DTYPES[torch.promote_types(x.dtype, wdt)],
+        EXPERT_LOOP=cfg.expert_loop, **common)
     return out
