@@ -191,10 +191,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8_e5m2")
 _KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
 
-
 QUANTIZATION_METHODS = ("fp8",)
 LOAD_FORMATS = ("auto", "dummy")
 RUNNERS = ("auto", "generate", "pooling")  # vLLM's runner names ('draft' is speculative_config's)
+SCHEDULING_POLICIES = ("fcfs", "prefill-first", "kv-predict")  # engine/sched_policy.py
 
 
 def _knob(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -225,6 +225,7 @@ class EngineConfig:
     # one Python launch per kernel, and at 8192 those launches took longer than the GPU's work
     # (workload A, H200: 31 ms of host launch for ~20 ms of kernels per step); 16384 halves the count.
     max_num_batched_tokens: int = _knob(16384, "most tokens (prompt chunks + decodes) in one step")
+    scheduling_policy: str = _knob("fcfs", "which waiting prompts a step admits: sched_policy.py", SCHEDULING_POLICIES)
     block_size: int = _knob(16, "tokens per KV-cache block (a power of two up to 256)")
     gpu_memory_utilization: float = _knob(0.9, "share of the GPU's memory the engine may take, KV cache included")
     kv_cache_memory_bytes: int | None = _knob(None, "KV cache size in bytes (overrides gpu_memory_utilization; "
@@ -302,11 +303,10 @@ class EngineConfig:
                 raise ValueError(f"speculative_config.draft_tensor_parallel_size ({tp}) must equal "
                                  f"tensor_parallel_size ({self.tensor_parallel_size})")
         self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
-        _check_choice("dtype", self.dtype, DTYPE_CHOICES)
-        _check_choice("device", self.device, DEVICES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("generation_config", self.generation_config, ("auto", "vllm"))
-        _check_choice("runner", self.runner, RUNNERS)
+        for name, allowed in (("dtype", DTYPE_CHOICES), ("device", DEVICES), ("attention_backend", ATTENTION_BACKENDS),
+                              ("generation_config", ("auto", "vllm")), ("runner", RUNNERS),
+                              ("scheduling_policy", SCHEDULING_POLICIES)):
+            _check_choice(name, getattr(self, name), allowed)
         self.runner = "generate" if self.runner == "auto" else self.runner  # every registered model generates
         if self.runner == "pooling" and (self.tensor_parallel_size > 1 or self.speculative_config or self.enable_lora):
             raise ValueError("runner='pooling' runs without tensor_parallel_size > 1, speculative_config, enable_lora")

@@ -93,7 +93,8 @@ class LLMEngine(EngineLoRA, VLLMEngineAPI):
         caching = config.enable_prefix_caching and not recurrent and (self.pooler is None or self.pooler.prefix_caching)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, caching, windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   fork_samples=not recurrent, max_loras=config.max_loras if config.enable_lora else 0)
+                                   fork_samples=not recurrent, max_loras=config.max_loras if config.enable_lora else 0,
+                                   policy=config.scheduling_policy)
         try:
             self.speculator = make_speculator(config, self.runner, draft)
             self.kv_events = start_kv_events(config, self.block_manager)  # prefix-cache block events, or None

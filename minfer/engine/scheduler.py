@@ -1,7 +1,8 @@
 """Scheduler: continuous batching with chunked prefill and preemption by recomputation.
 
 Each step takes every running sequence (decodes: one token; unfinished prompts: a chunk), then
-admits waiting sequences first come, first served, all under one token budget
+admits waiting sequences first come, first served (or as ``scheduling_policy`` orders and gates them:
+``engine/sched_policy.py``), all under one token budget
 (``max_num_batched_tokens``) and a cap on running sequences (``max_num_seqs``). When the KV cache
 cannot hold a running sequence's next tokens, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from minfer.engine.block_manager import BlockManager
+from minfer.engine.sched_policy import make_policy
 from minfer.engine.sequence import Sequence, SequenceStatus
 
 
@@ -62,11 +64,13 @@ def _context_len(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 fork_samples: bool = True, max_loras: int = 0) -> None:
+                 fork_samples: bool = True, max_loras: int = 0, policy: str = "fcfs") -> None:
         """``fork_samples``: a request's samples fork from sample 0's prompt (off for models with recurrent
         state, where each sample computes its own: ``engine/state_cache.py``). ``max_loras``: the most LoRA
         adapters the running sequences may use (0: LoRA off); a waiting sequence of another adapter waits while
-        they are all in use, and those behind it of adapters in use (or none) go ahead of it."""
+        they are all in use, and those behind it of adapters in use (or none) go ahead of it. ``policy``: which
+        waiting sequences a step admits (``engine/sched_policy.py``; fcfs: in order, as many as fit)."""
+        self.policy = make_policy(policy)  # None for fcfs: no hook is called
         self.max_loras = max_loras
         self.block_manager = block_manager
         self.fork_samples = fork_samples
@@ -160,7 +164,9 @@ class Scheduler:
         # Admit new work only when the running set fits: after a preemption, memory is short.
         adapters = {s.lora_id for s in self.running if s.lora_id} if self.max_loras and self.waiting else set()
         skipped: list[Sequence] = []  # of an adapter that would be one too many: they keep their place in line
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        policy = self.policy
+        admitting = policy is None or policy.prepare(self, len(scheduled))
+        while admitting and self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last sampled token was in flight: recompute once it is known
@@ -170,7 +176,7 @@ class Scheduler:
             if seq.params.prompt_logprobs is None and not seq.block_tables:  # forked samples hold blocks
                 self.block_manager.match_prefix(seq)  # (prompt logprobs need every position computed)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(seq, num_new):
+            if (policy is not None and not policy.admit(self, seq)) or not allocate_slots(seq, num_new):
                 self.block_manager.free(seq)  # hand back any prefix-cache blocks it took
                 break
             self.waiting.popleft()
