@@ -9,6 +9,8 @@
 #           (benchmarks/sweep_decode_sm90.py, graph-timed)                          -> $OUT/base.md, $OUT/decode32k.md
 # profile:  where the small models' steps go (dev/step_timeline.py, dev/profile_steps.py) and a batch-1 profile of
 #           qwen3-30b-a3b and llama-3.1-8b                                            -> $OUT/profile_*.txt
+# kernels:  the gpu tests of the round's kernels, the FP8 gemv's conversion forms (bench_fp8.py --only gemv), the
+#           decode attention with the merge fused or not (sweep_decode_sm90.py)  -> kernel_tests.log, *.md
 # moe:      the MoE decode kernels at the bf16 MoE shapes, each kernel timed (dev/moe_decode_sweep.py) -> moe_decode.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients   -> $OUT/policies.md
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
@@ -56,6 +58,19 @@ case " $PARTS " in *" profile "*)
   timeout "$(cap 100)" "$PY" dev/step_timeline.py --shape llama-3.2-1b --out "$OUT/timeline_llama-3.2-1b.md" \
     > "$OUT/timeline_llama-3.2-1b.log" 2>&1 || echo "   exit $?"
   cat "$OUT/timeline_llama-3.2-1b.md" 2>/dev/null ;;
+esac
+case " $PARTS " in *" kernels "*)
+  echo "== gpu tests of the round's kernels ($(left) s left)"
+  timeout "$(cap 200)" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfs ${KTESTS:-tests/kernels/test_kernel_moe_decode_gpu.py \
+    tests/kernels/test_kernel_gemv_fp8_cvt.py tests/kernels/test_kernel_decode_merge_gpu.py} > "$OUT/kernel_tests.log" 2>&1
+  echo "   exit $?; $(tail -1 "$OUT/kernel_tests.log")"
+  grep -E "^FAILED|^ERROR|^E " "$OUT/kernel_tests.log" | cut -c1-200 | head -20
+  echo "== FP8 gemv conversion forms ($(left) s left)"
+  timeout "$(cap 120)" "$PY" benchmarks/bench_fp8.py --only gemv > "$OUT/fp8_gemv.md" 2>&1 || echo "   exit $?"
+  grep "^|\|Error" "$OUT/fp8_gemv.md" | head -40
+  echo "== decode attention, merge fused or not ($(left) s left)"
+  timeout "$(cap 120)" "$PY" benchmarks/sweep_decode_sm90.py ${DECODE_ARGS:-} > "$OUT/decode_merge.md" 2>&1 || echo "   exit $?"
+  grep "^|\|Error" "$OUT/decode_merge.md" | head -30 ;;
 esac
 case " $PARTS " in *" moe "*)
   echo "== MoE decode kernels, bf16 shapes ($(left) s left)"
