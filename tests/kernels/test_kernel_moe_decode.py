@@ -157,8 +157,8 @@ def test_routing_ties_go_to_the_lower_expert():
 
 
 def test_the_op_takes_the_decode_kernels_up_to_the_threshold(monkeypatch):
-    """TritonOps.fused_moe: the decode kernels at 1..DECODE_MAX_TOKENS tokens, the grouped GEMMs past it (and at
-    0), with the same arguments."""
+    """TritonOps.fused_moe: the decode kernels at 1..DECODE_MAX_TOKENS tokens of MXFP4 experts and at one token of
+    float experts, the grouped GEMMs past that (and at 0), with the same arguments."""
     from minfer.ops import MoeExperts
     from minfer.ops import triton_ops
 
@@ -166,20 +166,27 @@ def test_the_op_takes_the_decode_kernels_up_to_the_threshold(monkeypatch):
     monkeypatch.setattr(triton_ops, "fused_moe_decode", lambda x, *a, **k: calls.append(("decode", x.shape[0])))
     monkeypatch.setattr(triton_ops, "fused_moe", lambda x, *a, **k: calls.append(("grouped", x.shape[0])))
     ops = triton_ops.TritonOps(torch.device("cpu"), 16, 64)
-    experts = MoeExperts(torch.zeros(4, 64, 32), torch.zeros(4, 32, 32))
-    for t in (0, 1, DECODE_MAX_TOKENS, DECODE_MAX_TOKENS + 1):
-        ops.fused_moe(torch.zeros(t, 32), torch.zeros(t, 4), experts, 2, True)
-    assert calls == [("grouped", 0), ("decode", 1), ("decode", DECODE_MAX_TOKENS), ("grouped", DECODE_MAX_TOKENS + 1)]
+    mxfp4 = MoeExperts(torch.zeros(4, 64, 16, dtype=torch.uint8), torch.zeros(4, 32, 16, dtype=torch.uint8),
+                       scale_gate_up=torch.zeros(4, 64, 1, dtype=torch.uint8),
+                       scale_down=torch.zeros(4, 32, 1, dtype=torch.uint8))
+    for experts in (mxfp4, MoeExperts(torch.zeros(4, 64, 32), torch.zeros(4, 32, 32))):
+        for t in (0, 1, 2, DECODE_MAX_TOKENS, DECODE_MAX_TOKENS + 1):
+            ops.fused_moe(torch.zeros(t, 32), torch.zeros(t, 4), experts, 2, True)
+    assert calls == [("grouped", 0), ("decode", 1), ("decode", 2), ("decode", DECODE_MAX_TOKENS),
+                     ("grouped", DECODE_MAX_TOKENS + 1),
+                     ("grouped", 0), ("decode", 1), ("grouped", 2), ("grouped", 8), ("grouped", 9)]
     assert [use_moe_decode(t) for t in (0, 1, 8, 9)] == [False, True, True, False]
+    assert [use_moe_decode(t, mxfp4=False) for t in (0, 1, 2)] == [False, True, False]
 
 
 def test_configs():
-    """On a GPU: 8 gate/up rows and 4 down rows a program, 8192-value tiles (4096 of float32), hence 512-deep K
-    steps at gpt-oss's layer, 512 / 256 at qwen3-30b-a3b's (8 experts x 4 rows); on the CPU one program a pair and
-    one a token, each a single K step."""
+    """On a GPU: 8 gate/up rows and 4 down rows a program; MXFP4 8192-value tiles in one down tile, hence 512-deep K
+    steps at gpt-oss's layer; bfloat16 4096-value tiles (2048 of float32), two stages, the down kernel's experts in
+    turn; on the CPU one program a pair and one a token, each a single K step."""
     gpu = torch.device("cuda")
-    assert moe_decode_config(0.5, 2880, 2880, gpu) == moe_decode_config(2, 2048, 768, gpu) == MoeDecodeConfig()
-    assert moe_decode_config(4, 2048, 768, gpu).tile == 4096
+    assert moe_decode_config(0.5, 2880, 2880, gpu) == MoeDecodeConfig()
+    assert moe_decode_config(2, 2048, 768, gpu) == MoeDecodeConfig(tile=4096, num_stages=2, expert_loop=True)
+    assert moe_decode_config(4, 2048, 768, gpu).tile == 2048
     # (K, rows: gate/up 2 x 8, down top_k x 4)
     assert [decode_block_k(2880, 2 * 8, 8192, True), decode_block_k(2880, 4 * 4, 8192, True)] == [512, 512]
     assert [decode_block_k(2048, 2 * 8, 8192, False), decode_block_k(768, 8 * 4, 8192, False)] == [512, 256]

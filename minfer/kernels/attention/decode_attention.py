@@ -68,6 +68,7 @@ from .decode_merge import (  # noqa: F401 (merge_partials re-exported for this m
 )
 
 LOG2E = 1.4426950408889634
+_MERGE_CHUNK = tl.constexpr(MERGE_CHUNK)  # a kernel reads only constexpr globals (Triton 3.6 checks it)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ def _decode_split_kernel(
             n_live = tl.cdiv(ctx - lo, tl.maximum(per_split, 1))
             if split < n_live:
                 merge_if_last(MID_O, MID_LSE, O, CNT, b, kvh, n_live, num_splits, stride_ob, stride_oh,
-                              GROUP, HEAD_DIM, MERGE_CHUNK)
+                              GROUP, HEAD_DIM, _MERGE_CHUNK)
 
 
 # Split heuristic (tuned on an H200, see benchmarks/RESULTS.md): at least ENOUGH_PER_SM programs per

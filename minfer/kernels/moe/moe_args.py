@@ -53,15 +53,18 @@ def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> i
 # The decode kernels (``moe_decode.py``) take steps of at most this many tokens: CUDA-graph buckets 1..8, and a
 # short prompt chunk. They read an expert's rows once per (token, expert) pair, where the grouped GEMMs read them
 # once per expert: equal HBM traffic while a repeat read hits L2 (the pairs of one tile run side by side), but the
-# MXFP4 expansion and the float32 products are paid per pair. At 8 tokens that is at most 1.5 pairs per chosen
-# expert on gpt-oss-20b (32 pairs over ~21 experts) and 1.3 on qwen3-30b-a3b, against the grouped GEMMs' 16-row
-# tiles with 1-2 rows in each. ``benchmarks/bench_moe.py`` prints both paths at 1, 8 and 16 tokens.
+# MXFP4 expansion and the float32 products are paid per pair. MXFP4 (gpt-oss-20b, H200, graph replays): decode
+# 62 / 398 µs against grouped 148 / 621 at 1 / 8 tokens. Float weights: decode wins at one token only (qwen3-30b-a3b
+# 38 against 40 µs, qwen3.5-35b-a3b 27 against 37), the grouped GEMMs at 8 (138 against 191, 123 against 146):
+# ``dev/moe_decode_sweep.py``, benchmarks/RESULTS.md (issue 42).
 DECODE_MAX_TOKENS = 8
+DECODE_MAX_TOKENS_FLOAT = 1
 
 
-def use_moe_decode(num_tokens: int) -> bool:
-    """Whether a step of ``num_tokens`` tokens takes the decode kernels rather than the grouped GEMMs."""
-    return 0 < num_tokens <= DECODE_MAX_TOKENS
+def use_moe_decode(num_tokens: int, mxfp4: bool = True) -> bool:
+    """Whether a step of ``num_tokens`` tokens takes the decode kernels rather than the grouped GEMMs (``mxfp4``:
+    the experts are MXFP4 codes; float experts take them at one token)."""
+    return 0 < num_tokens <= (DECODE_MAX_TOKENS if mxfp4 else DECODE_MAX_TOKENS_FLOAT)
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,15 @@ def moe_decode_config(weight_bytes: float, h: int, i: int, device: torch.device)
     of bfloat16, 4 KiB of MXFP4 codes, whose expansion to float32 is what fills the registers), is the batch-1
     GEMV's (``gemm/gemv_config.py``: 4 rows x 2048); float32 weights take half. Elsewhere the kernels run in
     Triton's interpreter, where a program costs milliseconds of Python whatever its size: one program a pair and
-    one a token, each a single K step, at the small layers that run there."""
+    one a token, each a single K step, at the small layers that run there. Float experts: the down kernel takes a
+    token's experts one after another, 4096-value tiles, two stages (qwen3-30b-a3b's down kernel 120 -> ~17 µs at
+    one token; the one-tile layout ``[8, 4, 256]`` ran at a seventh of the bandwidth); MXFP4 keeps the one tile,
+    within 7% of the best candidate (``dev/moe_decode_sweep.py``)."""
     if device.type != "cuda":
         return MoeDecodeConfig(min(next_pow2(i), 256), min(next_pow2(h), 256), tile=1 << 16)
-    return MoeDecodeConfig(tile=4096 if weight_bytes >= 4 else 8192)
+    if weight_bytes < 1:
+        return MoeDecodeConfig()
+    return MoeDecodeConfig(tile=2048 if weight_bytes >= 4 else 4096, num_stages=2, expert_loop=True)
 
 
 def decode_block_k(k: int, rows: int, tile: int, mxfp4: bool) -> int:
