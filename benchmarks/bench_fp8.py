@@ -9,8 +9,7 @@ Per shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336) and 
   against their bf16 kernels (what the FP8 path adds over the bf16 one is the difference), µs and % of the
   4.22 TB/s copy bandwidth.
 - batch 1: the matrix-vector kernels (with the prologues the one-token forward uses) on e4m3 weights against
-  bf16 weights, µs and % of bandwidth; each e4m3 weight once per conversion form (``gemv_fp8.py``: Triton's cast,
-  PTX pairs, PTX bit placement; ``--cvt``), with its time against the cast's.
+  bf16 weights, µs and % of bandwidth.
 Every variant is checked once against its torch reference before it is timed: ``err`` is
 max|out - ref| / max|ref|; ``q-err`` (GEMMs) is the same against the unquantized float32 product, FP8's own cost.
 Times are medians of CUDA-graph replays (``triton.testing.do_bench``, L2 flushed before each: cold weights).
@@ -18,12 +17,10 @@ Times are medians of CUDA-graph replays (``triton.testing.do_bench``, L2 flushed
     python benchmarks/bench_fp8.py                 # the tables (markdown; also $OUT/fp8.md), ~2 min on an H200
     python benchmarks/bench_fp8.py --sweep         # first time fp8_gemm_block / fp8 gemv launch configs
     python benchmarks/bench_fp8.py --smoke         # tiny shapes; runs on a CPU under the interpreter
-    python benchmarks/bench_fp8.py --only gemv     # batch 1 alone: the conversion forms' A/B, ~1 min on an H200
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Callable
@@ -41,9 +38,7 @@ from minfer.kernels.quant import fp8_quant as fq  # noqa: E402
 from minfer.kernels.quant import fp8_ref as fr  # noqa: E402
 from minfer.kernels.gemm import gemv as gm  # noqa: E402
 from minfer.kernels.gemm import gemv_ref as gr  # noqa: E402
-from minfer.kernels.gemm.gemv_config import (BLOCK, CHANNEL, PLAIN, RMS_NORM, SILU_MUL, GemvConfig,  # noqa: E402
-                                             default_fp8_config)
-from minfer.kernels.gemm.gemv_fp8 import FP8_CVT_NAMES  # noqa: E402
+from minfer.kernels.gemm.gemv_config import GemvConfig  # noqa: E402
 from minfer.kernels.activation import silu_and_mul  # noqa: E402
 from minfer.kernels.rmsnorm import fused_add_rms_norm  # noqa: E402
 
@@ -156,8 +151,7 @@ def act_rows(ms: tuple[int, ...], hidden: int, inter: int) -> list[str]:
         xgu = torch.randn(m, 2 * inter, device=DEV, dtype=DT) * 2
         for group in (None, 128):
             g = "token" if group is None else "1x128"
-            def out_bytes(kk: int, group: int | None = group) -> float:  # codes + scales
-                return m * kk * (1 + 4 / (kk if group is None else 128))
+            out_bytes = lambda kk: m * kk * (1 + 4 / (kk if group is None else 128))  # codes + scales
             cases = [
                 (f"quantize_fp8 [{m}, {hidden}] {g}", lambda: fq.quantize_fp8(x, group),
                  lambda: fr.quantize_fp8_ref(x, group), 2 * m * hidden + out_bytes(hidden)),
@@ -187,9 +181,8 @@ def act_rows(ms: tuple[int, ...], hidden: int, inter: int) -> list[str]:
     return rows
 
 
-def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool, cvts: tuple[str, ...] = ("cast",)) -> list[str]:
-    """Batch 1 with the one-token forward's prologues: qkv / gate_up after add + RMSNorm, down after SwiGLU; an e4m3
-    weight once per conversion form in ``cvts`` (its default config with that ``fp8_cvt``)."""
+def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool) -> list[str]:
+    """Batch 1 with the one-token forward's prologues: qkv / gate_up after add + RMSNorm, down after SwiGLU."""
     rows = []
     prologue = {"qkv": "rms", "gate_up": "rms", "o": "plain", "down": "silu"}
     eps = 1e-5
@@ -217,23 +210,13 @@ def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool, cvts: tuple[str, 
                 return gr.gemv_silu_mul_ref(xgu, wt, weight_scale=ws)
             return gr.gemv_ref(x, wt, weight_scale=ws)
 
-        code = {"rms": RMS_NORM, "silu": SILU_MUL}.get(p, PLAIN)
         for impl, (wt, ws) in weights.items():
             nbytes = wt.numel() * wt.element_size() + (0 if ws is None else ws.numel() * 4)
-            cast_us = None
-            for form in cvts if ws is not None else (None,):
-                cfg = None
-                if form is not None:
-                    base = default_fp8_config(n, k, code, BLOCK if ws.dim() == 2 else CHANNEL)
-                    cfg = dataclasses.replace(base, fp8_cvt=FP8_CVT_NAMES[form])
-                err = max_err(call(wt, ws, cfg), ref(wt, ws))
-                us = bench(lambda: call(wt, ws, cfg))
-                cast_us = us if form == "cast" else cast_us
-                label = impl if form is None else f"{impl}, {form}"
-                vs = f"{cast_us / us:.2f}x" if cast_us and form != "cast" else ""
-                rows.append(f"| {name} {n}x{k} (+{p}) | {label} | {us:.1f} | "
-                            f"{100 * nbytes / (us * 1e-6) / PEAK_BW:.0f}% | {err:.1e} | {vs} |")
-                print(rows[-1], flush=True)
+            err = max_err(call(wt, ws), ref(wt, ws))
+            us = bench(lambda: call(wt, ws))
+            rows.append(f"| {name} {n}x{k} (+{p}) | {impl} | {us:.1f} | {100 * nbytes / (us * 1e-6) / PEAK_BW:.0f}% | "
+                        f"{err:.1e} |")
+            print(rows[-1], flush=True)
             if sweep and ws is not None:
                 best = None
                 for c in GEMV_SWEEP:
@@ -272,8 +255,7 @@ def sweep_gemm(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...]) -> None:
             ref = fg.fp8_gemm_block_ref(xq, xs, wq, ws, out_dtype=torch.float32)
             for cfg in GEMM_SWEEP:
                 try:
-                    def fn(cfg: fg.Fp8GemmConfig = cfg) -> torch.Tensor:
-                        return fg.fp8_gemm_block(xq, xs, wq, ws, config=cfg)
+                    fn = lambda: fg.fp8_gemm_block(xq, xs, wq, ws, config=cfg)
                     e = max_err(fn(), ref)
                     t = bench(fn, rep=40)
                 except Exception as ex:
@@ -319,23 +301,19 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU: the interpreter)")
     ap.add_argument("--only", default="gemm,act,gemv", help="comma list: gemm,act,gemv")
     ap.add_argument("--sweep-ms", default="", help="with --sweep: comma list of M (default: all)")
-    ap.add_argument("--cvt", default="cast,pairs,bits", help="batch 1: e4m3 conversion forms to time (gemv_fp8.py)")
     args = ap.parse_args()
     torch.manual_seed(0)
     shapes, ms, hidden, inter = SHAPES, MS, HIDDEN, INTER
     if args.smoke:
         shapes, ms, hidden, inter = {"qkv": (192, 256), "down": (128, 384)}, (1, 17), 256, 384
     only = set(args.only.split(","))
-    cvts = tuple(args.cvt.split(","))
-    if set(cvts) - FP8_CVT_NAMES.keys():
-        ap.error(f"--cvt takes a comma list of {', '.join(FP8_CVT_NAMES)}, got {args.cvt!r}")
     if DEV == "cuda":
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
     if args.sweep:
         if "gemm" in only:
             sweep_gemm(shapes, tuple(int(v) for v in args.sweep_ms.split(",")) if args.sweep_ms else ms)
         if "gemv" in only:
-            gemv_rows(shapes, sweep=True, cvts=cvts)
+            gemv_rows(shapes, sweep=True)
         if "act" in only:
             sweep_act(tuple(int(v) for v in args.sweep_ms.split(",")) if args.sweep_ms else ms, hidden, inter)
         return
@@ -348,9 +326,8 @@ def main() -> None:
         out += ["", "| activation op | µs | % of 4.22 TB/s | err |", "|---|---|---|---|"]
         out += act_rows(ms, hidden, inter)
     if "gemv" in only:
-        out += ["", "| batch-1 projection | weight, conversion | µs | % of 4.22 TB/s | err | speed vs cast |",
-                "|---|---|---|---|---|---|"]
-        out += gemv_rows(shapes, sweep=False, cvts=cvts)
+        out += ["", "| batch-1 projection | weight | µs | % of 4.22 TB/s | err |", "|---|---|---|---|---|"]
+        out += gemv_rows(shapes, sweep=False)
     text = "\n".join(out)
     print(text)
     if os.environ.get("OUT"):

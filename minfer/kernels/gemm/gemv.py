@@ -23,8 +23,8 @@ per output row ("channel") or row-expanded ``[N, ceil(K/128)]`` per 128x128 bloc
 dequantized in registers: fp8 loads, converted to float32 for the products with the (unquantized) input
 vector; a channel scale multiplies each row's sum once at the end, a block scale each 128-column piece's
 products before they join the row's accumulator. The input keeps its precision, unlike the batched path,
-which quantizes it. Half the weight bytes do not halve the time: the conversions bound these kernels, so on
-sm_89+ they run as packed-word PTX (``gemv_fp8.py``; the config's ``fp8_cvt`` or ``MINFER_FP8_PACKED_CVT``).
+which quantizes it. Half the weight bytes do not halve the time: the fp8 -> float32 conversions bound these
+kernels (``benchmarks/bench_fp8.py``).
 
 The launch configs and the rules that choose them per shape are in ``gemv_config.py``.
 """
@@ -39,7 +39,6 @@ from ..pdl import launch_options, use_pdl, wait_for_previous
 from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, num_groups
 from .gemv_config import (BLOCK, CHANNEL, GATED_RMS_NORM, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SIGMOID_GATE, SILU_MUL,
                           GemvConfig, default_config, default_fp8_config, lora_shrink_config)
-from .gemv_fp8 import CAST, can_run_ptx, fp8_cvt, fp8_rescale, fp8_to_f32
 from .gemv_lora import GemvLora, lora_delta, lora_load_rows
 from .gemv_prologue import input_chunk, sum_squares
 
@@ -61,11 +60,11 @@ def _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N: tl.constexpr, EVEN_K: tl.
 @triton.jit
 def _products(w, x, WS, rows, k0, N, stride_ws, n_groups, SCALE: tl.constexpr, EVEN_N: tl.constexpr,
               EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NSUB: tl.constexpr,
-              SUB: tl.constexpr, GROUP: tl.constexpr, CVT: tl.constexpr, ASM: tl.constexpr):
+              SUB: tl.constexpr, GROUP: tl.constexpr):
     """float32 products of the weight tile ``w [BLOCK_N, BLOCK_K]`` (columns ``k0..``) with the input chunk ``x``;
     under block scaling each SUB-wide piece (``NSUB`` per tile, SUB = min(BLOCK_K, GROUP)) times its scale.
-    An e4m3 tile converts as ``CVT`` says (``gemv_fp8.py``; a float tile's CVT is the cast)."""
-    p = fp8_to_f32(w, CVT, ASM) * x.to(tl.float32)[None, :]
+    An e4m3 tile converts with Triton's cast (cvt to f16x2, then to float32)."""
+    p = w.to(tl.float32) * x.to(tl.float32)[None, :]
     if SCALE == 2:
         if NSUB == 1:  # the tile lies inside one group: one scale per row
             s_ptrs = WS + rows.to(tl.int64) * stride_ws + k0 // GROUP
@@ -94,8 +93,7 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
                  GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1,
                  LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, k_part=0,
                  XA=None, stride_xa=0, LB=None, stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1,
-                 LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1,
-                 CVT: tl.constexpr = 0, ASM: tl.constexpr = False):
+                 LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1):
     pid = tl.program_id(0)
     k_lo = 0
     k_hi = K
@@ -131,15 +129,15 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
         x = input_chunk(X, R, NW, R_OUT, k_lo + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
                         HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
         acc += _products(w_first, x, WS, rows, k_lo, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
-                         NSUB, SUB, GROUP, CVT, ASM)
+                         NSUB, SUB, GROUP)
         first = k_lo + BLOCK_K
     for k0 in range(first, k_hi, BLOCK_K):
         x = input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
                         HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
         w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
         acc += _products(w, x, WS, rows, k0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
-                         NSUB, SUB, GROUP, CVT, ASM)
-    y = fp8_rescale(tl.sum(acc, axis=1), CVT)
+                         NSUB, SUB, GROUP)
+    y = tl.sum(acc, axis=1)
     if SCALE == 1:
         y *= tl.load(WS + rows, mask=rows < N, other=0.0)
     if HAS_BIAS:
@@ -208,7 +206,6 @@ def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | Non
         raise ValueError(f"block-scaled weights need a power-of-two block_k, got {cfg.block_k}")
     rms_block = min(next_pow2(k), RMS_MAX_BLOCK)
     pdl = use_pdl(x.device)
-    cvt = CAST if scale == NO_SCALE else cfg.fp8_cvt if cfg.fp8_cvt is not None else fp8_cvt(x.device)
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), parts)](
         x, weight, bias if bias is not None else weight, y,
         residual if residual is not None else gate if gate is not None else x,
@@ -221,7 +218,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | Non
         n_groups=num_groups(k), SCALE=scale, NSUB=cfg.block_k // sub, SUB=sub, GROUP=FP8_GROUP,
         F32_NORM=norm_weight is not None and norm_weight.dtype == torch.float32,
         stride_r=gate.stride(1) if gate is not None else 0, HEAD=gate.shape[2] if gate is not None else 1,
-        CVT=cvt, ASM=cvt != CAST and can_run_ptx(x.device), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **extra, **launch_options(pdl),
     )
 

@@ -17,14 +17,12 @@ from ..quant.fp8_ref import FP8_GROUP
 class GemvConfig:
     """Rows per program, columns per step, warps. Four rows won on every layer shape of the 0.6B and 1B
     models on an H200 (sweep of 4/8/16 rows x 512/1024/2048 columns x 4/8 warps; the column width
-    moved results by under 5%). ``fp8_cvt``: how an e4m3 weight converts (``gemv_fp8``'s CAST / PAIRS / BITS;
-    None: ``gemv_fp8.fp8_cvt``'s choice for the device), a field so a benchmark can time the forms side by side."""
+    moved results by under 5%)."""
 
     block_n: int = 4
     block_k: int = 1024
     num_warps: int = 4
     num_stages: int = 3  # software-pipelining depth of the K loop (Triton's default)
-    fp8_cvt: int | None = None
 
 
 # What feeds the dot product (the kernel's PROLOGUE, gemv_prologue.py): x itself, silu(gate) * up,
