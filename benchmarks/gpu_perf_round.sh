@@ -12,6 +12,8 @@
 # kernels:  the gpu tests of the round's kernels, the FP8 gemv's conversion forms (bench_fp8.py --only gemv), the
 #           decode attention with the merge fused or not (sweep_decode_sm90.py)  -> kernel_tests.log, *.md
 # moe:      the MoE decode kernels at the bf16 MoE shapes, each kernel timed (dev/moe_decode_sweep.py) -> moe_decode.md
+# final:    the fused merge's gpu tests, batch 1 on qwen3-30b-a3b and llama-3.2-1b (merge fused or not), and the
+#           serve part for fcfs and prefill-first                                    -> final.md, policies.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients   -> $OUT/policies.md
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
 DEADLINE_DEFAULT=570
@@ -77,6 +79,17 @@ case " $PARTS " in *" moe "*)
   PYTHONPATH="$PYTHONPATH:$PWD" timeout "$(cap 200)" "$PY" dev/moe_decode_sweep.py ${MOE_ARGS:-} > "$OUT/moe_decode.md" 2>&1 \
     || echo "   exit $?"
   cat "$OUT/moe_decode.md" | head -80 ;;
+esac
+case " $PARTS " in *" final "*)
+  echo "== gpu tests of the fused merge ($(left) s left)"
+  timeout "$(cap 80)" "$PY" -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_kernel_decode_merge_gpu.py \
+    > "$OUT/merge_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/merge_tests.log")"
+  grep -E "^FAILED|^E " "$OUT/merge_tests.log" | cut -c1-200 | head -8
+  bench b1_qwen3-30b-a3b --shape qwen3-30b-a3b --batch1
+  MINFER_DECODE_FUSED_MERGE=0 bench b1_llama-3.2-1b_merge0 --shape llama-3.2-1b --batch1
+  bench b1_llama-3.2-1b --shape llama-3.2-1b --batch1
+  bench_table final.md
+  POLICIES="${POLICIES:-fcfs prefill-first}" DEADLINE=$(left) bash benchmarks/serve_policies.sh ;;
 esac
 case " $PARTS " in *" serve "*)
   bash benchmarks/serve_policies.sh ;;
