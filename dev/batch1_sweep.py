@@ -53,7 +53,7 @@ class _NoLaunch:
 # time without a kernel, against ``base``, is what that kernel costs inside the chain (PDL overlap included).
 KNOCKOUTS = {
     "skip_rope": ("minfer.ops.triton_ops", "rope_store_kv", lambda *a, **k: None),
-    "skip_merge": ("minfer.kernels.attention.decode_merge", "_decode_merge_kernel", _NoLaunch()),
+    "skip_merge": ("minfer.kernels.attention.decode_attention", "_decode_merge_kernel", _NoLaunch()),
     "skip_attn": ("minfer.ops.triton_ops", "paged_decode_attention", lambda q, *a, out=None, **k: out),
 }
 

@@ -143,7 +143,7 @@ def decode_variants(kv: str):
     const = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, PAGE=16, BLOCK_N=cfg.block_n, DIRECT=True,
                  DOT_PREC="tf32", UPCAST=False, QUANT=quant, F16=quant, F16_KIND=fmt.f16_kind if quant else -1,
                  Q8=quant and fmt.is_int, ASM=quant, COLUMN_SUMS=cfg.column_sums, PDL=True, WINDOW=0,
-                 SOFTCAP_LOG2=0.0, SINKS=None, HAS_SINKS=False, CNT=None, FUSED=False)
+                 SOFTCAP_LOG2=0.0, SINKS=None, HAS_SINKS=False)
     for k in const:
         sig[k] = "constexpr"
     yield f"shipped {kv} {cfg}", da._decode_split_kernel, sig, const, cfg.num_warps, cfg.num_stages

@@ -68,7 +68,7 @@ def build_prefill(head_dim: int, page: int, kv: str, window: int = 0, softcap: f
 
 
 def build_decode(head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0, sinks: bool = False,
-                 group: int = 4, direct: bool = False, fused: bool = False):
+                 group: int = 4, direct: bool = False):
     from minfer.kernels.attention import decode_attention_sm90 as sm90
     from minfer.kernels.attention import decode_attention_sm90_8bit as sm90_8bit
 
@@ -93,27 +93,18 @@ def build_decode(head_dim: int, page: int, kv: str, window: int = 0, softcap: fl
     sig.update(BT="*i32", CL="*i32", O="*bf16", MID_O="*fp32", MID_LSE="*fp32", scale_log2e="fp32", stride_qb="i32",
                stride_qh="i32", stride_btb="i32", stride_ob="i32", stride_oh="i32", num_splits="i32")
     _sinks(sig, consts, sinks)
-    if fused:  # the split programs' merge: a counter per (sequence, KV head)
-        sig["CNT"] = "*i32"
-    else:
-        consts["CNT"] = None
-    consts["FUSED"] = fused
     return _compile(kernel, sig, consts, maxnreg)
 
 
 def build(kernel: str, head_dim: int, page: int, kv: str, window: int = 0, softcap: float = 0.0,
-          sinks: bool = False, fused: bool = False) -> dict:
+          sinks: bool = False) -> dict:
     """Compile a kernel for (head_dim, page, cache format, window, cap, sinks) and report what its code holds."""
     import triton  # noqa: F401 - before minfer.kernels, which turns the interpreter on where no GPU is present
 
-    if kernel == "prefill":
-        compiled = build_prefill(head_dim, page, kv, window, softcap, sinks)
-    else:
-        compiled = build_decode(head_dim, page, kv, window, softcap, sinks, fused=fused)
+    compiled = (build_prefill if kernel == "prefill" else build_decode)(head_dim, page, kv, window, softcap, sinks)
     ptx = compiled.asm["ptx"]
     return dict(shared=compiled.metadata.shared, sm90a=".target sm_90a" in ptx, wgmma="wgmma.mma_async" in ptx,
                 tma="cp.async.bulk.tensor" in ptx, setmaxnreg="setmaxnreg" in ptx, local=".local" in ptx,
-                acq_rel=ptx.count("atom.global.gpu.acq_rel.add"), cg_loads=ptx.count("ld.global.cg"),
                 exp2=ptx.count("ex2.approx"),
                 loads={width: ptx.count(f"ld.shared.{width} ") + ptx.count(f"ld.shared.{width}\t")
                        for width in ("v4.b32", "v2.b16", "b32", "b16", "b8")})
@@ -188,19 +179,7 @@ def test_the_sink_variants_build(kernel: str, head_dim: int, page: int, kv: str,
     assert got["shared"] == plain["shared"] and got["exp2"] > plain["exp2"], (got, plain)
 
 
-@pytest.mark.parametrize("kv,window", [("bf16", 0), ("int8", 21)])
-def test_the_fused_merge_builds(kv: str, window: int) -> None:
-    """The decode kernels' fused-merge variant (the last split program of a (sequence, KV head) merges): one
-    counter add with acq_rel semantics at GPU scope, partials read from L2 (``ld.global.cg``), the same shared
-    memory as without it; the plain build has neither."""
-    args = ("decode", "128", "16", kv, str(window), "0.0", "0")
-    fused, plain = _child(*args, "1"), _child(*args)
-    assert fused["acq_rel"] == 1 and fused["cg_loads"] > 0 and fused["wgmma"] and fused["tma"], fused
-    assert plain["acq_rel"] == plain["cg_loads"] == 0 and fused["shared"] <= SMEM_LIMIT // 2, (fused, plain)
-
-
 if __name__ == "__main__":
     print(json.dumps(build(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
                            *(int(sys.argv[5]), float(sys.argv[6])) if len(sys.argv) > 5 else (),
-                           *(sys.argv[7] == "1",) if len(sys.argv) > 7 else (),
-                           *(sys.argv[8] == "1",) if len(sys.argv) > 8 else ())))
+                           *(sys.argv[7] == "1",) if len(sys.argv) > 7 else ())))

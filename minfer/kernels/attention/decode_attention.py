@@ -9,11 +9,10 @@ used for a handful of FLOPs. Two choices follow from that:
   the critical path.
 * Split-K ("flash-decoding"): when ``B * Hkv`` programs cannot fill the GPU (small batch, long
   context), each sequence's context is cut into ``num_splits`` equal ranges processed in parallel;
-  each writes a normalised partial output and its log-sum-exp, and the last split program of each
-  (sequence, KV head) to finish merges them (``decode_merge.py``: an atomic counter; or a second
-  kernel with ``MINFER_DECODE_FUSED_MERGE=0``). The ranges are cut from each sequence's *own*
-  length inside the kernel, so a short sequence in a batch with a long one is not left with empty
-  splits, and the host never needs ``context_lens.max()`` (no device sync; safe under CUDA graph capture).
+  each writes a normalised partial output and its log-sum-exp, and a second small kernel merges
+  them. The ranges are cut from each sequence's *own* length inside the kernel, so a short
+  sequence in a batch with a long one is not left with empty splits, and the host never needs
+  ``context_lens.max()`` (no device sync; safe under CUDA graph capture).
 
 * Program order: the grid is (KV head, sequence, split) with the KV head fastest, so the hardware
   starts a sequence's programs together and the sequences in row order. The scheduler puts decodes
@@ -63,12 +62,8 @@ from .._utils import interpreting, next_pow2, num_sms
 from ..pdl import launch_options, use_pdl, wait_for_previous
 from ..quant.quant import check_paged_attention, codes_to_f16, product_mode, q_to_f16, split_q_int8
 from .attention_ref import paged_decode_attention_ref  # noqa: F401 (re-exported for this module's importers)
-from .decode_merge import (  # noqa: F401 (merge_partials re-exported for this module's importers)
-    MAX_SPLITS, MERGE_CHUNK, fused_merge_enabled, merge_if_last, merge_partials, split_counters, split_partials,
-)
 
 LOG2E = 1.4426950408889634
-_MERGE_CHUNK = tl.constexpr(MERGE_CHUNK)  # a kernel reads only constexpr globals (Triton 3.6 checks it)
 
 
 @dataclass(frozen=True)
@@ -102,7 +97,7 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     QUANT: tl.constexpr, F16: tl.constexpr, F16_KIND: tl.constexpr, Q8: tl.constexpr, ASM: tl.constexpr,
     COLUMN_SUMS: tl.constexpr, PDL: tl.constexpr = False, WINDOW: tl.constexpr = 0, SOFTCAP_LOG2: tl.constexpr = 0.0,
-    SINKS=None, HAS_SINKS: tl.constexpr = False, CNT=None, FUSED: tl.constexpr = False,
+    SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     wait_for_previous(PDL)
     kvh = tl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
@@ -221,11 +216,36 @@ def _decode_split_kernel(
         idx = (b * (GROUP * tl.num_programs(0)) + heads).to(tl.int64) * num_splits + split
         tl.store(MID_O + idx[:, None] * HEAD_DIM + dims[None, :], out, mask=row_mask[:, None])
         tl.store(MID_LSE + idx, lse, mask=row_mask)
-        if FUSED:  # the live splits (those holding a key) count in; the last one merges (decode_merge.py)
-            n_live = tl.cdiv(ctx - lo, tl.maximum(per_split, 1))
-            if split < n_live:
-                merge_if_last(MID_O, MID_LSE, O, CNT, b, kvh, n_live, num_splits, stride_ob, stride_oh,
-                              GROUP, HEAD_DIM, _MERGE_CHUNK)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_merge_kernel(
+    MID_O, MID_LSE, O, stride_ob, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    wait_for_previous(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * num_heads + h).to(tl.int64) * num_splits
+    dims = tl.arange(0, HEAD_DIM)
+    # One online pass, CHUNK partials at a time: registers stay bounded for any split count, and
+    # one compiled variant serves them all. Split 0 always holds a token, so m is finite after the
+    # first chunk and later all-empty chunks add exp2(-inf) = 0.
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.zeros((), tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, CHUNK):
+        idx = s0 + tl.arange(0, CHUNK)
+        valid = idx < num_splits
+        lse = tl.load(MID_LSE + base + idx, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        parts = tl.load(MID_O + (base + idx)[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        total = total * alpha + tl.sum(w, axis=0)
+        m = m_new
+    tl.store(O + b.to(tl.int64) * stride_ob + h * stride_oh + dims, (acc / total).to(O.dtype.element_ty))
 
 
 # Split heuristic (tuned on an H200, see benchmarks/RESULTS.md): at least ENOUGH_PER_SM programs per
@@ -234,6 +254,7 @@ def _decode_split_kernel(
 ENOUGH_PER_SM = 2
 SPLIT_TARGET_PER_SM = 2
 MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 256
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device,
@@ -274,7 +295,6 @@ def paged_decode_attention(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, Hq, D]`` (the token at ``context_lens[b] - 1``) over its paged context.
 
@@ -285,8 +305,7 @@ def paged_decode_attention(
 
     ``num_splits`` overrides the split-K heuristic (tests, tuning); by default it is derived from
     the batch, the KV heads, the widest possible context (``block_tables.shape[1] * block_size``,
-    known on the host) and the multiprocessor count. ``fused_merge``: split programs merge themselves (True) or
-    a second kernel merges (False); None: ``MINFER_DECODE_FUSED_MERGE``. Returns ``out`` (allocated if None).
+    known on the host) and the multiprocessor count. Returns ``out`` (allocated if None) in q's dtype.
     """
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens)
@@ -305,8 +324,6 @@ def paged_decode_attention(
         num_splits = choose_num_splits(batch, num_kv_heads, min(window, width) if window else width, q.device)
     mid_o, mid_lse = split_partials(q, out, num_splits)
     direct = num_splits == 1
-    counters = None if direct or not fused_merge_enabled(fused_merge) else split_counters(q.device,
-                                                                                           batch * num_kv_heads)
     # 8-bit caches with a 16-bit q: P·V (and fp8's Q·Kᵀ) in float16, int8's Q·Kᵀ on the integer MMA.
     k_cache, v_cache, upcast, prec, f16, asm = product_mode(q, k_cache, v_cache, fmt)
     pdl = use_pdl(q.device)
@@ -319,10 +336,9 @@ def paged_decode_attention(
         BLOCK_N=cfg.block_n, DIRECT=direct, DOT_PREC=prec, UPCAST=upcast, QUANT=quant, F16=f16,
         F16_KIND=fmt.f16_kind if f16 else -1, Q8=f16 and fmt.is_int, ASM=asm, COLUMN_SUMS=cfg.column_sums,
         PDL=pdl, WINDOW=int(window), SOFTCAP_LOG2=float(softcap) * LOG2E, SINKS=sinks, HAS_SINKS=sinks is not None,
-        CNT=counters, FUSED=counters is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
-    if not direct and counters is None:
+    if not direct:
         merge_partials(mid_o, mid_lse, out)
     return out
 
@@ -338,6 +354,29 @@ def check_window_softcap(window: int, softcap: float, sinks: torch.Tensor | None
     if sinks is not None and (sinks.shape != q.shape[1:2] or sinks.stride(0) != 1 or sinks.device != q.device
                               or not sinks.is_floating_point()):
         raise ValueError(f"sinks must be [{q.shape[1]}] floats on {q.device}, got {list(sinks.shape)} {sinks.dtype}")
+
+
+def split_partials(q: torch.Tensor, out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernels' partial outputs ``[B, Hq, num_splits, D]`` and log2-sum-exp2 ``[B, Hq, num_splits]``
+    (float32), after checking ``num_splits``; with one split the kernel writes ``out`` directly (both are ``out``,
+    unused)."""
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if num_splits == 1:
+        return out, out
+    batch, num_heads, head_dim = q.shape
+    return (torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device),
+            torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device))
+
+
+def merge_partials(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge the splits' partials (``split_partials``) into ``out`` ``[B, Hq, D]``."""
+    batch, num_heads, num_splits, head_dim = mid_o.shape
+    pdl = use_pdl(out.device)
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads, num_splits,
+        HEAD_DIM=head_dim, CHUNK=16, PDL=pdl, num_warps=4, **launch_options(pdl),
+    )
 
 
 def default_config(device: torch.device, head_dim: int, dtype: torch.dtype,

@@ -3,8 +3,7 @@ one consumer warpgroup computes on warpgroup MMA, with keys (not query heads) al
 
 The same computation as ``decode_attention.py`` (its Triton kernel is this one's reference and the path
 everywhere else): a program owns one KV head of one sequence and one split of its context, and every query
-head of the GQA group; the last split program of each (sequence, KV head) merges the partials
-(``decode_merge_sm90.py``; with ``MINFER_DECODE_FUSED_MERGE=0``, ``decode_merge.py``'s merge kernel).
+head of the GQA group; partial outputs of split programs are merged by that module's merge kernel.
 
 - **Transposed products.** A warpgroup MMA has 64 rows; a GQA group has 1-16 query heads. So the kernel
   computes Sᵀ = K·Qᵀ (keys along the 64 rows, the group padded to 8 or 16 columns) and Oᵀ += Vᵀ·Pᵀ (head
@@ -30,15 +29,16 @@ from __future__ import annotations
 
 import torch
 
-from .decode_attention import SPLIT_TARGET_PER_SM, check_window_softcap, choose_num_splits, paged_decode_attention
-from .decode_merge import fused_merge_enabled, merge_partials, split_counters, split_partials
+from .decode_attention import (
+    SPLIT_TARGET_PER_SM, check_window_softcap, choose_num_splits, merge_partials, paged_decode_attention,
+    split_partials,
+)
 from . import decode_attention_sm90_8bit as sm90_8bit
 from .._utils import num_sms
 from .gluon_sm90 import HALF, BuildGuard, build_kind, gluon, score_scale, sm90_available
 from ..quant.quant import check_paged_attention
 
 if gluon is not None:
-    from .decode_merge_sm90 import merge_if_last
     from .gluon_sm90 import (
         TensorDescriptor, barrier_ring, decode_max_start, fence_async_shared, gl, invalidate_ring, issue_tile,
         log2_scores, mbarrier, online_softmax, partition_barrier, split_range, warpgroup_mma, warpgroup_mma_wait,
@@ -167,17 +167,17 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["stride_btb", "num_splits"])  # both change from step to step
     def _decode_sm90_kernel(
         Q, k_desc, v_desc, BT, CL, O, MID_O, MID_LSE, scale_log2e,
-        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits, SINKS, CNT,
+        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits, SINKS,
         GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr, WINDOW: gl.constexpr,
-        SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr, FUSED: gl.constexpr, num_warps: gl.constexpr,
+        SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr, num_warps: gl.constexpr,
     ):
         HALVES: gl.constexpr = HEAD_DIM // _HALF
         ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per TMA copy
         kvh = gl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
         b = gl.program_id(1)
         split = gl.program_id(2)
-        start, end, lo, live = split_range(CL, b, split, num_splits, BLOCK_N, ROWS, WINDOW)
+        start, end, lo = split_range(CL, b, split, num_splits, BLOCK_N, ROWS, WINDOW)
         if start < end:
             n_tiles = gl.cdiv(end - start, BLOCK_N)
             dtype: gl.constexpr = k_desc.dtype
@@ -196,10 +196,7 @@ if gluon is not None:
                              end, n_tiles, kvh * HEAD_DIM, PAGE, HALVES, STAGES, BLOCK_N)),
             ], [1], [PRODUCER_REGS])
             invalidate_ring(ready, empty, STAGES)
-            if FUSED:  # the last live split merges (decode_merge_sm90.py)
-                merge_if_last(MID_O, MID_LSE, O, CNT, b, kvh, live, num_splits, stride_ob, stride_oh, GROUP,
-                              HEAD_DIM, num_warps)
-        elif not FUSED:  # the merge kernel reads every split; the fused merge only the live ones
+        else:
             write_empty_split(MID_O, MID_LSE, b, kvh, split, num_splits, GROUP, NPAD, HEAD_DIM, num_warps)
 
 
@@ -226,20 +223,18 @@ def paged_decode_attention_sm90(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """``paged_decode_attention`` (same arguments and result) on sm_90 with a 16-bit q over 16-bit or 8-bit
     caches; other inputs go to the Triton kernel. ``window`` (0: none): the query at ``context_lens[b] - 1``
     sees its last ``window`` keys, and only their pages' table entries are read; ``softcap`` (0: none): scores
     s become ``softcap * tanh(s / softcap)``; ``sinks`` ``[Hq]`` (None: none): a logit per head in the softmax's
-    denominator, with no value; ``fused_merge`` (None: ``MINFER_DECODE_FUSED_MERGE``): split programs merge
-    themselves, or a second kernel does."""
+    denominator, with no value."""
     fmt = check_paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables=block_tables,
                                 context_lens=context_lens)
     check_window_softcap(window, softcap, sinks, q)
     fallback = lambda: paged_decode_attention(  # noqa: E731
         q, k_cache, v_cache, block_tables, context_lens, scale, out, k_scale=k_scale, v_scale=v_scale,
-        num_splits=num_splits, window=window, softcap=softcap, sinks=sinks, fused_merge=fused_merge)
+        num_splits=num_splits, window=window, softcap=softcap, sinks=sinks)
     if not sm90_decode_applies(q, k_cache):
         return fallback()
     batch, num_heads, head_dim = q.shape
@@ -258,13 +253,11 @@ def paged_decode_attention_sm90(
                                        SPLIT_TARGET_PER_SM if quant else SPLITS_PER_SM)
     mid_o, mid_lse = split_partials(q, out, num_splits)
     direct = num_splits == 1
-    counters = None if direct or not fused_merge_enabled(fused_merge) else split_counters(q.device,
-                                                                                           batch * num_kv_heads)
     common = (block_tables, context_lens, out, mid_o, mid_lse, score_scale(scale, softcap), q.stride(0), q.stride(1),
               block_tables.stride(0), out.stride(0), out.stride(1), num_splits)
     params = dict(GROUP=group, NPAD=8 if group <= 8 else 16, HEAD_DIM=head_dim, PAGE=page, BLOCK_N=BLOCK_N,
                   DIRECT=direct, WINDOW=int(window), SOFTCAP=float(softcap), SINKS=sinks, HAS_SINKS=sinks is not None,
-                  CNT=counters, FUSED=counters is not None, num_warps=4)
+                  num_warps=4)
     if quant:
         kernel = sm90_8bit._decode_sm90_8bit_kernel
         args = (q, *sm90_8bit.descriptors(k_cache, v_cache, k_scale, v_scale), *common)
@@ -280,9 +273,8 @@ def paged_decode_attention_sm90(
         sole = batch * num_kv_heads * num_splits <= num_sms(q.device)
         params.update(STAGES=SOLE_STAGES if sole else STAGES, maxnreg=MAX_REGS)
     grid = (num_kv_heads, batch, num_splits)
-    if not _guard.launch(build_kind(quant, window, softcap, sinks is not None, counters is not None),
-                         lambda: kernel[grid](*args, **params)):
+    if not _guard.launch(build_kind(quant, window, softcap, sinks is not None), lambda: kernel[grid](*args, **params)):
         return fallback()
-    if not direct and counters is None:
+    if not direct:
         merge_partials(mid_o, mid_lse, out)
     return out

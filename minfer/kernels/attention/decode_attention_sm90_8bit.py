@@ -39,7 +39,6 @@ import torch
 from .gluon_sm90 import gluon
 
 if gluon is not None:
-    from .decode_merge_sm90 import merge_if_last
     from .gluon_sm90 import (
         TensorDescriptor, _tma_load, barrier_ring, codes_to_f16, decode_max_start, fence_async_shared, gl,
         invalidate_ring, log2_scores, mbarrier, online_softmax, partition_barrier, reinterpret, split_range,
@@ -274,17 +273,17 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["stride_btb", "num_splits"])  # both change from step to step
     def _decode_sm90_8bit_kernel(
         Q, kv_desc, vv_desc, ks_desc, vs_desc, BT, CL, O, MID_O, MID_LSE, scale_log2e,
-        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits, SINKS, CNT,
+        stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, num_splits, SINKS,
         GROUP: gl.constexpr, NPAD: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
         NUM_KV_HEADS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONVERT_Q: gl.constexpr,
         DIRECT: gl.constexpr, WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_SINKS: gl.constexpr,
-        FUSED: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         ROWS: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N  # keys per copy
         kvh = gl.program_id(0)  # fastest: a sequence's heads start together, in the batch's order
         b = gl.program_id(1)
         split = gl.program_id(2)
-        start, end, lo, live = split_range(CL, b, split, num_splits, BLOCK_N, ROWS, WINDOW)
+        start, end, lo = split_range(CL, b, split, num_splits, BLOCK_N, ROWS, WINDOW)
         if start < end:
             n_tiles = gl.cdiv(end - start, BLOCK_N)
             lay16: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -309,10 +308,7 @@ if gluon is not None:
                              PAGE, STAGES, BLOCK_N)),
             ], [1], [PRODUCER_REGS])
             invalidate_ring(ready, empty, STAGES)
-            if FUSED:  # the last live split merges (decode_merge_sm90.py)
-                merge_if_last(MID_O, MID_LSE, O, CNT, b, kvh, live, num_splits, stride_ob, stride_oh, GROUP,
-                              HEAD_DIM, num_warps)
-        elif not FUSED:  # the merge kernel reads every split; the fused merge only the live ones
+        else:
             write_empty_split(MID_O, MID_LSE, b, kvh, split, num_splits, GROUP, NPAD, HEAD_DIM, num_warps)
 
 

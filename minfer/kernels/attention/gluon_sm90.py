@@ -76,14 +76,13 @@ def score_scale(scale: float, softcap: float) -> float:
     return scale * 2 * LOG2E / softcap if softcap else scale * LOG2E
 
 
-Kind = bool | tuple[bool, bool, bool, bool, bool]
+Kind = bool | tuple[bool, bool, bool, bool]
 
 
-def build_kind(quant: bool, window: int, softcap: float, sinks: bool = False, fused: bool = False) -> Kind:
-    """What a ``BuildGuard`` keeps apart: whether the cache is 8-bit, and for a variant with a window, a cap, sinks
-    or a decode's fused merge, ``(8-bit, windowed, capped, sinks, fused)`` (each compiles its own code, so each may
-    fail to build on its own)."""
-    return (quant, window > 0, softcap > 0, sinks, fused) if window or softcap or sinks or fused else quant
+def build_kind(quant: bool, window: int, softcap: float, sinks: bool = False) -> Kind:
+    """What a ``BuildGuard`` keeps apart: whether the cache is 8-bit, and for a variant with a window, a cap or
+    sinks, ``(8-bit, windowed, capped, sinks)`` (each compiles its own code, so each may fail to build on its own)."""
+    return (quant, window > 0, softcap > 0, sinks) if window or softcap or sinks else quant
 
 
 class BuildGuard:
@@ -108,10 +107,9 @@ class BuildGuard:
             run()
         except Exception as exc:  # noqa: BLE001 - any compile failure: keep serving on the Triton kernel
             self.failed.add(kind)
-            quant, windowed, capped, sinks, fused = kind if isinstance(kind, tuple) else (kind, *[False] * 4)
+            quant, windowed, capped, sinks = kind if isinstance(kind, tuple) else (kind, False, False, False)
             variant = "8-bit" if quant else "16-bit"
             variant += " caches" + ", a window" * windowed + ", soft-capping" * capped + ", sinks" * sinks
-            variant += ", the fused merge" * fused
             logger.warning("the Hopper %s kernel (%s) failed to build on Triton %s; using the Triton kernel "
                            "instead: %s: %s", self.what, variant, triton.__version__, type(exc).__name__,
                            str(exc)[:300])
@@ -281,8 +279,7 @@ if gluon is not None:
     # ------------------------------------------------------------------ what the two decode kernels share
     @gluon.jit
     def split_range(CL, b, split, num_splits, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, WINDOW: gl.constexpr):
-        """Keys [start, end) of split ``split`` of sequence ``b``, ``lo``, the first key its query sees, and the
-        number of splits that hold a key (the fused merge's count):
+        """Keys [start, end) of split ``split`` of sequence ``b``, and ``lo``, the first key its query sees:
         equal ranges of the keys read, rounded up to whole tiles (as the Triton kernel cuts them). Without a
         window they cover the context; with one, [lo, ctx) with lo = max(0, ctx - WINDOW), its start rounded down
         to a copy's ``ROWS`` keys (within lo's page: the TMA copies start there), so no split reads a table entry
@@ -291,12 +288,13 @@ if gluon is not None:
         if WINDOW > 0:
             lo = gl.maximum(ctx - WINDOW, 0)
             first = lo // ROWS * ROWS
+            per_split = gl.cdiv(gl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
+            start = first + split * per_split
         else:
             lo = 0
-            first = 0
-        per_split = gl.cdiv(gl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
-        start = first + split * per_split
-        return start, gl.minimum(start + per_split, ctx), lo, gl.cdiv(ctx - first, gl.maximum(per_split, 1))
+            per_split = gl.cdiv(gl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+            start = split * per_split
+        return start, gl.minimum(start + per_split, ctx), lo
 
     @gluon.jit
     def online_softmax(s, m_i, l_keys, n0, lo, end, key_layout: gl.constexpr, BLOCK_N: gl.constexpr,
