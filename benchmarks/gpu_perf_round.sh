@@ -7,14 +7,12 @@
 #           workload A on qwen3-0.6b and llama-3.2-1b, batch 1 on llama-3.2-1b, workload A on llama-3.1-8b bf16 /
 #           FP8 / FP8 + int8 KV, batch 1 on llama-3.1-8b FP8 and qwen3-30b-a3b; decode attention B=1 x 32k
 #           (benchmarks/sweep_decode_sm90.py, graph-timed)                          -> $OUT/base.md, $OUT/decode32k.md
-# profile:  where the small models' steps go (dev/step_timeline.py, dev/profile_steps.py) and a batch-1 profile of
-#           qwen3-30b-a3b and llama-3.1-8b                                            -> $OUT/profile_*.txt
-# kernels:  the gpu tests of the round's kernels, the FP8 gemv's conversion forms (bench_fp8.py --only gemv), the
-#           decode attention with the merge fused or not (sweep_decode_sm90.py)  -> kernel_tests.log, *.md
-# moe:      the MoE decode kernels at the bf16 MoE shapes, each kernel timed (dev/moe_decode_sweep.py) -> moe_decode.md
-# final:    the fused merge's gpu tests, batch 1 on qwen3-30b-a3b and llama-3.2-1b (merge fused or not), and the
-#           serve part for fcfs and prefill-first                                    -> final.md, policies.md
-# serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients   -> $OUT/policies.md
+# profile:  where the small models' steps go (dev/step_timeline.py on qwen3-0.6b and llama-3.2-1b, dev/profile_steps.py)
+#           and a batch-1 profile of qwen3-30b-a3b                 -> $OUT/timeline_*.md, $OUT/profile_*.txt
+# moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
+#           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
+# serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
+#           as measured)                                                              -> $OUT/policies.md
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
 DEADLINE_DEFAULT=570
 source "$(dirname "$0")/device_call.sh"
@@ -61,35 +59,14 @@ case " $PARTS " in *" profile "*)
     > "$OUT/timeline_llama-3.2-1b.log" 2>&1 || echo "   exit $?"
   cat "$OUT/timeline_llama-3.2-1b.md" 2>/dev/null ;;
 esac
-case " $PARTS " in *" kernels "*)
-  echo "== gpu tests of the round's kernels ($(left) s left)"
-  timeout "$(cap 200)" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfs ${KTESTS:-tests/kernels/test_kernel_moe_decode_gpu.py \
-    tests/kernels/test_kernel_gemv_fp8_cvt.py tests/kernels/test_kernel_decode_merge_gpu.py} > "$OUT/kernel_tests.log" 2>&1
-  echo "   exit $?; $(tail -1 "$OUT/kernel_tests.log")"
-  grep -E "^FAILED|^ERROR|^E " "$OUT/kernel_tests.log" | cut -c1-200 | head -20
-  echo "== FP8 gemv conversion forms ($(left) s left)"
-  timeout "$(cap 120)" "$PY" benchmarks/bench_fp8.py --only gemv > "$OUT/fp8_gemv.md" 2>&1 || echo "   exit $?"
-  grep "^|\|Error" "$OUT/fp8_gemv.md" | head -40
-  echo "== decode attention, merge fused or not ($(left) s left)"
-  timeout "$(cap 120)" "$PY" benchmarks/sweep_decode_sm90.py ${DECODE_ARGS:-} > "$OUT/decode_merge.md" 2>&1 || echo "   exit $?"
-  grep "^|\|Error" "$OUT/decode_merge.md" | head -30 ;;
-esac
 case " $PARTS " in *" moe "*)
-  echo "== MoE decode kernels, bf16 shapes ($(left) s left)"
+  echo "== MoE decode gpu tests ($(left) s left)"
+  timeout "$(cap 120)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_moe_decode_gpu.py \
+    > "$OUT/moe_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/moe_tests.log")"
+  echo "== MoE decode kernels ($(left) s left)"
   PYTHONPATH="$PYTHONPATH:$PWD" timeout "$(cap 200)" "$PY" dev/moe_decode_sweep.py ${MOE_ARGS:-} > "$OUT/moe_decode.md" 2>&1 \
     || echo "   exit $?"
   cat "$OUT/moe_decode.md" | head -80 ;;
-esac
-case " $PARTS " in *" final "*)
-  echo "== gpu tests of the fused merge ($(left) s left)"
-  timeout "$(cap 80)" "$PY" -m pytest -q -x -p no:cacheprovider -m gpu tests/kernels/test_kernel_decode_merge_gpu.py \
-    > "$OUT/merge_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/merge_tests.log")"
-  grep -E "^FAILED|^E " "$OUT/merge_tests.log" | cut -c1-200 | head -8
-  bench b1_qwen3-30b-a3b --shape qwen3-30b-a3b --batch1
-  MINFER_DECODE_FUSED_MERGE=0 bench b1_llama-3.2-1b_merge0 --shape llama-3.2-1b --batch1
-  bench b1_llama-3.2-1b --shape llama-3.2-1b --batch1
-  bench_table final.md
-  POLICIES="${POLICIES:-fcfs prefill-first}" DEADLINE=$(left) bash benchmarks/serve_policies.sh ;;
 esac
 case " $PARTS " in *" serve "*)
   bash benchmarks/serve_policies.sh ;;
