@@ -225,7 +225,7 @@ class EngineConfig:
     # one Python launch per kernel, and at 8192 those launches took longer than the GPU's work
     # (workload A, H200: 31 ms of host launch for ~20 ms of kernels per step); 16384 halves the count.
     max_num_batched_tokens: int = _knob(16384, "most tokens (prompt chunks + decodes) in one step")
-    scheduling_policy: str = _knob("fcfs", "which waiting prompts a step admits: sched_policy.py", SCHEDULING_POLICIES)
+    scheduling_policy: str = _knob("prefill-first", "which waiting prompts a step admits", SCHEDULING_POLICIES)
     block_size: int = _knob(16, "tokens per KV-cache block (a power of two up to 256)")
     gpu_memory_utilization: float = _knob(0.9, "share of the GPU's memory the engine may take, KV cache included")
     kv_cache_memory_bytes: int | None = _knob(None, "KV cache size in bytes (overrides gpu_memory_utilization; "

@@ -5,9 +5,11 @@ memory profile is sized for, so no policy steps past it); a policy only decides 
 object here (``Scheduler.policy`` is None): its path has no extra work per step or per sequence.
 
 - ``prefill-first``: a burst's p99 TTFT is its total prefill compute over the GPU's rate, whatever the order
-  (``minfer.benchmark.bounds.burst_ttft_floors``); what a policy can move is who waits. Shortest remaining prompt
+  (``minfer/benchmark/ttft_floor.py``); what a policy can move is who waits. Shortest remaining prompt
   first lowers the median and p90 of a burst; a sequence that has waited ``AGE_STEPS`` steps goes ahead of every
-  younger one (first come first among those), so none starves. While the decode batch is large and only a few
+  younger one (first come first among those), so none starves. Only the queue's first ``WINDOW`` sequences are
+  ordered (those behind stay in arrival order), so a step's host cost stays bounded under an offline batch of any
+  size. While the decode batch is large and only a few
   young prompts wait, admission is held for up to ``HOLD_STEPS`` steps so arrivals join in one mixed step: a step
   with prompt tokens runs eagerly, a pure decode step replays a CUDA graph, and at 256 clients about every other
   step would otherwise carry one arrival's prompt.
@@ -58,6 +60,7 @@ class PrefillFirst(SchedulingPolicy):
     HOLD_STEPS = 4  # the longest admission is held to gather arrivals (a few decode steps of TTFT)
     HOLD_BATCH = 8  # arrivals that open admission at once
     HOLD_SHARE = 0.5  # hold only while the running rows fill this share of max_num_seqs
+    WINDOW = 512  # the queue's head that is ordered and aged
 
     def __init__(self) -> None:
         self.step = 0
@@ -70,19 +73,18 @@ class PrefillFirst(SchedulingPolicy):
             self.arrival.clear()
             return True
         step, seen = self.step, self.arrival
-        self.arrival = arrival = {s.seq_id: seen.get(s.seq_id, step) for s in waiting}  # admitted ones leave
-        if len(waiting) > 1:
-            def key(seq: Sequence) -> tuple[int, int, int]:
-                came = arrival[seq.seq_id]
-                if _resumed(seq) or step - came >= self.AGE_STEPS:
-                    return 0, came, 0
-                return 1, len(seq.token_ids) - seq.num_computed_tokens, came
-            ordered = sorted(waiting, key=key)
-            waiting.clear()
-            waiting.extend(ordered)
+        head = [waiting.popleft() for _ in range(min(len(waiting), self.WINDOW))]
+        self.arrival = arrival = {s.seq_id: seen.get(s.seq_id, step) for s in head}  # admitted ones leave
+
+        def key(seq: Sequence) -> tuple[int, int, int]:
+            came = arrival[seq.seq_id]
+            if _resumed(seq) or step - came >= self.AGE_STEPS:
+                return 0, came, 0
+            return 1, len(seq.token_ids) - seq.num_computed_tokens, came
+        waiting.extendleft(reversed(sorted(head, key=key)))
         free_rows = sched.max_num_seqs - len(sched.running)
         if (num_running_rows >= self.HOLD_SHARE * sched.max_num_seqs and len(waiting) < min(self.HOLD_BATCH, free_rows)
-                and not _resumed(waiting[0]) and step - min(arrival[s.seq_id] for s in waiting) < self.HOLD_STEPS):
+                and not _resumed(waiting[0]) and step - min(arrival.values()) < self.HOLD_STEPS):
             return False
         return True
 

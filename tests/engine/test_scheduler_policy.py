@@ -67,7 +67,7 @@ def test_cli_flag_reaches_the_config():
     add_engine_args(parser)
     args = EngineArgs.from_cli_args(parser.parse_args(["--scheduling-policy", "kv-predict"]))
     assert args.create_engine_config().scheduling_policy == "kv-predict"
-    assert EngineArgs.from_cli_args(parser.parse_args([])).scheduling_policy == "fcfs"
+    assert EngineArgs.from_cli_args(parser.parse_args([])).scheduling_policy == "prefill-first"
 
 
 def test_prefill_first_burst_serves_short_prompts_sooner_but_drains_no_faster():
