@@ -31,19 +31,9 @@ CANDIDATES = [(8, 4, 8192, 4, 3, False), (8, 8, 8192, 8, 1, False), (8, 4, 2048,
 
 
 def graph_us(fn, iters: int = 100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / iters
+    """µs per replay of a graph of ``fn`` (lora_tiles' graph timer; this script's directory is on the path)."""
+    from lora_tiles import _time
+    return _time(fn, iters)
 
 
 def kernel_split(fn, iters: int = 50) -> dict[str, float]:
