@@ -177,3 +177,15 @@ def test_engine_greedy_outputs_match_fcfs(policy: str):
                  scheduling_policy=name) as llm:
             outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs[policy] == outs["fcfs"]
+
+
+def test_prefill_first_orders_only_the_window_at_the_head(monkeypatch):
+    """Shortest first among the queue's first WINDOW sequences; those behind keep their arrival order (a bounded
+    sort per step, whatever the size of an offline batch)."""
+    monkeypatch.setattr(PrefillFirst, "WINDOW", 4)
+    sched = Scheduler(BlockManager(4096, 16), max_num_seqs=256, max_num_batched_tokens=4096, policy="prefill-first")
+    seqs = [_seq(n, 4) for n in (90, 70, 50, 30, 80, 60, 40, 20)]
+    for seq in seqs:
+        sched.add_request([seq])
+    assert sched.policy.prepare(sched, 0)
+    assert [len(s.prompt_token_ids) for s in sched.waiting] == [30, 50, 70, 90, 80, 60, 40, 20]

@@ -91,8 +91,8 @@ def moe_decode_config(weight_bytes: float, h: int, i: int, device: torch.device)
     GEMV's (``gemm/gemv_config.py``: 4 rows x 2048); float32 weights take half. Elsewhere the kernels run in
     Triton's interpreter, where a program costs milliseconds of Python whatever its size: one program a pair and
     one a token, each a single K step, at the small layers that run there. Float experts: the down kernel takes a
-    token's experts one after another, 4096-value tiles, two stages (qwen3-30b-a3b's down kernel 120 -> ~17 µs at
-    one token; the one-tile layout ``[8, 4, 256]`` ran at a seventh of the bandwidth); MXFP4 keeps the one tile,
+    token's experts one after another, 4096-value tiles, two stages (qwen3-30b-a3b's layer 141 -> 38 µs at one
+    token; the one-tile layout ``[8, 4, 256]`` ran at a seventh of the bandwidth); MXFP4 keeps the one tile,
     within 7% of the best candidate (``dev/moe_decode_sweep.py``)."""
     if device.type != "cuda":
         return MoeDecodeConfig(min(next_pow2(i), 256), min(next_pow2(h), 256), tile=1 << 16)

@@ -1,9 +1,10 @@
 """Mixture of experts for a few tokens (decode steps): two matrix-vector kernels, no routing pass, no sum pass.
 
-At one to eight tokens each chosen expert multiplies one or two rows, so the layer is a weight stream: gpt-oss-20b
-at T=1 reads 4 experts' MXFP4 codes (53 MB, 12.6 µs at the H200's bandwidth). The grouped GEMMs of ``moe.py``
-spend such a step on 16-row tiles holding one real row, few programs and long K loops. Here every program streams
-a few weight rows whole, with a float32 partial sum per lane reduced once at the end (``gemm/gemv.py``'s shape):
+At one to eight tokens (float experts: one, ``moe_args.use_moe_decode``) each chosen expert multiplies one or two
+rows, so the layer is a weight stream: gpt-oss-20b at T=1 reads 4 experts' MXFP4 codes (53 MB, 12.6 µs at the
+H200's bandwidth). The grouped GEMMs of ``moe.py`` spend such a step on 16-row tiles holding one real row, few
+programs and long K loops. Here every program streams a few weight rows whole, with a float32 partial sum per lane
+reduced once at the end (``gemm/gemv.py``'s shape):
 
 1. ``_moe_decode_gate_up_kernel``, grid (T * top_k pairs, I / BLOCK_N): program (pair, n) routes its token
    itself from the router logits row (``moe_common.route_row``: E values, top-k, the softmax; the same code as
@@ -11,10 +12,12 @@ a few weight rows whole, with a float32 partial sum per lane reduced once at the
    and the same BLOCK_N up rows (one ``[2, BLOCK_N, BLOCK_K]`` tile a K step) against the token's x; the SwiGLU
    (or gpt-oss's biased, clamped one) runs in the epilogue and the row of ``inter [T * top_k, I]`` is stored.
 2. ``_moe_decode_down_kernel``, grid (T, H / BLOCK_N): program (token, n) routes the token again, and streams
-   BLOCK_N down rows of all its top_k experts at once (a ``[top_k, BLOCK_N, BLOCK_K]`` tile a step, each expert's
-   rows against its own ``inter`` row); the epilogue rounds each expert's projection, adds its bias, weights it,
-   and sums the experts in slot order in float32: the output row, rounded once. No atomics and no partial rows in
-   memory: the sum is in registers, in the reference's order.
+   BLOCK_N down rows of all its top_k experts, each expert's rows against its own ``inter`` row: at once (one
+   ``[top_k, BLOCK_N, BLOCK_K]`` tile a step: MXFP4) or one expert after another (``[BLOCK_N, BLOCK_K]`` tiles:
+   float experts, ``MoeDecodeConfig.expert_loop``; at top 8 the one tile ran at a seventh of the bandwidth); the
+   epilogue rounds each expert's projection, adds its bias, weights it, and sums the experts in slot order in
+   float32: the output row, rounded once. No atomics and no partial rows in memory: the sum is in registers, in
+   the reference's order.
 
 Routing twice, and in every program, costs E logits a program (L2-resident) and top_k max-reductions, against a
 launch and a round trip through memory for a routing pass. The pair index is the fastest grid dimension, so the
