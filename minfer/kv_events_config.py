@@ -10,9 +10,10 @@ importing the engine (or pyzmq).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from minfer.spec_config import config_fields
 
 PUBLISHERS = ("null", "zmq")
 # How each event is laid out in msgpack. "array": vLLM's tagged positional arrays (msgspec's array_like structs),
@@ -49,18 +50,7 @@ class KVEventsConfig:
         None."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a dict (or its JSON), got {type(value).__name__}")
-        names = [f.name for f in fields(cls)]
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown field(s) {unknown}; allowed: {names}")
-        return cls(**value)
+        return cls(**config_fields(value, "kv_events_config", cls))
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):

@@ -20,6 +20,23 @@ MAX_SPECULATIVE_TOKENS = 16  # past this the verify forward costs more than any 
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
+def config_fields(value: Any, option: str, cls: type) -> dict[str, Any]:
+    """A JSON-valued engine option (``--speculative-config '<json>'``, ``--kv-events-config '<json>'``, or the dict
+    ``LLM`` takes) as a new dict of ``cls``'s dataclass fields; each error names ``option``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{option} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} must be a dict (or its JSON), got {type(value).__name__}")
+    names = sorted(f.name for f in fields(cls))
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"{option} has unknown field(s) {unknown}; allowed: {names}")
+    return dict(value)
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """What drafts the tokens and how many. ``disable_by_batch_size``: no speculation in a step that runs this many
@@ -38,18 +55,7 @@ class SpeculativeConfig:
         """From ``LLM(speculative_config=...)`` or ``--speculative-config '<json>'``; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {unknown}; allowed: {sorted(names)}")
-        kwargs = dict(value)
+        kwargs = config_fields(value, "speculative_config", cls)
         if "method" not in kwargs:
             kwargs["method"] = _infer_method(kwargs.get("model"))
         if "num_speculative_tokens" not in kwargs:

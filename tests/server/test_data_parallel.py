@@ -41,6 +41,7 @@ from minfer.server.http_protocol import http_protocol  # noqa: E402
 from minfer.server.lora_modules import LoRAModulePath  # noqa: E402
 
 from .conftest import ENGINE_ARGS, MODEL_NAME  # noqa: E402
+from .procs import descendants, free_port, kill_left, proc_stat, still_running  # noqa: E402
 
 if not sys.platform.startswith("linux"):
     pytest.skip("reads /proc", allow_module_level=True)
@@ -51,48 +52,6 @@ CLIENT_GREEDY = dict(temperature=0.0, max_tokens=10, extra_body={"ignore_eos": T
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "The quick brown fox", "class Stack:"]
 START_TIMEOUT_S = 90.0
 GONE_TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time) of a live process; None when gone or a zombie."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return None if fields[0] in "ZX" else (fields[0], int(fields[1]), int(fields[19]))
-
-
-def _descendants(root: int) -> dict[int, tuple[int, str]]:
-    """pid -> (start time, name) of every live process below ``root``."""
-    stats = {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _stat(int(e))) is not None}
-    found: dict[int, tuple[int, str]] = {}
-    frontier = {root}
-    while frontier:
-        frontier = {pid for pid, st in stats.items() if st[1] in frontier and pid not in found}
-        for pid in frontier:
-            try:
-                found[pid] = (stats[pid][2], Path(f"/proc/{pid}/comm").read_text().strip())
-            except OSError:
-                pass
-    return found
-
-
-def _still_running(seen: dict[int, tuple[int, str]], grace_s: float) -> list[str]:
-    """Which of ``seen`` still run (the same process, not a reused pid) after up to ``grace_s``."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        left = [f"{pid} ({name})" for pid, (start, name) in seen.items()
-                if (st := _stat(pid)) is not None and st[2] == start]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
 
 
 def _write_adapter(base: Path, folder: Path, seed: int, modules: list[str]) -> Path:
@@ -153,7 +112,7 @@ def dp(tiny_model: Path, adapters: dict[str, Path]) -> Iterator[DPServer]:
     pids = list(server.engine.pids)
     yield server
     server.stop()
-    assert _still_running({pid: (_stat(pid)[2], "replica") for pid in pids if _stat(pid)}, 5.0) == []
+    assert still_running({pid: (proc_stat(pid)[2], "replica") for pid in pids if proc_stat(pid)}, 5.0) == []
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +286,7 @@ class ServeProcess:
     """``python -m minfer.cli serve --data-parallel-size 2`` in a subprocess, its log in a file."""
 
     def __init__(self, model: Path, log: Path) -> None:
-        self.port, self.log_path = _free_port(), log
+        self.port, self.log_path = free_port(), log
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "minfer.cli", "-v", "serve", "--model", str(model), "--data-parallel-size", "2",
                "--port", str(self.port), "--no-access-log", "--uvicorn-log-level", "warning", "--num-kv-blocks", "64",
@@ -344,7 +303,7 @@ class ServeProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        self.tree = _descendants(self.proc.pid)
+        self.tree = descendants(self.proc.pid)
         names = sorted(name for _, name in self.tree.values())
         assert "minfer-dp0" in names and "minfer-dp1" in names, names
 
@@ -352,9 +311,7 @@ class ServeProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def kill_all(self) -> None:
-        for pid, (start, _) in self.tree.items():
-            if (st := _stat(pid)) is not None and st[2] == start:
-                os.kill(pid, signal.SIGKILL)
+        kill_left(self.tree)
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
@@ -368,7 +325,7 @@ def test_sigterm_stops_the_server_and_every_replica(tiny_model: Path, tmp_path: 
         assert out["choices"][0]["text"] is not None and json.dumps(out)
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(GONE_TIMEOUT_S) == -signal.SIGTERM, server.log()
-        assert _still_running(server.tree, 5.0) == [], server.log()
+        assert still_running(server.tree, 5.0) == [], server.log()
         assert "the data-parallel replicas have stopped" in server.log(), server.log()
     finally:
         server.kill_all()
@@ -380,6 +337,6 @@ def test_the_replicas_of_a_killed_server_exit(tiny_model: Path, tmp_path: Path) 
     try:
         server.proc.kill()
         server.proc.wait(10)
-        assert _still_running(server.tree, 10.0) == [], server.log()
+        assert still_running(server.tree, 10.0) == [], server.log()
     finally:
         server.kill_all()

@@ -18,12 +18,7 @@ from minfer.cli import main
 from minfer.server.metrics import ServerMetrics
 
 from .conftest import LiveServer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .procs import free_port
 
 
 def _families(text: str) -> dict[str, Any]:
@@ -36,7 +31,7 @@ def test_serve_with_kv_events_config_publishes_block_events(tiny_model: Path, mo
     import uvicorn
     from fastapi.testclient import TestClient
 
-    port = _free_port()
+    port = free_port()
     kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv@pod-a@tiny"}
     received: list[Any] = []
 

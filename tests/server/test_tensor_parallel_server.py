@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ openai = pytest.importorskip("openai")
 
 from minfer.server.run import ENGINE_DEAD_EXIT_STATUS  # noqa: E402
 
+from .procs import descendants, free_port, kill_left, proc_stat, still_running  # noqa: E402
+
 if not sys.platform.startswith("linux"):
     pytest.skip("reads /proc", allow_module_level=True)
 
@@ -36,28 +37,12 @@ START_TIMEOUT_S = 90.0  # two processes import torch and load the model on two s
 GONE_TIMEOUT_S = 20.0  # uvicorn's graceful 5 s, the engine thread, the workers' join
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time) of a live process, or None (gone, or a zombie: it has exited)."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()  # the name (in parentheses) may hold spaces
-    return None if fields[0] in "ZX" else (fields[0], int(fields[1]), int(fields[19]))
-
-
 def _children(pid: int) -> dict[int, str]:
     """pid -> /proc/<pid>/comm of the live children of ``pid``."""
     out = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
-            st = _stat(int(entry))
+            st = proc_stat(int(entry))
             if st is not None and st[1] == pid:
                 try:
                     out[int(entry)] = Path(f"/proc/{entry}/comm").read_text().strip()
@@ -66,32 +51,11 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def _descendants(root: int) -> dict[int, int]:
-    """pid -> start time of every live process below ``root``."""
-    stats = {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _stat(int(e))) is not None}
-    found: dict[int, int] = {}
-    frontier = {root}
-    while frontier:
-        frontier = {pid for pid, st in stats.items() if st[1] in frontier and pid not in found}
-        found.update({pid: stats[pid][2] for pid in frontier})
-    return found
-
-
-def _left_after(seen: dict[int, int], grace_s: float) -> list[int]:
-    """Which of ``seen`` (pid -> start time) still run after up to ``grace_s``."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        left = [pid for pid, start in seen.items() if (st := _stat(pid)) is not None and st[2] == start]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.05)
-
-
 class TPServer:
     """``python -m minfer.cli serve ... --tensor-parallel-size 2`` in a subprocess, its log in a file."""
 
     def __init__(self, model: Path, log: Path, **popen: Any) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         cmd = [sys.executable, "-m", "minfer.cli", "-v", "serve", "--model", str(model),  # -v: run_server's log
@@ -113,7 +77,7 @@ class TPServer:
                 pass
             time.sleep(0.1)
         # every process the server started (the worker, multiprocessing's resource tracker): none may outlive it
-        self.tree = {pid: (comm, _stat(pid)) for pid, comm in _children(self.proc.pid).items()}
+        self.tree = {pid: (comm, proc_stat(pid)) for pid, comm in _children(self.proc.pid).items()}
         workers = [pid for pid, (comm, _) in self.tree.items() if comm == "minfer-tp1"]
         assert len(workers) == 1, f"expected one child named minfer-tp1, found {_children(self.proc.pid)}"
         self.worker = workers[0]
@@ -126,7 +90,7 @@ class TPServer:
 
     def alive(self, pid: int) -> bool:
         """Whether the process recorded as ``pid`` still runs (not merely a process that reuses the number)."""
-        st, (_, first) = _stat(pid), self.tree[pid]
+        st, (_, first) = proc_stat(pid), self.tree[pid]
         return st is not None and first is not None and st[2] == first[2]
 
     def left(self) -> list[str]:
@@ -291,7 +255,7 @@ def test_ctrl_c_leaves_no_process_behind(start: Callable[..., TPServer]) -> None
 
 def test_bench_serve_launches_a_tp2_server_and_stops_it(tiny_model: Path, tmp_path: Path) -> None:
     """The launched server is not a daemonic process (one may not start the worker) and still always stops."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "minfer.cli", "bench-serve", "--launch", "--model", str(tiny_model),
            "--port", str(port), "--tensor-parallel-size", "2", *ENGINE, "--concurrency", "2", "--num-prompts", "4",
            "--warmup", "1", "--workload", "fixed", "--input-len", "16", "--output-len", "8", "--token-id-max", "299",
@@ -299,18 +263,16 @@ def test_bench_serve_launches_a_tp2_server_and_stops_it(tiny_model: Path, tmp_pa
     log = tmp_path / "bench.log"
     with open(log, "wb") as f:  # a file, not a pipe nobody reads while it runs
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    seen: dict[int, int] = {}
+    seen: dict[int, tuple[int, str]] = {}
     deadline = time.monotonic() + 2 * START_TIMEOUT_S
     try:
         while proc.poll() is None:
             assert time.monotonic() < deadline, "bench-serve --launch did not finish"
-            seen.update(_descendants(proc.pid))
+            seen.update(descendants(proc.pid))
             time.sleep(0.05)
-        left = _left_after(seen, grace_s=10.0)  # multiprocessing's resource tracker ends just after its parent
+        left = still_running(seen, grace_s=10.0)  # multiprocessing's resource tracker ends just after its parent
     finally:
-        for pid, start in seen.items():
-            if (st := _stat(pid)) is not None and st[2] == start:
-                os.kill(pid, signal.SIGKILL)
+        kill_left(seen)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
