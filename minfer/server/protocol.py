@@ -103,23 +103,24 @@ class ToolCallIn(RequestModel):
 MEDIA_PARTS = ("image_url", "input_image", "image", "input_audio", "audio_url", "audio", "video_url", "video", "file")
 
 
+def text_only(content: Any) -> Any:
+    """A content validator (chat messages, Responses items): an image, audio, video or file part is a 400 naming it.
+    The server runs a text model (a multimodal checkpoint's language model, ``minfer/model/models/multimodal.py``),
+    and a dropped part would change what the user asked without telling them."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise ValueError(f"a {kind!r} content part: this server runs a text model (of a multimodal "
+                                 f"checkpoint, its language model); images, audio, video and files are not served")
+    return content
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, content: Any) -> Any:
-        """An image, audio or video part is a 400 naming it: the server runs a text model (a multimodal
-        checkpoint's language model, ``minfer/model/models/multimodal.py``), and a dropped part would change
-        what the user asked without telling them."""
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind in MEDIA_PARTS:
-                    raise ValueError(f"a {kind!r} content part: this server runs a text model (of a multimodal "
-                                     f"checkpoint, its language model); images, audio and video are not served")
-        return content
+    _media = field_validator("content", mode="before")(text_only)
     name: Text | None = None
     tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's calls")
     tool_call_id: Text | None = Field(None, description="a tool message's answer is to this call")

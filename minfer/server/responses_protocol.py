@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from minfer.server.protocol import MEDIA_PARTS, FunctionDef, FunctionName
+from minfer.server.protocol import FunctionDef, FunctionName, text_only
 from minfer.server.request_fields import UNSUPPORTED, JsonObject, RequestModel, SamplingFields, Text
 
 # Fields of the API this server does not implement: a 400 naming the field unless it holds a neutral value.
@@ -43,18 +43,6 @@ class RefusalPart(RequestModel):
 Part = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
 
 
-def _text_only(content: Any) -> Any:
-    """An image, audio or file part is refused by name: the server runs a text model, and a dropped part would
-    change the question without telling the caller."""
-    if isinstance(content, list):
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in MEDIA_PARTS:
-                raise ValueError(f"a {kind!r} content part: this server runs a text model; images, audio and "
-                                 f"files are not served")
-    return content
-
-
 def _joined(content: str | list[TextPart | RefusalPart]) -> str:
     if isinstance(content, str):
         return content
@@ -69,7 +57,7 @@ class MessageItem(RequestModel):
     role: Literal["user", "system", "developer", "assistant"]
     content: Text | list[Part]
 
-    _media = field_validator("content", mode="before")(_text_only)
+    _media = field_validator("content", mode="before")(text_only)
 
 
 class FunctionCallItem(RequestModel):
@@ -88,7 +76,7 @@ class FunctionCallOutputItem(RequestModel):
     call_id: Annotated[str, Field(min_length=1, max_length=256)]
     output: Text | list[Part]
 
-    _media = field_validator("output", mode="before")(_text_only)
+    _media = field_validator("output", mode="before")(text_only)
 
 
 class ReasoningItem(RequestModel):
