@@ -6,19 +6,16 @@ answers and tool calls whole and streamed, with no marker in what the client see
 ``chat_template_kwargs``; a request without a parser as before."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
 from harmony_fixtures import MARKERS, ScriptedSampler, harmony_checkpoint
-from minfer.server.app import build_app
 from minfer.server.chat import render_chat
 from minfer.server.chat_template import RenderBudget
 from minfer.server.protocol import ChatCompletionRequest
 
-from . import conftest as server_conftest
 from .conftest import MODEL_NAME, LiveServer
 
 openai = pytest.importorskip("openai")
@@ -42,11 +39,8 @@ USER = [{"role": "user", "content": "2 + 2?"}]
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     path = harmony_checkpoint(tmp_path_factory.mktemp("harmony") / "gpt-oss-like")
-    app = functools.partial(build_app, enable_auto_tool_choice=True, tool_call_parser="gpt_oss",
-                            reasoning_parser="gpt_oss")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(server_conftest, "build_app", app)
-        server = LiveServer(path)
+    server = LiveServer(path, app_args=dict(enable_auto_tool_choice=True, tool_call_parser="gpt_oss",
+                                            reasoning_parser="gpt_oss"))
     server.engine.runner.sampler = ScriptedSampler(server.engine.runner.sampler)
     yield server
     server.stop()

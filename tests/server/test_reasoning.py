@@ -4,7 +4,6 @@ the server with the openai client, the tiny random model's output forced by a re
 ``reasoning_content`` whole and streamed, tool calls read from the content only, and the flag's checks."""
 from __future__ import annotations
 
-import functools
 from typing import Any, Iterator
 
 import pytest
@@ -12,9 +11,7 @@ import pytest
 from minfer.cli import main
 from minfer.reasoning import (REASONING_PARSERS, DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ReasoningParser,
                               parse_whole, reasoning_parser_class)
-from minfer.server.app import build_app
 
-from . import conftest as server_conftest
 from .conftest import MODEL_NAME, LiveServer
 
 Split = tuple[str | None, str | None]
@@ -103,12 +100,9 @@ def _regex(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def reasoning_server(tiny_model: Any) -> Iterator[LiveServer]:
-    """The tiny model with ``--reasoning-parser qwen3`` and hermes auto tool choice, through ``build_app``."""
-    app = functools.partial(build_app, enable_auto_tool_choice=True, tool_call_parser="hermes",
-                            reasoning_parser="qwen3")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(server_conftest, "build_app", app)
-        live = LiveServer(tiny_model, chat_template=TEMPLATE)
+    """The tiny model with ``--reasoning-parser qwen3`` and hermes auto tool choice, through ``LiveServer``'s ``app_args``."""
+    live = LiveServer(tiny_model, chat_template=TEMPLATE, app_args=dict(
+        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3"))
     yield live
     live.stop()
 

@@ -10,7 +10,6 @@ the Responses API's fields; an agent running one function tool."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import shutil
 from collections.abc import Iterator
@@ -22,12 +21,10 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from minfer.server.app import build_app
 from minfer.server.errors import APIError
 from minfer.server.responses_api import renamed
 from minfer.server.responses_store import ResponseStore
 
-from . import conftest as server_conftest
 from .conftest import MODEL_NAME, LiveServer
 
 openai = pytest.importorskip("openai")
@@ -69,11 +66,8 @@ def live(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    app = functools.partial(build_app, enable_auto_tool_choice=True, tool_call_parser="hermes",
-                            reasoning_parser="qwen3")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(server_conftest, "build_app", app)
-        server = LiveServer(model, chat_template=TEMPLATE)
+    server = LiveServer(model, chat_template=TEMPLATE, app_args=dict(
+        enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3"))
     yield server
     server.stop()
 
@@ -373,9 +367,9 @@ def test_an_agent_runs_a_function_tool(live: LiveServer) -> None:
         model = OpenAIResponsesModel(model=MODEL_NAME, openai_client=client)
         # first turn: one call is required; then the SDK resets tool_choice and the typed answer comes (text.format).
         # Each turn's grammar bounds its output (whitespace runs included) well within max_tokens, whatever the draws.
+        settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=300)
         agent = Agent(name="forecaster", instructions="Use the tool, then answer.", tools=[get_weather], model=model,
-                      output_type=Forecast, model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                                             max_tokens=300))
+                      output_type=Forecast, model_settings=settings)
         if not streamed:
             return await Runner.run(agent, QUESTION, max_turns=4)
         result = Runner.run_streamed(agent, QUESTION, max_turns=4)

@@ -4,7 +4,6 @@ the client's own accumulation, to the non-streamed response); bad constraints an
 naming the field, after which the server still serves."""
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any, Iterator
 
@@ -13,9 +12,7 @@ import jsonschema
 import pytest
 
 from minfer.cli import main
-from minfer.server.app import build_app
 
-from . import conftest as server_conftest
 from .conftest import MODEL_NAME, LiveServer
 
 openai = pytest.importorskip("openai")
@@ -46,11 +43,9 @@ CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 @pytest.fixture(scope="module")
 def tool_server(tiny_model: Any) -> Iterator[LiveServer]:
     """The tiny model with a tool-rendering template, auto tool choice on and the hermes parser, passed
-    through ``build_app`` (the shared ``LiveServer`` does not take these arguments itself)."""
-    app = functools.partial(build_app, enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(server_conftest, "build_app", app)
-        live = LiveServer(tiny_model, chat_template=TOOLS_TEMPLATE)
+    through ``LiveServer``'s ``app_args``."""
+    live = LiveServer(tiny_model, chat_template=TOOLS_TEMPLATE,
+                      app_args=dict(enable_auto_tool_choice=True, tool_call_parser="hermes"))
     yield live
     live.stop()
 
