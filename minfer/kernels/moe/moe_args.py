@@ -56,7 +56,7 @@ def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> i
 # MXFP4 expansion and the float32 products are paid per pair. MXFP4 (gpt-oss-20b, H200, graph replays): decode
 # 62 / 398 µs against grouped 148 / 621 at 1 / 8 tokens. Float weights: decode wins at one token only (qwen3-30b-a3b
 # 38 against 40 µs, qwen3.5-35b-a3b 27 against 37), the grouped GEMMs at 8 (138 against 191, 123 against 146):
-# ``dev/moe_decode_sweep.py``, benchmarks/RESULTS.md (issue 42).
+# ``dev/moe_decode_sweep.py``; benchmarks/RESULTS.md, "Performance round".
 DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_FLOAT = 1
 
