@@ -8,8 +8,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
+from typing import Callable
+
+import httpx
 
 
 def free_port() -> int:
@@ -62,3 +66,17 @@ def kill_left(seen: dict[int, tuple[int, str]]) -> None:
     for pid, (start, _) in seen.items():
         if _alive(pid, start):
             os.kill(pid, signal.SIGKILL)
+
+
+def wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, log: Callable[[], str]) -> None:
+    """Until ``GET /health`` answers 200; fails with the server's log (``log()``) if it exits or takes longer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"the server exited with {proc.returncode}:\n{log()}"
+        assert time.monotonic() < deadline, f"not healthy after {timeout_s:.0f} s:\n{log()}"
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)

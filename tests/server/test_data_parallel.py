@@ -41,7 +41,7 @@ from minfer.server.http_protocol import http_protocol  # noqa: E402
 from minfer.server.lora_modules import LoRAModulePath  # noqa: E402
 
 from .conftest import ENGINE_ARGS, MODEL_NAME  # noqa: E402
-from .procs import descendants, free_port, kill_left, proc_stat, still_running  # noqa: E402
+from .procs import descendants, free_port, kill_left, proc_stat, still_running, wait_healthy  # noqa: E402
 
 if not sys.platform.startswith("linux"):
     pytest.skip("reads /proc", allow_module_level=True)
@@ -293,16 +293,7 @@ class ServeProcess:
                "--max-num-seqs", "4", "--max-num-batched-tokens", "256"]
         with open(log, "wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.log()}"
-            assert time.monotonic() < deadline, f"not healthy after {START_TIMEOUT_S:.0f} s:\n{self.log()}"
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(self.proc, self.base_url, START_TIMEOUT_S, self.log)
         self.tree = descendants(self.proc.pid)
         names = sorted(name for _, name in self.tree.values())
         assert "minfer-dp0" in names and "minfer-dp1" in names, names

@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 from minfer.server.run import ENGINE_DEAD_EXIT_STATUS  # noqa: E402
 
-from .procs import descendants, free_port, kill_left, proc_stat, still_running  # noqa: E402
+from .procs import descendants, free_port, kill_left, proc_stat, still_running, wait_healthy  # noqa: E402
 
 if not sys.platform.startswith("linux"):
     pytest.skip("reads /proc", allow_module_level=True)
@@ -66,16 +66,7 @@ class TPServer:
         self.tree: dict[int, tuple[str, Any]] = {}
 
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert self.proc.poll() is None, f"the server exited with {self.proc.returncode}:\n{self.log()}"
-            assert time.monotonic() < deadline, f"not healthy after {START_TIMEOUT_S:.0f} s:\n{self.log()}"
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(self.proc, self.base_url, START_TIMEOUT_S, self.log)
         # every process the server started (the worker, multiprocessing's resource tracker): none may outlive it
         self.tree = {pid: (comm, proc_stat(pid)) for pid, comm in _children(self.proc.pid).items()}
         workers = [pid for pid, (comm, _) in self.tree.items() if comm == "minfer-tp1"]
