@@ -49,15 +49,35 @@ class OneTokenForward:
 
 
 def _mlp(ln: nn.Module, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The post-attention norm (with the residual add) in gate_up's prologue and SwiGLU in down's; a sparse MoE
-    block runs its own forward, which reads only the chosen experts. Returns (output, new residual)."""
-    if not hasattr(mlp, "gate_up_proj"):
-        x, residual = ln(x, residual)
-        return mlp(x), residual
+    """The post-attention norm (with the residual add) in gate_up's prologue and SwiGLU in down's, or a sparse MoE
+    block's (:func:`_moe`). Returns (output, new residual)."""
+    if hasattr(mlp, "routed"):
+        return _moe(ln, mlp, x, residual)
     gate_up, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, mlp.gate_up_proj.weight,
                                       weight_scale=_scale(mlp.gate_up_proj), lora=_lora(mlp.gate_up_proj))
     down = gemv_silu_mul(gate_up, mlp.down_proj.weight, weight_scale=_scale(mlp.down_proj), lora=_lora(mlp.down_proj))
     return mlp.down_proj.reduce(down), residual
+
+
+def _moe(ln: nn.Module, moe: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse MoE block (``model/layers/moe.py``, gpt-oss's, Qwen3.5-MoE's with a shared expert) at one token:
+    the post-attention norm (with the residual add) in the router's launch, which also keeps the normed row for
+    the experts (``normed_out``), then the block's two expert kernels (``moe_decode.py``). The plain forward's norm
+    launch and cuBLAS router GEMM become one matrix-vector launch under PDL. A shared expert's SwiGLU MLP and its
+    ``[1, H]`` gate run as matrix-vector launches over the same normed row, combined as the block combines them
+    (``SharedExpertMoeBlock.forward``: the sigmoid rounded, then the product, then the sum)."""
+    router = moe.router
+    normed = torch.empty_like(x)
+    logits, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, router.weight, router.bias, normed_out=normed)
+    y = moe.routed(normed, logits)
+    shared = getattr(moe, "shared_expert", None)
+    if shared is not None:
+        gate_up = gemv(normed, shared.gate_up_proj.weight, weight_scale=_scale(shared.gate_up_proj),
+                       lora=_lora(shared.gate_up_proj))
+        out = gemv_silu_mul(gate_up, shared.down_proj.weight, weight_scale=_scale(shared.down_proj),
+                            lora=_lora(shared.down_proj))
+        y = y + torch.sigmoid(gemv(normed, moe.shared_expert_gate.weight)) * out
+    return moe.tp.all_reduce(y), residual
 
 
 def _scale(linear: nn.Module) -> torch.Tensor | None:

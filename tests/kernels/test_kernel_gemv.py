@@ -142,6 +142,28 @@ def test_gemv_rms_norm_matches_unfused(n, k, config, bias, with_residual, dtype)
         assert torch.equal(res, res0), "gemv_rms_norm_ref updated residual in place"
 
 
+@pytest.mark.parametrize("n,k,config", FUSED_SHAPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("f32_norm", [False, True])
+def test_gemv_rms_norm_keeps_the_normed_row(n, k, config, with_residual, f32_norm):
+    """``normed_out`` (a MoE router's launch, which the experts read next): exactly the row the unfused norm
+    writes, whatever the chunking (ragged K: the masked store), and the product unchanged by keeping it."""
+    torch.manual_seed(n + k)
+    dtype = torch.bfloat16
+    x = torch.randn(1, k, dtype=dtype)
+    res = torch.randn(1, k, dtype=dtype) * 3 if with_residual else None
+    nw = (1 + 0.1 * torch.randn(k)).to(torch.float32 if f32_norm else dtype)  # float32: gpt-oss's / Gemma's
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    normed = torch.full_like(x, float("nan"))
+    y, new_res = gemv_rms_norm(x, res, nw, 1e-6, w, None, config, normed_out=normed)
+    y_plain, res_plain = gemv_rms_norm(x, res, nw, 1e-6, w, None, config)
+    assert torch.equal(y, y_plain) and torch.equal(new_res, res_plain)
+    unfused = rms_norm(x, nw, 1e-6) if res is None else fused_add_rms_norm(x, res.clone(), nw, 1e-6)
+    assert torch.equal(normed, unfused)
+    with pytest.raises(ValueError, match="normed_out"):
+        gemv_rms_norm(x, res, nw, 1e-6, w, normed_out=torch.empty(1, k + 1, dtype=dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_rms_norm_row_wider_than_one_block(monkeypatch, dtype):
     """Rows wider than RMS_MAX_BLOCK: the sum of squares loops over blocks (here 3 blocks, the last ragged)."""

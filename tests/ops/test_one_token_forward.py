@@ -3,6 +3,8 @@ Triton ops (interpreter on CPU), and both against the torch ops, on tiny models 
 layers: their recurrent state in slot 0 of a state cache)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from minfer.engine.state_cache import allocate_state_cache, state_layers
 from minfer.model.loader import build_model
 from minfer.ops import AttentionMetadata, select_ops
 from minfer.ops import one_token
+from conftest import MOE, make_moe_checkpoint
 
 BLOCK = 16
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
@@ -55,12 +58,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-# plain, bias, q/k norms, Gemma's, Qwen3.5's hybrid layers
-@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_5"])
-def test_one_token_forward_matches_plain_forward_and_torch_ops(checkpoints, arch):
-    fused = _decode_hidden(checkpoints[arch], "triton", True)
-    plain = _decode_hidden(checkpoints[arch], "triton", False)
-    torch_ops = _decode_hidden(checkpoints[arch], "torch", None)
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {name: make_moe_checkpoint(root / name, name, tokenizer=False) for name in MOE}
+
+
+# plain, bias, q/k norms, Gemma's, Qwen3.5's hybrid layers; the MoE blocks (the norm in the router's launch):
+# Qwen3-MoE's (and its dense layers between), Mixtral's, gpt-oss's (biased router, sinks), Qwen3.5-MoE's shared expert
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_5", "gpt_oss", "qwen3_5_moe",
+                                  "qwen3_moe", "qwen3_moe_mixed", "mixtral"])
+def test_one_token_forward_matches_plain_forward_and_torch_ops(checkpoints, moe_checkpoints, arch):
+    path = (moe_checkpoints if arch in MOE else checkpoints)[arch]
+    fused = _decode_hidden(path, "triton", True)
+    plain = _decode_hidden(path, "triton", False)
+    torch_ops = _decode_hidden(path, "torch", None)
     assert _rel(fused, plain) < 1e-5, "fused one-token forward vs the plain forward on the Triton ops"
     assert _rel(fused, torch_ops) < 1e-4, "Triton ops vs torch ops"
     assert torch.equal(fused.argmax(-1), torch_ops.argmax(-1))
@@ -82,8 +94,9 @@ def test_step_forward_takes_the_fused_path_exactly_at_one_token(checkpoints, mon
 
 def test_gemma_takes_its_own_fused_layout_and_gemma4_none(checkpoints):
     """Gemma 2/3 decode through the Gemma layout's fused launches (GeGLU in down's prologue); Gemma 4's layers
-    (per-layer inputs, shared KV) run the model's own forward."""
-    for arch, layout in (("gemma3", one_token.GemmaOneTokenForward), ("gemma4", None), ("llama3", one_token.OneTokenForward),
+    (per-layer inputs, shared KV) run the model's own forward; gpt-oss's are Llama's."""
+    for arch, layout in (("gemma3", one_token.GemmaOneTokenForward), ("gemma4", None),
+                         ("llama3", one_token.OneTokenForward), ("gpt_oss", one_token.OneTokenForward),
                          ("qwen3_5", one_token.Qwen3_5OneTokenForward)):
         cfg = load_model_config(checkpoints[arch])
         ops = select_ops("triton", torch.device("cpu"), BLOCK, cfg.max_head_dim)

@@ -85,15 +85,17 @@ def _products(w, x, WS, rows, k0, N, stride_ws, n_groups, SCALE: tl.constexpr, E
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr = 0,
+def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.constexpr,
+                 EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PROLOGUE: tl.constexpr = 0,
                  HAS_RESIDUAL: tl.constexpr = False, RMS_BLOCK: tl.constexpr = 1, EVEN_R: tl.constexpr = True,
                  ONE_BLOCK: tl.constexpr = True, PDL: tl.constexpr = False, WS=None, stride_ws=0, n_groups=1,
                  SCALE: tl.constexpr = 0, NSUB: tl.constexpr = 1, SUB: tl.constexpr = 1,
                  GROUP: tl.constexpr = 128, F32_NORM: tl.constexpr = False, stride_r=0, HEAD: tl.constexpr = 1,
                  LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, k_part=0,
                  XA=None, stride_xa=0, LB=None, stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1,
-                 LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1):
+                 LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1,
+                 WRITE_NORMED: tl.constexpr = False):
     pid = tl.program_id(0)
     k_lo = 0
     k_hi = K
@@ -126,14 +128,14 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N, K, stride_wn, eps, HAS_BIAS: tl.co
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     first = k_lo
     if PDL:  # the first chunk with the prefetched tile
-        x = input_chunk(X, R, NW, R_OUT, k_lo + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
-                        HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
+        x = input_chunk(X, R, NW, R_OUT, N_OUT, k_lo + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
+                        HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K, WRITE_NORMED)
         acc += _products(w_first, x, WS, rows, k_lo, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
         first = k_lo + BLOCK_K
     for k0 in range(first, k_hi, BLOCK_K):
-        x = input_chunk(X, R, NW, R_OUT, k0 + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
-                        HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K)
+        x = input_chunk(X, R, NW, R_OUT, N_OUT, k0 + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
+                        HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K, WRITE_NORMED)
         w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
         acc += _products(w, x, WS, rows, k0, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
@@ -170,9 +172,10 @@ def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, weight_scale:
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None,
             prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             new_residual: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None,
-            scale: int = NO_SCALE, gate: torch.Tensor | None = None, lora: GemvLora | None = None) -> torch.Tensor:
+            scale: int = NO_SCALE, gate: torch.Tensor | None = None, lora: GemvLora | None = None,
+            normed_out: torch.Tensor | None = None) -> torch.Tensor:
     """One launch (two with ``lora``: its shrink first, over the same prologue); ``gate`` ``[1, H, D]`` (its heads at
-    any stride) is the gated prologues' second input."""
+    any stride) is the gated prologues' second input; ``normed_out`` receives the RMS prologue's normed row."""
     n, k = weight.shape
     cfg = config or (default_config(n, k, prologue) if scale == NO_SCALE else default_fp8_config(n, k, prologue, scale))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -190,14 +193,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
              dict(LORA=LORA_SHRINK, LORA_SLOT=lora.slot, n_loras=lora.a_stack.shape[0], k_part=k_part), split,
              **inputs)
         extra = dict(LORA=LORA_EXPAND, **lora.expand_args(xa))
-    _run(x, weight, n, bias, cfg, y, weight_scale, scale, extra, new_residual=new_residual, **inputs)
+    if normed_out is not None:
+        extra = dict(extra, WRITE_NORMED=True)
+    _run(x, weight, n, bias, cfg, y, weight_scale, scale, extra, new_residual=new_residual,
+         normed_out=normed_out, **inputs)
     return y
 
 
 def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None, cfg: GemvConfig, y: torch.Tensor,
          weight_scale: torch.Tensor | None, scale: int, extra: dict, parts: int = 1, *, prologue: int,
          residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, gate: torch.Tensor | None,
-         new_residual: torch.Tensor | None = None) -> None:
+         new_residual: torch.Tensor | None = None, normed_out: torch.Tensor | None = None) -> None:
     """The kernel over ``weight``'s first ``n`` rows (a LoRA shrink: the slot's rows, which the kernel finds, in
     ``parts`` parts of K)."""
     k = weight.shape[1]
@@ -210,7 +216,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | Non
         x, weight, bias if bias is not None else weight, y,
         residual if residual is not None else gate if gate is not None else x,
         norm_weight if norm_weight is not None else x,
-        new_residual if new_residual is not None else y, n, k, weight.stride(0), eps,
+        new_residual if new_residual is not None else y, normed_out if normed_out is not None else y, n, k,
+        weight.stride(0), eps,
         HAS_BIAS=bias is not None, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue, HAS_RESIDUAL=residual is not None,
         RMS_BLOCK=rms_block, EVEN_R=k % rms_block == 0, ONE_BLOCK=rms_block >= k, PDL=pdl,
@@ -287,8 +294,8 @@ def _gated(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | N
 
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None, *,
-                  weight_scale: torch.Tensor | None = None, lora: GemvLora | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  weight_scale: torch.Tensor | None = None, lora: GemvLora | None = None,
+                  normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``gemv(fused_add_rms_norm(x, residual, norm_weight, eps), weight, bias)`` in one launch -> ``(y, new_residual)``.
 
     ``x`` and ``residual`` [1, K] (``residual`` may be None: then plain ``rms_norm(x)``), ``norm_weight`` [K],
@@ -307,7 +314,9 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 
     Unlike ``fused_add_rms_norm``, ``residual`` is NOT updated in place: other programs are still reading it.
     ``x + residual`` (rounded to the dtype) is written to a fresh ``new_residual`` by program 0 alone; with no
-    residual, ``new_residual`` is ``x`` itself. The inputs are left unmodified.
+    residual, ``new_residual`` is ``x`` itself. The inputs are left unmodified. ``normed_out`` (a contiguous
+    ``[1, K]`` of x's dtype), when given, receives the normed row itself, also from program 0: a MoE router's
+    launch keeps it for the experts, which read it next (``ops/one_token.py``).
     """
     check_dtype("x", x)
     check_dtype("norm_weight", norm_weight)
@@ -323,10 +332,14 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     if norm_weight.shape != (k,) or not norm_weight.is_contiguous():
         raise ValueError(f"norm_weight must be a contiguous [{k}], got {tuple(norm_weight.shape)}")
     scale = _check_weight(weight, bias, weight_scale)
+    if normed_out is not None and (normed_out.shape != x.shape or normed_out.dtype != x.dtype
+                                   or not normed_out.is_contiguous()):
+        raise ValueError(f"normed_out must be a contiguous {tuple(x.shape)} {x.dtype} like x, got "
+                         f"{tuple(normed_out.shape)} {normed_out.dtype}")
     new_residual = x if residual is None else torch.empty_like(x)
     y = _launch(x, weight, bias, config, prologue=RMS_NORM, residual=residual, norm_weight=norm_weight,
                 new_residual=new_residual if residual is not None else None, eps=eps, weight_scale=weight_scale,
-                scale=scale, lora=lora)
+                scale=scale, lora=lora, normed_out=normed_out)
     return y, new_residual
 
 

@@ -63,11 +63,12 @@ def _load(ptrs, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
-def input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, eps, stride_r, PROLOGUE: tl.constexpr,
+def input_chunk(X, R, NW, R_OUT, N_OUT, offs, K, inv_rms, write_residual, eps, stride_r, PROLOGUE: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr, MASKED: tl.constexpr, F32_NORM: tl.constexpr, HEAD: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, WRITE_NORMED: tl.constexpr = False):
     """The input vector's elements at ``offs`` (zero past K when MASKED), rounded to x's dtype as the unfused
-    kernels round them; under the RMS prologue, ``write_residual`` also stores ``x + residual`` to R_OUT. ``R`` is
+    kernels round them; under the RMS prologue, ``write_residual`` also stores ``x + residual`` to R_OUT, and with
+    WRITE_NORMED the normed elements to N_OUT (a router's launch keeps them for the experts after it). ``R`` is
     the prologue's second input: the residual (RMS), or the gate read at ``(c // HEAD) * stride_r + c % HEAD``
     (the two gated prologues)."""
     mask = offs < K
@@ -98,6 +99,12 @@ def input_chunk(X, R, NW, R_OUT, offs, K, inv_rms, write_residual, eps, stride_r
         else:
             normed = (x.to(tl.float32) * inv_rms).to(dtype)
             x = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
+        if WRITE_NORMED:
+            if write_residual:
+                if MASKED:
+                    tl.store(N_OUT + offs, x, mask=mask)
+                else:
+                    tl.store(N_OUT + offs, x)
     elif PROLOGUE == 4:  # x * sigmoid(gate), both in the model dtype as HF multiplies them: sigmoid rounded, product
         x = _load(X + offs, mask, MASKED)
         gate = _load(R + (offs // HEAD) * stride_r + offs % HEAD, mask, MASKED)

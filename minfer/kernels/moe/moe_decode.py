@@ -36,7 +36,10 @@ split exactly by bit operations: byte j of a row and word j of x hold the same t
 tensor addresses both. Float weights (bfloat16, float16, float32) stream as they are.
 
 Everything but the grid is a compile-time constant or a shape; the grids come from T and the shapes: no host sync,
-CUDA-graph capturable. Roundings are the grouped path's (``moe_common``), so both match ``moe_ref.fused_moe_ref``
+CUDA-graph capturable. Both kernels launch under PDL (``pdl.py``) and wait first: the rows they stream depend on the
+routing, so nothing loads before the wait, but each one's launch overlaps the kernel before it (at one token the
+chain is the router's matrix-vector launch, gate/up, down, the next layer's qkv: ``ops/one_token.py``).
+Roundings are the grouped path's (``moe_common``), so both match ``moe_ref.fused_moe_ref``
 up to the order of each dot product's float32 sum.
 """
 from __future__ import annotations
@@ -46,6 +49,7 @@ import triton
 import triton.language as tl
 
 from .._utils import next_pow2
+from ..pdl import launch_options, use_pdl, wait_for_previous
 from .moe_args import MoeDecodeConfig, check_moe_args, decode_block_k, moe_decode_config
 from .moe_common import down_epilogue, route_row, swiglu_epilogue
 from .moe_mxfp4 import e2m1_pair, e8m0_factor
@@ -177,9 +181,11 @@ def _moe_decode_gate_up_kernel(X, XW, L, W, S, B, OUT, E, H, I, stride_x, stride
                                stride_se, stride_sn, stride_be, stride_o, TOP_K: tl.constexpr, RENORM: tl.constexpr,
                                TOPK_SOFTMAX: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ROUND_W: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr):
+                               HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+                               PDL: tl.constexpr = False):
     """OUT[pair, c] = act(x[t] · W[e, c] (+ B[e, c]), x[t] · W[e, I + c] (+ B[e, I + c])) for pair = t * TOP_K + j,
     e the token's j-th expert."""
+    wait_for_previous(PDL)  # which rows to stream depends on the router's logits: nothing to load before
     pair = tl.program_id(0)
     t = pair // TOP_K
     e, slot, _ = _route(L, t, stride_l, E, TOP_K, RENORM, TOPK_SOFTMAX, E_PAD)
@@ -212,12 +218,13 @@ def _moe_decode_down_kernel(A, AW, L, W, S, B, OUT, E, H, I, stride_a, stride_aw
                             RENORM: tl.constexpr, TOPK_SOFTMAX: tl.constexpr, E_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ROUND_W: tl.constexpr,
                             HAS_BIAS: tl.constexpr, W_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr,
-                            EXPERT_LOOP: tl.constexpr):
+                            EXPERT_LOOP: tl.constexpr, PDL: tl.constexpr = False):
     """OUT[t, n] = sum over slots j, in order, of weight_j * (A[t * TOP_K + j] · W[e_j, n] (+ B[e_j, n])).
 
     EXPERT_LOOP: the slots one after another, each a ``[BLOCK_N, BLOCK_K]`` tile of one expert's rows against one
     ``inter`` row (the gate/up kernel's shape); otherwise all slots at once in one ``[TOP_K_PAD, BLOCK_N, BLOCK_K]``
     tile. Both add the slots' products in slot order."""
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     e, slot, w = _route(L, t, stride_l, E, TOP_K, RENORM, TOPK_SOFTMAX, E_PAD)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -300,8 +307,10 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: to
     b_gu = x if bias_gate_up is None else bias_gate_up
     b_d = x if bias_down is None else bias_down
     xw, aw = (_pair_words(x), _pair_words(inter)) if mxfp4 else (x, inter)
+    pdl = use_pdl(x.device)
     common = dict(RENORM=renormalize, TOPK_SOFTMAX=topk_softmax, E_PAD=next_pow2(e), MXFP4=mxfp4,
-                  ROUND_W=mxfp4 and x.dtype == torch.float16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  ROUND_W=mxfp4 and x.dtype == torch.float16, PDL=pdl, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, **launch_options(pdl))
     bn = cfg.block_n_gate_up
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(i, bn))](
         x, xw, router_logits, w_gate_up, s_gu, b_gu, inter, e, h, i, x.stride(0), xw.stride(0),

@@ -44,6 +44,7 @@ class SparseMoeBlock(nn.Module):
         e, h, i = cfg.num_experts, cfg.hidden_size, self.inter
         self.gate = nn.Module()  # the router: [E, H], whole on every rank
         self.gate.weight = nn.Parameter(torch.empty(e, h, dtype=dtype), requires_grad=False)
+        self.gate.bias = None
         self.w_gate_up = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
         self.moe_experts = MoeExperts(self.w_gate_up, self.w_down)  # the parameters themselves, loaded in place
@@ -89,7 +90,16 @@ class SparseMoeBlock(nn.Module):
         target.copy_(tensor)
         return matrix
 
+    @property
+    def router(self) -> nn.Module:
+        """The router (``gate``, HF's name) as the one-token forward reads it: ``weight`` and ``bias`` (None)."""
+        return self.gate
+
+    def routed(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weighted sum for ``x`` (the normed input) and its router logits, before the
+        all-reduce: the one-token forward computes the logits in the norm's launch and calls this."""
+        return self.ops.fused_moe(x, router_logits, self.moe_experts, self.top_k, self.renormalize,
+                                  self.weights_dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        router_logits = F.linear(x, self.gate.weight)
-        y = self.ops.fused_moe(x, router_logits, self.moe_experts, self.top_k, self.renormalize, self.weights_dtype)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(self.routed(x, F.linear(x, self.gate.weight)))

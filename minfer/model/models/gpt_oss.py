@@ -149,15 +149,17 @@ class GptOssMoe(nn.Module):
         self.experts = GptOssExperts(cfg, dtype, tp, packed=method is not None)
         self.moe_experts = self.experts.stacked(self.limit, self.alpha)  # the parameters load in place
 
+    def routed(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weighted sum before the all-reduce (``SparseMoeBlock.routed``'s contract)."""
+        return self.ops.fused_moe(x, router_logits, self.moe_experts, self.top_k, False, topk_softmax=True)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router.weight, self.router.bias)
-        y = self.ops.fused_moe(x, logits, self.moe_experts, self.top_k, False, topk_softmax=True)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(self.routed(x, F.linear(x, self.router.weight, self.router.bias)))
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
     decoder_layer = GptOssDecoderLayer
-    fused_one_token = None  # the batch-1 fused forward reads dense Llama layers
+    fused_one_token = "llama"  # Llama's layer: biases and sinks live in the projections and the attention op
 
     @staticmethod
     def checkpoint_name(name: str) -> str | None:

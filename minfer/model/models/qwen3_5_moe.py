@@ -49,8 +49,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
                                                       requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.ops.fused_moe(x, F.linear(x, self.gate.weight), self.moe_experts, self.top_k, self.renormalize,
-                                    self.weights_dtype)
+        routed = self.routed(x, F.linear(x, self.gate.weight))
         shared = torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return self.tp.all_reduce(routed + shared)
 
