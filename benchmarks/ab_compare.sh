@@ -4,6 +4,8 @@
 # both), logs and a summary under $OUT.
 #   batch 1 (llama-3.2-1b, batch1.py: tok/s over 512 tokens and the decode graph's replay time), $ROUNDS rounds
 #   workload A on $SHAPES (minfer bench; shape:fp8 adds --quantization fp8), $A_ROUNDS rounds (default 1; 0 skips it)
+#   batch 1 on $B1_SHAPES (minfer bench --batch1, weights drawn on the GPU: the MoE shapes do not fit the disk),
+#   $B1_ROUNDS rounds (default 1; none unless B1_SHAPES is set)
 # Usage: OUT=/tmp/ab ROUNDS=2 A_ROUNDS=2 SHAPES=qwen3-0.6b benchmarks/ab_compare.sh 0724a14
 # A machine whose copy of .git lacks the commit takes a folder: `git archive C | tar -x -C .ab_old`, carried along.
 set -uo pipefail
@@ -33,6 +35,18 @@ for r in $(seq "${A_ROUNDS:-1}"); do
     (cd "$dir" && PYTHONPATH="$dir" timeout 200 python3 -m minfer.cli bench --quiet --shape "$shape" "${quant[@]}" \
       --output-json "$OUT/A_${name}_${side}_$r.json") > "$OUT/A_${name}_${side}_$r.log" 2>&1 || echo "exit $?"
     echo "| workload A $variant, $side | $(grep -oE '"output_tok_s": [0-9.]+' "$OUT/A_${name}_${side}_$r.json") |" \
+      | tee -a "$OUT/summary.md"
+  done
+ done
+done
+for r in $(seq "${B1_ROUNDS:-1}"); do
+ for shape in ${B1_SHAPES:-}; do
+  for side in $(order "$r"); do
+    dir=$NEW; [ $side = old ] && dir=$OLD
+    (cd "$dir" && PYTHONPATH="$dir" timeout 200 python3 -m minfer.cli bench --quiet --batch1 --load-format dummy \
+      --shape "$shape" --output-json "$OUT/b1_${shape}_${side}_$r.json") > "$OUT/b1_${shape}_${side}_$r.log" 2>&1 \
+      || echo "exit $?"
+    echo "| batch 1 $shape, $side | $(grep -oE '"decode_tok_s": [0-9.]+' "$OUT/b1_${shape}_${side}_$r.json") |" \
       | tee -a "$OUT/summary.md"
   done
  done

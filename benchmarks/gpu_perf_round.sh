@@ -11,6 +11,13 @@
 #           and a batch-1 profile of qwen3-30b-a3b                 -> $OUT/timeline_*.md, $OUT/profile_*.txt
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
+# onetoken: the one-token MoE layout (router launch keeping the normed row, decode kernels under PDL): its gpu tests,
+#           then benchmarks/ab_compare.sh against the old tree in $AB_OLD (default .ab_old, carried: `git archive C
+#           minfer benchmarks pyproject.toml | tar -x -C .ab_old`): batch 1 on the MoE shapes ($B1_SHAPES) and on
+#           llama-3.2-1b (its 1,110 against 1,175 tok/s: an old tree of 687b700 asks whether the engine moved)
+#                                                                                    -> $OUT/ab/summary.md
+# policyA:  workload A on qwen3-0.6b and llama-3.1-8b under fcfs and prefill-first (the default since this round),
+#           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
 #           as measured)                                                              -> $OUT/policies.md
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
@@ -68,9 +75,24 @@ case " $PARTS " in *" moe "*)
     || echo "   exit $?"
   cat "$OUT/moe_decode.md" | head -80 ;;
 esac
+case " $PARTS " in *" onetoken "*)
+  echo "== one-token and MoE decode gpu tests ($(left) s left)"
+  timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_one_token_forward.py \
+    tests/kernels/test_kernel_moe_decode_gpu.py tests/kernels/test_kernel_pdl.py > "$OUT/onetoken_tests.log" 2>&1
+  echo "   exit $?; $(tail -1 "$OUT/onetoken_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/onetoken_tests.log" | head -5
+  echo "== A/B against ${AB_OLD:-.ab_old} ($(left) s left)"
+  OUT="$OUT/ab" ROUNDS="${ROUNDS:-2}" A_ROUNDS=0 B1_SHAPES="${B1_SHAPES:-qwen3-30b-a3b gpt-oss-20b qwen3.5-35b-a3b}" \
+    timeout "$(cap 420)" bash benchmarks/ab_compare.sh "${AB_OLD:-.ab_old}"; cp "$OUT/ab/summary.md" "$OUT/ab.md" ;;
+esac
+case " $PARTS " in *" policyA "*)
+  for shape in ${POLICY_SHAPES:-qwen3-0.6b llama-3.1-8b}; do
+    for policy in fcfs prefill-first; do bench "A_${shape}_$policy" --shape "$shape" --scheduling-policy "$policy"; done
+  done
+  bench_table policyA.md ;;
+esac
 case " $PARTS " in *" serve "*)
   bash benchmarks/serve_policies.sh ;;
 esac
 # Only a few files come back from the device: the tables stay, the logs and JSON go into one archive.
-(cd "$OUT" && tar czf logs.tgz --remove-files $(ls *.log *.json *.txt 2>/dev/null | grep -v '^gpu.txt$') 2>/dev/null)
+(cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d *.log *.json *.txt ab 2>/dev/null | grep -v '^gpu.txt$') 2>/dev/null)
 echo "done in $(( SECONDS - START )) s"

@@ -122,3 +122,18 @@ def test_qwen3_5_9b_layers_fused_one_token_forward_on_gpu(tmp_path):
     plain = _decode_hidden(path, "triton", False, dtype=torch.bfloat16, **run)
     errors = _rel(fused, ref), _rel(plain, ref)
     assert errors[0] <= 1.25 * errors[1] + 1e-3 and errors[0] < 5e-2, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,layers", [("qwen3-30b-a3b", 2), ("gpt-oss-20b", 2), ("qwen3.5-35b-a3b", 4)])
+def test_moe_shapes_fused_one_token_forward_on_gpu(tmp_path, shape, layers):
+    """The MoE layouts compiled (the router's launch keeping the normed row, the decode kernels under PDL; gpt-oss's
+    MXFP4 experts) on the real shapes' layers and LM head (dummy weights), in float32, where top-k ties between the
+    two paths' summation orders are too rare to move a token's experts: the fused one-token forward against the
+    plain forward."""
+    from minfer.benchmark.shapes import write_shape_config
+
+    path = write_shape_config(shape, tmp_path, layers=layers)
+    run = dict(device="cuda", load_format="dummy", dtype=torch.float32)
+    fused, plain = _decode_hidden(path, "triton", True, **run), _decode_hidden(path, "triton", False, **run)
+    assert _rel(fused, plain) < 1e-4
