@@ -18,6 +18,12 @@ MODEL=/tmp/minfer-shapes/llama-3.1-8b-dummy
 "$PY" -c "from pathlib import Path; from minfer.benchmark.shapes import write_shape_config as w; \
 w('llama-3.1-8b', Path('$MODEL'))"
 
+# The server process's CPU seconds (user + system, all its threads): over a run, per output token and per second of
+# wall time. Its engine thread and event loop share one GIL, so near 1 CPU-second a second it is host-bound
+# (dev/server_overhead.py prices the same work on a CPU machine, the model stubbed out).
+cpu_s() { awk -v t="$(getconf CLK_TCK)" '{ split($0, a, ") "); split(a[2], f, " "); print (f[12] + f[13]) / t }' \
+  "/proc/$1/stat" 2>/dev/null || echo 0; }
+
 for entry in $POLICIES; do
   policy="${entry%@*}"; tokens=""; [ "$entry" != "$policy" ] && tokens="${entry#*@}"
   name="${policy}${tokens:+_$tokens}"
@@ -34,8 +40,10 @@ for entry in $POLICIES; do
   done
   if [ "$up" = 1 ]; then
     echo "   server up ($(left) s left)"
+    cpu0=$(cpu_s "$SERVER"); t0=$SECONDS
     timeout "$(cap 200)" "$PY" -m minfer.cli bench-serve --base-url "http://127.0.0.1:$PORT" --concurrency "$LEVELS" \
       --output-dir "$LOGS/$name" > "$LOGS/bench_$name.log" 2>&1 || echo "   exit $? (124: cut by the time limit)"
+    echo "$(cpu_s "$SERVER") $cpu0 $(( SECONDS - t0 ))" > "$LOGS/$name/server_cpu.txt"
     tail -4 "$LOGS/bench_$name.log"
   else
     echo "   no server: $(grep -E 'Error' "$LOGS/server_$name.log" | tail -2)"
@@ -49,15 +57,20 @@ import json, sys
 from pathlib import Path
 logs, out, levels = Path(sys.argv[1]), Path(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
 rows = ["| policy | clients | ok | output tok/s | TTFT p50 | p90 | p99 ms | ITL p50 | p99 ms | TPOT p50 ms "
-        "| preemptions (server total) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| preemptions (server total) | server CPU s/s, us/token (all levels) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for f in sorted(logs.glob("*/results.json"), key=lambda f: f.stat().st_mtime):
     r = json.loads(f.read_text())
     pre = (r.get("engine_stats_after") or {}).get("num_preemptions", "")
+    cpu = ""
+    if (f.parent / "server_cpu.txt").is_file():
+        after, before, wall = (float(v) for v in (f.parent / "server_cpu.txt").read_text().split())
+        tokens = sum(lv["output_tokens"] for lv in r["levels"])
+        cpu = f"{(after - before) / max(wall, 1):.2f}, {1e6 * (after - before) / max(tokens, 1):.0f}"
     for lv in r["levels"]:
         t, i, p = lv["ttft_ms"], lv["itl_ms"], lv["tpot_ms"]
         rows.append(f"| {f.parent.name} | {lv['concurrency']} | {lv['completed']}/{lv['num_prompts']} "
                     f"| {lv['output_tok_s']:,.0f} | {t['p50']:,.0f} | {t['p90']:,.0f} | {t['p99']:,.0f} "
-                    f"| {i['p50']:.1f} | {i['p99']:.1f} | {p['p50']:.1f} | {pre} |")
+                    f"| {i['p50']:.1f} | {i['p99']:.1f} | {p['p50']:.1f} | {pre} | {cpu} |")
 from minfer.benchmark.bounds import DecodeCost
 from minfer.benchmark.shapes import shape_config
 from minfer.benchmark.ttft_floor import floor_summary

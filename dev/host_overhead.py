@@ -49,16 +49,22 @@ MAX_TOKENS = 2000
 MAX_PROMPT = 1024
 
 
-def build_engine(num_seqs: int, stream: bool, async_scheduling: bool, stub_vocab: int) -> LLMEngine:
+def stub_config(num_seqs: int, async_scheduling: bool) -> EngineConfig:
+    """The tiny checkpoint's engine config, with KV blocks for ``num_seqs`` sequences of the longest length."""
     shapes.SHAPES["host-overhead-tiny"] = TINY
     path = shapes.write_random_checkpoint("host-overhead-tiny", Path(tempfile.gettempdir()) / "minfer-host-overhead",
                                           dtype=torch.float32)
     max_len = MAX_PROMPT + MAX_TOKENS
-    config = EngineConfig(model=str(path), skip_tokenizer_init=True, device="cpu", max_model_len=max_len,
-                          max_num_seqs=max(num_seqs, 1), num_kv_blocks=num_seqs * cdiv(max_len, 16) + 16,
-                          async_scheduling=async_scheduling)
-    engine = LLMEngine(config, RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)  # DELTA: the server's
-    runner, model = engine.runner, engine.runner.model
+    return EngineConfig(model=str(path), skip_tokenizer_init=True, device="cpu", max_model_len=max_len,
+                        max_num_seqs=max(num_seqs, 1), num_kv_blocks=num_seqs * cdiv(max_len, 16) + 16,
+                        async_scheduling=async_scheduling)
+
+
+def stub_model(engine: LLMEngine, stub_vocab: int) -> None:
+    """Replace the engine's forward and LM head by stubs returning preallocated tensors, and its decode graphs by
+    an uncaptured ``DecodeGraphs`` over them (``server_overhead.py`` also applies it inside a replica process)."""
+    config, runner = engine.config, engine.runner
+    model = runner.model
     hidden = torch.zeros(config.max_num_batched_tokens, TINY["hidden_size"])
     logits = torch.zeros(config.max_num_seqs, stub_vocab)
     model.forward = lambda ids, positions, meta: hidden[:len(ids)]  # nn.Module.__call__ finds it first
@@ -67,7 +73,13 @@ def build_engine(num_seqs: int, stream: bool, async_scheduling: bool, stub_vocab
     from minfer.kernels.stage_inputs import stage_decode_inputs_ref
 
     cuda_graphs.stage_decode_inputs = stage_decode_inputs_ref
-    runner.graphs = DecodeGraphs(model, config.max_num_seqs, cdiv(max_len, 16), 16, runner.device)
+    runner.graphs = DecodeGraphs(model, config.max_num_seqs, cdiv(config.max_model_len, 16), 16, runner.device)
+
+
+def build_engine(num_seqs: int, stream: bool, async_scheduling: bool, stub_vocab: int) -> LLMEngine:
+    config = stub_config(num_seqs, async_scheduling)
+    engine = LLMEngine(config, RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)  # DELTA: the server's
+    stub_model(engine, stub_vocab)
     return engine
 
 
