@@ -78,7 +78,7 @@ def stub_model(engine: LLMEngine, stub_vocab: int) -> None:
 
 def build_engine(num_seqs: int, stream: bool, async_scheduling: bool, stub_vocab: int) -> LLMEngine:
     config = stub_config(num_seqs, async_scheduling)
-    engine = LLMEngine(config, RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)  # DELTA: the server's
+    engine = LLMEngine(config, RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)  # DELTA: a server's
     stub_model(engine, stub_vocab)
     return engine
 

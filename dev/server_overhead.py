@@ -94,7 +94,8 @@ def main() -> None:
     ap.add_argument("--engine-process", action="store_true",
                     help="the engine in a process of its own (the data-parallel path, one replica)")
     ap.add_argument("--py-spy", default=None, metavar="FILE",
-                    help="sample the server with py-spy during the run (collapsed stacks, --format raw) into FILE")
+                    help="sample the server with py-spy during the run (stacks of the thread holding the GIL, "
+                         "--format raw) into FILE")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
@@ -113,8 +114,8 @@ def main() -> None:
         wait_healthy(child, base, 120, lambda: "(the server's output is above)")
         with tempfile.TemporaryDirectory() as out:
             spy = None if args.py_spy is None else subprocess.Popen(
-                ["py-spy", "record", "--pid", str(child.pid), "--format", "raw", "--threads", "--subprocesses", "--rate", "200",
-                 "--output", args.py_spy, "--nonblocking"], stdout=subprocess.DEVNULL)
+                ["py-spy", "record", "--pid", str(child.pid), "--format", "raw", "--threads", "--subprocesses",
+                 "--gil", "--rate", "200", "--output", args.py_spy, "--nonblocking"], stdout=subprocess.DEVNULL)
             before, start = tree_cpu(child.pid), time.perf_counter()
             subprocess.run([sys.executable, "-m", "minfer.cli", "bench-serve", "--base-url", base, "--quiet",
                             "--workload", "fixed", "--input-len", "512", "--output-len", str(args.max_tokens),

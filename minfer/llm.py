@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from minfer.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from minfer.config import EngineConfig
 from minfer.engine.dp.engine import DataParallelLLMEngine
+from minfer.engine.gc_heap import heap_frozen
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import PromptType
 from minfer.lora.request import LoRARequest
@@ -231,13 +232,14 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        generated += sum(len(c.token_ids) for c in out.outputs)
-                        bar.update(1)
-                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.0f} out tok/s")
+            with heap_frozen():  # no full collection walks the model's objects mid-run (engine/gc_heap.py)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            generated += sum(len(c.token_ids) for c in out.outputs)
+                            bar.update(1)
+                            bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.0f} out tok/s")
         except BaseException:
             for rid in request_ids:
                 engine.abort_request(rid)

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Callable
 
+from minfer.engine.gc_heap import heap_frozen
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.processor import EngineRequest, Processor
 from minfer.engine.request_stream import (Done, EngineDeadError, EngineObserver, QueueFullError,  # noqa: F401
@@ -195,6 +196,10 @@ class AsyncLLMEngine(VLLMAsyncAPI):
 
     # ---- the engine thread ----------------------------------------------------------------
     def _run(self) -> None:
+        with heap_frozen():  # no full collection walks the model's objects while the loop runs (gc_heap.py)
+            self._loop_steps()
+
+    def _loop_steps(self) -> None:
         engine = self.engine
         failures = 0  # steps failed in a row
         try:

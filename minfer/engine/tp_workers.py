@@ -36,6 +36,7 @@ import torch
 from minfer.config import EngineConfig, ModelConfig
 from minfer.distributed import SINGLE, Command, StepChannel, TensorParallel
 from minfer.distributed.channel import NO_TIMEOUT
+from minfer.engine.gc_heap import heap_frozen
 
 logger = logging.getLogger("minfer")
 
@@ -166,7 +167,8 @@ def _serve_as_worker(config: EngineConfig, model_config: ModelConfig, model_dir:
     if draft is not None:
         draft.attach(runner)
     try:
-        runner.follow()
+        with heap_frozen():  # its start-up heap out of the cyclic collector, as rank 0's loop (gc_heap.py)
+            runner.follow()
     finally:
         torch.distributed.destroy_process_group()
 
