@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 from minfer.config import EngineConfig
 from minfer.engine.dp.replica import replica_main
+from minfer.engine.dp.wire import decode_outputs
 from minfer.engine.request_stream import EngineDeadError
 
 logger = logging.getLogger("minfer.dp")
@@ -175,6 +176,8 @@ class Replicas:
             if message[0] == "stats":  # a snapshot: the latest is all anyone reads
                 self.stats[i] = message[1]
                 continue
+            if message[0] == "out":  # a step's outputs, sent as tuples (wire.py)
+                message = ("out", decode_outputs(message[1]), *message[2:])
             if message[0] == "dead":  # its engine loop died; the process exits next
                 reason = message[1]
             self._deliver(i, message)

@@ -7,9 +7,10 @@ its event loop (``_call_on_loop``: a step's outputs, a failed request, a call's 
 message to the API side instead, so the step loop, its error recovery and its stats are the single engine's.
 
 Messages are pickled with ``pickle`` itself, not multiprocessing's pickler (which would pass a pooled vector as a
-shared-memory handle), one ``send_bytes`` each. Outputs go back as deltas (the server's streams), or, for ``LLM``
-(``final_only``), only the finished ones. The replica ignores Ctrl-C (its launcher stops it), dies with its parent
-(``PR_SET_PDEATHSIG``, and the pipe closing), and its tensor-parallel workers die with it.
+shared-memory handle), one ``send_bytes`` each; a step's outputs as tuples (``wire.py``). Outputs go back as deltas
+(the server's streams), or, for ``LLM`` (``final_only``), only the finished ones. The replica ignores Ctrl-C (its
+launcher stops it), dies with its parent (``PR_SET_PDEATHSIG``, and the pipe closing), and its tensor-parallel
+workers die with it.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 
 from minfer.config import EngineConfig
 from minfer.engine.async_engine import AsyncLLMEngine
+from minfer.engine.dp.wire import encode_outputs
 from minfer.engine.llm_engine import LLMEngine
 from minfer.engine.tp_workers import _die_with_parent, _set_process_name
 from minfer.outputs import RequestOutput, RequestOutputKind
@@ -172,7 +174,7 @@ class ReplicaLoop(AsyncLLMEngine):
                 outputs, new_tokens = [outputs[k] for k in kept], [new_tokens[k] for k in kept]
             self._strip_prompts(outputs)
             if outputs:
-                self.channel.send(("out", outputs, new_tokens, now))
+                self.channel.send(("out", encode_outputs(outputs), new_tokens, now))
         elif name == "_fail":  # followed: the step's "abort" output for it comes next (a grammar that failed)
             request_id, error = args
             self.channel.send(("fail", request_id, portable(error), request_id in self.engine.step_errors))
