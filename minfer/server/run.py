@@ -83,6 +83,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
 
     from minfer.config import EngineConfig
     from minfer.engine.dp.engine import DataParallelLLMEngine
+    from minfer.engine.gc_heap import heap_frozen
     from minfer.engine.llm_engine import LLMEngine
     from minfer.llm import builtin_model_path
     from minfer.outputs import RequestOutputKind
@@ -123,7 +124,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                                timeout_graceful_shutdown=5, http=http_protocol()))
         try:
-            server.run()
+            with heap_frozen():  # the start-up heap out of full collections while serving (engine/gc_heap.py)
+                server.run()
         except KeyboardInterrupt:  # Ctrl-C: uvicorn has stopped gracefully and raised it again; end quietly
             pass
         if not server.started and not died:
