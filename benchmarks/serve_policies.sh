@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/serve_policies.sh                    # needs .whl carried (benchmarks/fetch_server_wheels.sh)
 #   POLICIES="fcfs prefill-first@32768" bash benchmarks/serve_policies.sh   # P@N: with --max-num-batched-tokens N
+#   POLICIES="prefill-first prefill-first+proc"        # P+proc: with --engine-process (the engine in its own process)
 #
 # -> $OUT/policies.md (the table, with the TTFT floor of each level: minfer/benchmark/ttft_floor.py),
 #    $OUT/serve_logs.tgz (server and client logs, results.json of each run)
@@ -18,18 +19,26 @@ MODEL=/tmp/minfer-shapes/llama-3.1-8b-dummy
 "$PY" -c "from pathlib import Path; from minfer.benchmark.shapes import write_shape_config as w; \
 w('llama-3.1-8b', Path('$MODEL'))"
 
-# The server process's CPU seconds (user + system, all its threads): over a run, per output token and per second of
-# wall time. Its engine thread and event loop share one GIL, so near 1 CPU-second a second it is host-bound
+# CPU seconds (user + system, all threads) of the server process and of its children (an --engine-process engine,
+# tensor-parallel workers), over a run: per second of wall time and per output token. The engine thread and the
+# event loop of one process share a GIL, so a process near 1 CPU-second a second is host-bound
 # (dev/server_overhead.py prices the same work on a CPU machine, the model stubbed out).
-cpu_s() { awk -v t="$(getconf CLK_TCK)" '{ split($0, a, ") "); split(a[2], f, " "); print (f[12] + f[13]) / t }' \
-  "/proc/$1/stat" 2>/dev/null || echo 0; }
+cpu_s() {
+  local tck kids; tck=$(getconf CLK_TCK); kids=$(cat /proc/"$1"/task/*/children 2>/dev/null)
+  for p in "$1" "${kids:-}"; do
+    [ -n "$p" ] || { echo 0; continue; }
+    awk -v t="$tck" '{ split($0, a, ") "); split(a[2], f, " "); s += (f[12] + f[13]) / t } END { print s + 0 }' \
+      $(for q in $p; do echo "/proc/$q/stat"; done) 2>/dev/null || echo 0
+  done | paste -sd' '
+}
 
 for entry in $POLICIES; do
+  proc=""; [ "${entry%+proc}" != "$entry" ] && { proc=--engine-process; entry="${entry%+proc}"; }
   policy="${entry%@*}"; tokens=""; [ "$entry" != "$policy" ] && tokens="${entry#*@}"
-  name="${policy}${tokens:+_$tokens}"
+  name="${policy}${tokens:+_$tokens}${proc:+_proc}"
   echo "== serve llama-3.1-8b, --scheduling-policy $policy${tokens:+ --max-num-batched-tokens $tokens} ($(left) s left)"
   "$PY" -m minfer.cli serve --model "$MODEL" --load-format dummy --skip-tokenizer-init --max-model-len 4096 \
-    --max-num-seqs 256 --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} --port "$PORT" \
+    --max-num-seqs 256 --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} $proc --port "$PORT" \
     --no-access-log --uvicorn-log-level warning > "$LOGS/server_$name.log" 2>&1 &
   SERVER=$!
   up=0
@@ -57,15 +66,17 @@ import json, sys
 from pathlib import Path
 logs, out, levels = Path(sys.argv[1]), Path(sys.argv[2]), [int(v) for v in sys.argv[3].split(",")]
 rows = ["| policy | clients | ok | output tok/s | TTFT p50 | p90 | p99 ms | ITL p50 | p99 ms | TPOT p50 ms "
-        "| preemptions (server total) | server CPU s/s, us/token (all levels) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| preemptions (server total) | server CPU-s/s, us/token (all levels; children: an engine process) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 for f in sorted(logs.glob("*/results.json"), key=lambda f: f.stat().st_mtime):
     r = json.loads(f.read_text())
     pre = (r.get("engine_stats_after") or {}).get("num_preemptions", "")
     cpu = ""
     if (f.parent / "server_cpu.txt").is_file():
-        after, before, wall = (float(v) for v in (f.parent / "server_cpu.txt").read_text().split())
-        tokens = sum(lv["output_tokens"] for lv in r["levels"])
-        cpu = f"{(after - before) / max(wall, 1):.2f}, {1e6 * (after - before) / max(tokens, 1):.0f}"
+        api1, kids1, api0, kids0, wall = (float(v) for v in (f.parent / "server_cpu.txt").read_text().split())
+        tokens = max(sum(lv["output_tokens"] for lv in r["levels"]), 1)
+        cpu = f"{(api1 - api0) / max(wall, 1):.2f}, {1e6 * (api1 - api0) / tokens:.0f}"
+        if kids1 - kids0 > 0.5:
+            cpu += f"; children {(kids1 - kids0) / max(wall, 1):.2f}, {1e6 * (kids1 - kids0) / tokens:.0f}"
     for lv in r["levels"]:
         t, i, p = lv["ttft_ms"], lv["itl_ms"], lv["tpot_ms"]
         rows.append(f"| {f.parent.name} | {lv['concurrency']} | {lv['completed']}/{lv['num_prompts']} "

@@ -82,6 +82,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="larger request bodies get a 413 before they are parsed (default: 16 MiB; 0: no cap)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    p.add_argument("--engine-process", action="store_true",
+                   help="run the engine in a process of its own (the data-parallel path with one replica), so that "
+                        "its loop and the HTTP event loop do not share a GIL")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -116,5 +119,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
                trust_request_chat_template=args.trust_request_chat_template,
                reasoning_parser=args.reasoning_parser, allowed_hosts=parse_flag_list(args.allowed_hosts),
-               allowed_origins=parse_flag_list(args.allowed_origins), lora_modules=args.lora_modules)
+               allowed_origins=parse_flag_list(args.allowed_origins), lora_modules=args.lora_modules,
+               engine_process=args.engine_process)
     return 0

@@ -39,7 +39,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
-               lora_modules: list[LoRAModulePath] | None = None) -> None:
+               lora_modules: list[LoRAModulePath] | None = None, engine_process: bool = False) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
     the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
@@ -56,6 +56,9 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     ``allowed_origins``: see ``build_app`` (both are checked before the model loads).
     ``lora_modules``: see ``build_app`` (their names and ``enable_lora`` are checked before the model loads, the
     adapters themselves once it has).
+    ``engine_process``: one engine in a process of its own (the data-parallel path with one replica), so that the
+    engine loop and this process's event loop do not share a GIL; its messages cost pickling on both sides
+    (``dev/server_overhead.py`` prices either way on a CPU machine).
     """
     require_server_extra()
     try:
@@ -97,7 +100,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         names = served_model_names or [model]
     check_lora_modules(lora_modules or [], names, bool(engine_kwargs.get("enable_lora", False)))
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
-    engine_class = LLMEngine if config.data_parallel_size == 1 else DataParallelLLMEngine  # replicas: engine/dp/
+    replicas = config.data_parallel_size > 1 or engine_process
+    engine_class = DataParallelLLMEngine if replicas else LLMEngine  # replicas: engine/dp/
     engine = engine_class(config, RequestOutputKind.DELTA)  # the server streams deltas
     # uvicorn handles SIGTERM while it serves, shuts down gracefully, then restores the handler it found and
     # raises the signal again: with the default handler the process would end right there, before the
@@ -138,8 +142,9 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         if catching:  # first, so that a second SIGTERM while they stop ends the process at once
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
         engine.shutdown()
-        if config.data_parallel_size > 1:
-            logger.info("the data-parallel replicas have stopped")
+        if replicas:
+            logger.info("the data-parallel replicas have stopped" if config.data_parallel_size > 1 else
+                        "the engine process has stopped")
         elif config.tensor_parallel_size > 1:
             logger.info("the tensor-parallel workers have stopped")
     if terminated:  # end as SIGTERM ends the process (its exit status says so), now that the workers are gone

@@ -283,12 +283,13 @@ def test_a_killed_replica_is_named_fails_its_requests_and_the_other_serves_on(dp
 
 
 class ServeProcess:
-    """``python -m minfer.cli serve --data-parallel-size 2`` in a subprocess, its log in a file."""
+    """``python -m minfer.cli serve --data-parallel-size 2`` (or ``replicas``, a list of flags) in a subprocess, its
+    log in a file."""
 
-    def __init__(self, model: Path, log: Path) -> None:
+    def __init__(self, model: Path, log: Path, replicas: tuple[str, ...] = ("--data-parallel-size", "2")) -> None:
         self.port, self.log_path = free_port(), log
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "minfer.cli", "-v", "serve", "--model", str(model), "--data-parallel-size", "2",
+        cmd = [sys.executable, "-m", "minfer.cli", "-v", "serve", "--model", str(model), *replicas,
                "--port", str(self.port), "--no-access-log", "--uvicorn-log-level", "warning", "--num-kv-blocks", "64",
                "--max-num-seqs", "4", "--max-num-batched-tokens", "256"]
         with open(log, "wb") as f:
@@ -296,7 +297,7 @@ class ServeProcess:
         wait_healthy(self.proc, self.base_url, START_TIMEOUT_S, self.log)
         self.tree = descendants(self.proc.pid)
         names = sorted(name for _, name in self.tree.values())
-        assert "minfer-dp0" in names and "minfer-dp1" in names, names
+        assert "minfer-dp0" in names and ("minfer-dp1" in names) == ("--data-parallel-size" in replicas), names
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -329,5 +330,27 @@ def test_the_replicas_of_a_killed_server_exit(tiny_model: Path, tmp_path: Path) 
         server.proc.kill()
         server.proc.wait(10)
         assert still_running(server.tree, 10.0) == [], server.log()
+    finally:
+        server.kill_all()
+
+
+def test_engine_process_serves_and_stops(tiny_model: Path, tmp_path: Path) -> None:
+    """``--engine-process``: one engine in a process of its own (a single replica) gives the in-process engine's
+    greedy tokens, streamed too, and SIGTERM stops both processes."""
+    with LLM(str(tiny_model), **ENGINE_ARGS) as llm:
+        want = llm.generate([PROMPTS[0]], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text
+    server = ServeProcess(tiny_model, tmp_path / "serve.log", ("--engine-process",))
+    try:
+        body = {"prompt": PROMPTS[0], **GREEDY}
+        out = httpx.post(server.base_url + "/v1/completions", timeout=30, json=body).json()
+        assert out["choices"][0]["text"] == want and out["usage"]["completion_tokens"] == GREEDY["max_tokens"], out
+        with httpx.stream("POST", server.base_url + "/v1/completions", timeout=30, json={**body, "stream": True}) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == \
+            out["choices"][0]["text"]
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(GONE_TIMEOUT_S) == -signal.SIGTERM, server.log()
+        assert still_running(server.tree, 5.0) == [], server.log()
+        assert "the engine process has stopped" in server.log(), server.log()
     finally:
         server.kill_all()
