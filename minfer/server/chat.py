@@ -32,8 +32,8 @@ from minfer.server.errors import APIError
 from minfer.server.protocol import ChatCompletionRequest
 from minfer.server.reasoning import StreamSplitter, needs_special_tokens, split_whole
 from minfer.server.serving import ServerContext, collect, process, request_id, stream_response
-from minfer.server.stream import (DeltaTracker, TokenText, chat_logprobs, holdback_for, prompt_logprobs_entries, sse,
-                                  usage)
+from minfer.server.stream import (DeltaTracker, TextChunks, TokenText, chat_logprobs, holdback_for,
+                                  prompt_logprobs_entries, sse, usage)
 from minfer.server.tool_parsers import ToolParser, parse_whole
 from minfer.server.tools import ToolPlan, finish_reason, plan_tools, tool_constraint
 
@@ -221,6 +221,12 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     parsers: dict[int, ToolParser] = {}  # per choice, with tools
     splitter = StreamSplitter(ctx.reasoning_parser)
 
+    def text_choice(index: int, text: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
+                "stop_reason": None}
+
+    text_chunks = TextChunks(lambda index, text: {**header, "choices": [text_choice(index, text)], "usage": None})
+
     def render(_: int, out: RequestOutput) -> list[bytes]:
         choices = []
         for c in out.outputs:
@@ -250,6 +256,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         if not choices:
             return []
         chunk_usage = usage(num_prompt_tokens, sum(tracker.sent_tokens.values())) if every_chunk_usage else None
+        only, content = choices[0], choices[0]["delta"].get("content")
+        if len(choices) == 1 and chunk_usage is None and only == text_choice(only["index"], content):
+            return [text_chunks(only["index"], content)]  # the common event (stream.TextChunks)
         return [sse({**header, "choices": choices, "usage": chunk_usage})]
 
     def tail() -> list[bytes]:

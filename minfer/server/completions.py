@@ -17,7 +17,7 @@ from minfer.outputs import RequestOutput
 from minfer.server.beam_search import run_beam_search
 from minfer.server.protocol import CompletionRequest
 from minfer.server.serving import ServerContext, collect, process, request_id, stream_response
-from minfer.server.stream import (DeltaTracker, TokenText, completion_logprobs, echo_logprobs, holdback_for,
+from minfer.server.stream import (DeltaTracker, TextChunks, TokenText, completion_logprobs, echo_logprobs, holdback_for,
                                   join_logprobs, prompt_logprobs_entries, sse, usage)
 
 
@@ -73,6 +73,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     # the non-streamed response (the text sent may lag behind while stop strings hold some back).
     token_chars: dict[int, int] = {}
 
+    def text_choice(index: int, text: str) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}
+
+    text_chunks = TextChunks(lambda index, text: {**header, "choices": [text_choice(index, text)], "usage": None})
+
     def render(i: int, out: RequestOutput) -> list[bytes]:
         choices = []
         for c in out.outputs:
@@ -89,6 +94,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         if not choices:
             return []
         chunk_usage = usage(num_prompt_tokens, sum(tracker.sent_tokens.values())) if every_chunk_usage else None
+        only = choices[0]
+        if len(choices) == 1 and chunk_usage is None and only == text_choice(only["index"], only["text"]):
+            return [text_chunks(only["index"], only["text"])]  # the common event (stream.TextChunks)
         return [sse({**header, "choices": choices, "usage": chunk_usage})]
 
     def tail() -> list[bytes]:

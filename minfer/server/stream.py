@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from minfer.outputs import CompletionOutput
 
@@ -19,6 +19,30 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+_MARK = "\ue000minfer-text\ue001"  # private-use characters: no header or choice holds them
+_MARK_JSON = json.dumps(_MARK, ensure_ascii=False).encode()
+
+
+class TextChunks:
+    """A stream's most common event, one choice whose only news is text, as bytes: the text's JSON string spliced
+    between two pieces encoded once per choice index. Encoding the whole chunk dict costs ~5x encoding the string
+    alone (7.6 against 1.5 µs on the 2-core development CPU), once per streamed token of every stream, on the event
+    loop. ``build(index, text)`` is the chunk dict the generic path sends; the bytes are ``sse`` of it, exactly."""
+
+    def __init__(self, build: Callable[[int, str], dict[str, Any]]) -> None:
+        self.build = build
+        self._pieces: dict[int, tuple[bytes, bytes] | None] = {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        if index not in self._pieces:
+            parts = sse(self.build(index, _MARK)).split(_MARK_JSON)
+            self._pieces[index] = (parts[0], parts[1]) if len(parts) == 2 else None
+        pieces = self._pieces[index]
+        if pieces is None:  # the marker was not where the text goes: the generic encoding
+            return sse(self.build(index, text))
+        return pieces[0] + json.dumps(text, ensure_ascii=False).encode() + pieces[1]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

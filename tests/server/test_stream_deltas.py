@@ -51,3 +51,47 @@ def test_streamed_chunks_join_to_the_whole_response(client: httpx.Client) -> Non
         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             assert s[key] == ch["logprobs"][key], key
     assert usage == whole["usage"]
+
+
+TEXTS = ["", " def", 'quote " and \\ backslash', "line\nbreak\ttab", "\x00\x1f control", "é ✓ 🙂",
+         "\ue000minfer-text\ue001"]
+
+
+def test_text_chunks_are_the_generic_encoding_byte_for_byte() -> None:
+    """``stream.TextChunks`` splices the text's JSON between pieces encoded once: for any text (escapes, control
+    characters, non-ASCII, the splice marker itself) the bytes are ``sse`` of the whole chunk."""
+    from minfer.server.stream import TextChunks, sse
+
+    def build(index: int, text: str) -> dict[str, Any]:
+        return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": None}], "usage": None}
+
+    chunks = TextChunks(build)
+    for index in (0, 3):
+        for text in TEXTS:
+            assert chunks(index, text) == sse(build(index, text))
+    marked = TextChunks(lambda index, text: dict(build(index, text), model="\ue000minfer-text\ue001"))
+    assert marked(0, "x") == sse(dict(build(0, "x"), model="\ue000minfer-text\ue001"))  # the generic path then
+
+
+def test_plain_streams_take_the_pre_encoded_chunks(client: httpx.Client, monkeypatch) -> None:
+    """A stream with no logprobs sends its text chunks through ``TextChunks`` (the fast path is taken), and they join
+    to the non-streamed text, for both routes."""
+    from minfer.server import stream
+
+    calls: list[int] = []
+    real = stream.TextChunks.__call__
+    monkeypatch.setattr(stream.TextChunks, "__call__", lambda self, i, t: calls.append(i) or real(self, i, t))
+    body = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    for route, request, text_of in (
+            ("/v1/completions", {"prompt": "def f(x):"}, lambda ch: ch["text"]),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+             lambda ch: ch["delta"].get("content") or "")):
+        calls.clear()
+        whole = client.post(route, json={**body, **request}).json()["choices"][0]
+        want = whole["text"] if "text" in whole else whole["message"]["content"]
+        with client.stream("POST", route, json={**body, **request, "stream": True}) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(text_of(c["choices"][0]) for c in chunks if c["choices"]) == want
+        assert len(calls) >= 5, (route, len(calls))
