@@ -6,7 +6,7 @@ generation walks all of them, and a full collection comes whenever enough new ob
 seconds under a server's load. Measured with ``dev/server_overhead.py`` (256 streams, model stubbed): full
 collections of 157-190 ms that found nothing to free, each holding the GIL, so the engine thread launched no step
 meanwhile. ``gc.freeze`` moves every object alive now to a permanent generation that collections skip (vLLM freezes
-its engine process's start-up heap the same way); those pauses fell to 18-22 ms. A frozen object that becomes
+its engine process's start-up heap the same way); those pauses fell to 16-22 ms. A frozen object that becomes
 cyclic garbage is not freed while frozen, so the freeze lasts only as long as the loop: ``gc.unfreeze`` at its end
 hands everything back to the collector (and ends any freeze another loop in the process began, which costs only
 that loop its shorter pauses).
