@@ -12,10 +12,11 @@
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
 # onetoken: the one-token MoE layout (router launch keeping the normed row, decode kernels under PDL): its gpu tests,
-#           then benchmarks/ab_compare.sh against the old tree in $AB_OLD (default .ab_old, carried: `git archive C
-#           minfer benchmarks pyproject.toml | tar -x -C .ab_old`): batch 1 on the MoE shapes ($B1_SHAPES) and on
-#           llama-3.2-1b (its 1,110 against 1,175 tok/s: an old tree of 687b700 asks whether the engine moved)
-#                                                                                    -> $OUT/ab/summary.md
+#           then benchmarks/ab_compare.sh against the old tree in $AB_OLD (default .ab_old): batch 1 on the MoE shapes
+#           ($B1_SHAPES) and on llama-3.2-1b (whose 1,110 tok/s, against 1,175, came from the dropped fused-merge
+#           tree). The old tree travels inside the carried .whl: `mkdir -p .whl/ab_old && git archive a133d18 minfer
+#           benchmarks pyproject.toml | tar -x -C .whl/ab_old`, then AB_OLD=.whl/ab_old     -> $OUT/ab.md
+#           (about 7 minutes: its own call; policyA in another)
 # policyA:  workload A on qwen3-0.6b and llama-3.1-8b under fcfs and prefill-first (the default since this round),
 #           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
