@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minfer.kernels.gemm.gemv import (gemv, gemv_gated_rms_norm, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_sigmoid_gate,
-                                     gemv_silu_mul)
+from minfer.kernels.gemm.gemv import gemv, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv_gated import gemv_gated_rms_norm, gemv_sigmoid_gate
 from minfer.kernels.gemm.gemv_lora import GemvLora
 from minfer.ops.metadata import AttentionMetadata
 

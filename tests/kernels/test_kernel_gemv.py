@@ -9,8 +9,8 @@ from kernel_testlib import EXACT_BF16, REL_TOL, rel_err
 
 from minfer.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from minfer.kernels.gemm import gemv as gemv_module
-from minfer.kernels.gemm.gemv import (gemv, gemv_gated_rms_norm, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_sigmoid_gate,
-                                     gemv_silu_mul)
+from minfer.kernels.gemm.gemv import gemv, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv_gated import gemv_gated_rms_norm, gemv_sigmoid_gate
 from minfer.kernels.gemm.gemv_ref import (gemv_gated_rms_norm_ref, gemv_gelu_tanh_mul_ref, gemv_ref, gemv_rms_norm_ref,
                                          gemv_sigmoid_gate_ref, gemv_silu_mul_ref)
 from minfer.kernels.gemm.gemv_config import GemvConfig

@@ -6,7 +6,7 @@ rsqrt, the products, the SiLU), once in each of Qwen3.5-9B's 24 linear layers. H
 heads as a ``[heads, D]`` tile and writes the result in one pass, with HF's roundings: the normed value rounded to
 x's dtype before the weight multiplies it (in that dtype), the gate's SiLU and its product in float32, one last
 rounding. At one token the matrix-vector kernel folds the same arithmetic into ``out_proj``
-(``gemm/gemv.py``'s ``gemv_gated_rms_norm``). Reference: ``gated_delta_ref.gated_rms_norm_ref``.
+(``gemm/gemv_gated.py``'s ``gemv_gated_rms_norm``). Reference: ``gated_delta_ref.gated_rms_norm_ref``.
 """
 from __future__ import annotations
 
