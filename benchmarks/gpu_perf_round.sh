@@ -16,7 +16,9 @@
 #           ($B1_SHAPES) and on llama-3.2-1b (whose 1,110 tok/s, against 1,175, came from the dropped fused-merge
 #           tree). The old tree travels inside the carried .whl: `mkdir -p .whl/ab_old && git archive a133d18 minfer
 #           benchmarks pyproject.toml | tar -x -C .whl/ab_old`, then AB_OLD=.whl/ab_old     -> $OUT/ab.md
-#           (about 7 minutes: its own call; policyA in another)
+#           Before it, batch 1 on llama-3.2-1b with MINFER_FUSED_ROPE_STORE=0 / 1 (rotary and the KV store in the
+#           qkv launch, gemv_epilogue.py), twice                                           -> $OUT/onetoken.md
+#           (about 8 minutes: its own call; policyA in another)
 # policyA:  workload A on qwen3-0.6b and llama-3.1-8b under fcfs and prefill-first (the default since this round),
 #           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
@@ -79,10 +81,15 @@ esac
 case " $PARTS " in *" onetoken "*)
   echo "== one-token and MoE decode gpu tests ($(left) s left)"
   timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_one_token_forward.py \
-    tests/kernels/test_kernel_moe_decode_gpu.py tests/kernels/test_kernel_pdl.py > "$OUT/onetoken_tests.log" 2>&1
+    tests/kernels/test_kernel_moe_decode_gpu.py tests/kernels/test_kernel_pdl.py tests/kernels/test_kernel_gemv.py \
+    > "$OUT/onetoken_tests.log" 2>&1
   echo "   exit $?; $(tail -1 "$OUT/onetoken_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/onetoken_tests.log" | head -5
+  for r in 1 2; do  # the rope-and-store epilogue in the qkv launch (gemv_epilogue.py), off then on, twice
+    for f in 0 1; do MINFER_FUSED_ROPE_STORE=$f bench "b1_llama-3.2-1b_rope${f}_$r" --shape llama-3.2-1b --batch1; done
+  done
+  bench_table onetoken.md
   echo "== A/B against ${AB_OLD:-.ab_old} ($(left) s left)"
-  OUT="$OUT/ab" ROUNDS="${ROUNDS:-2}" A_ROUNDS=0 B1_SHAPES="${B1_SHAPES:-qwen3-30b-a3b gpt-oss-20b qwen3.5-35b-a3b}" \
+  OUT="$OUT/ab" ROUNDS="${ROUNDS:-1}" A_ROUNDS=0 B1_SHAPES="${B1_SHAPES:-qwen3-30b-a3b gpt-oss-20b qwen3.5-35b-a3b}" \
     timeout "$(cap 420)" bash benchmarks/ab_compare.sh "${AB_OLD:-.ab_old}"; cp "$OUT/ab/summary.md" "$OUT/ab.md" ;;
 esac
 case " $PARTS " in *" policyA "*)

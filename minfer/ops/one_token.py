@@ -11,13 +11,21 @@ attention on the same ops) between the projections. The LM head stays with the m
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from minfer.kernels.gemm.gemv import gemv, gemv_gelu_tanh_mul, gemv_rms_norm, gemv_silu_mul
+from minfer.kernels.gemm.gemv_epilogue import RopeStore
 from minfer.kernels.gemm.gemv_gated import gemv_gated_rms_norm, gemv_sigmoid_gate
 from minfer.kernels.gemm.gemv_lora import GemvLora
 from minfer.ops.metadata import AttentionMetadata
+
+
+# Rotary and the KV store in the qkv launch (gemv_epilogue.py) for the Llama layout: off until timed on a GPU
+# (MINFER_FUSED_ROPE_STORE=1 turns it on; benchmarks/gpu_perf_round.sh PARTS=onetoken measures both).
+FUSED_ROPE_STORE = os.environ.get("MINFER_FUSED_ROPE_STORE", "0") == "1"
 
 
 class OneTokenForward:
@@ -37,15 +45,31 @@ class OneTokenForward:
         x = self.embed(input_ids)
         residual = None
         for ln, attn, ln2, mlp, layer in self.layers:
+            lora = _lora(attn.qkv_proj)
+            rope = _rope_store(attn, positions, meta) if FUSED_ROPE_STORE and lora is None else None
             qkv, residual = gemv_rms_norm(x, residual, ln.weight, ln.eps, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                          weight_scale=_scale(attn.qkv_proj), lora=_lora(attn.qkv_proj))
+                                          weight_scale=_scale(attn.qkv_proj), lora=lora, rope_store=rope)
             if layer.capture is not None:  # the stream entering the layer, for an EAGLE-3 head (models/llama.py)
                 layer.capture[:1].copy_(residual)
-            x = gemv(attn.attention(qkv, positions, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
+            if rope is None:
+                o = attn.attention(qkv, positions, meta)
+            else:  # q rotated and K/V stored by the qkv launch
+                o = attn.attn.attend(qkv[:, :attn.q_size].view(1, attn.num_heads, attn.head_dim), meta)
+            x = gemv(o.reshape(1, attn.q_size).contiguous(), attn.o_proj.weight, attn.o_proj.bias,
                      weight_scale=_scale(attn.o_proj), lora=_lora(attn.o_proj))
             x = attn.o_proj.reduce(x)  # the sum over tensor-parallel ranks (identity on one GPU)
             x, residual = _mlp(ln2, mlp, x, residual)
         return x + residual  # the final norm runs in compute_logits, as in the model's forward
+
+
+def _rope_store(attn: nn.Module, positions: torch.Tensor, meta: AttentionMetadata) -> RopeStore | None:
+    """The qkv launch's rotary and cache-store epilogue for a Llama attention (``gemv_epilogue.py``), or None where
+    the separate kernel stays: q/k norms (a norm needs the whole head), a partial rotary, an 8-bit cache."""
+    cache, table = attn.attn, attn.rotary.cos_sin_cache
+    if attn.q_norm is not None or cache.k_scale is not None or table.shape[-1] != attn.head_dim:
+        return None
+    return RopeStore(positions, table, cache.k_cache, cache.v_cache, meta.slot_mapping[cache.kv_group],
+                     attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
 
 def _mlp(ln: nn.Module, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

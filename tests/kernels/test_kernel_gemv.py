@@ -3,6 +3,8 @@ SwiGLU / GeGLU, residual-add + RMSNorm (Llama's and Gemma's float32-weight round
 gated-RMSNorm prologues against the unfused kernels they replace."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from kernel_testlib import EXACT_BF16, REL_TOL, rel_err
@@ -393,3 +395,66 @@ def test_gemv_lora_on_gpu_matches_reference(slot):
     down = _lora((4096,), 14336, max_loras=4, max_rank=16, rank=16, slot=slot, dtype=dt, device=dev)
     torch.testing.assert_close(gemv_silu_mul(gate_up, wd, lora=down), gemv_silu_mul_ref(gate_up, wd, lora=down),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim,config", [((4, 2), 16, None), ((2, 1), 32, GemvConfig(8, 64, 4)),
+                                                   ((3, 3), 8, GemvConfig(2, 32, 2))])
+@pytest.mark.parametrize("bias,slot", [(False, 5), (True, 0), (False, -1)])
+def test_gemv_rms_norm_rope_store_matches_the_separate_kernel(dtype, heads, head_dim, config, bias, slot):
+    """The qkv launch with the rope-and-store epilogue (gemv_epilogue.py) against the plain launch followed by
+    ``rope_store_kv``: q and k rotated, v as it is, k and v in the token's slot (slot -1: nothing stored), bit for bit
+    (the same roundings, the same float32 arithmetic); a position deep in the table."""
+    _check_rope_store(dtype, heads, head_dim, config, bias, slot, 48, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,head_dim,hidden", [((32, 8), 64, 2048), ((32, 8), 128, 4096), ((64, 8), 64, 2880)])
+def test_gemv_rms_norm_rope_store_on_gpu(heads, head_dim, hidden):
+    """Compiled (PDL on an H100/H200), at llama-3.2-1b's, llama-3.1-8b's and gpt-oss's qkv shapes, default configs."""
+    _check_rope_store(torch.bfloat16, heads, head_dim, None, head_dim == 64 and heads[0] == 64, 7, hidden, "cuda")
+
+
+def _check_rope_store(dtype: torch.dtype, heads: tuple[int, int], head_dim: int, config: GemvConfig | None,
+                      bias: bool, slot: int, k: int, device: str) -> None:
+    from minfer.kernels.gemm.gemv_epilogue import RopeStore
+    from minfer.kernels.rope_store import rope_store_kv
+    from minfer.model.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(head_dim + slot)
+    hq, hkv = heads
+    n = (hq + 2 * hkv) * head_dim
+    x, res = torch.randn(1, k, dtype=dtype, device=device), torch.randn(1, k, dtype=dtype, device=device)
+    nw = 1 + 0.1 * torch.randn(k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device) / k ** 0.5
+    b = torch.randn(n, dtype=dtype, device=device) if bias else None
+    table = RotaryEmbedding(head_dim, 512, 10000.0, None).cos_sin_cache.to(device)
+    pos, slots = torch.tensor([300], device=device), torch.tensor([slot], device=device)
+    caches = [torch.zeros(4, 4, hkv, head_dim, dtype=dtype, device=device) for _ in range(4)]
+    store = RopeStore(pos, table, caches[0], caches[1], slots, hq, hkv, head_dim)
+    y, new_res = gemv_rms_norm(x, res, nw, 1e-6, w, b, config, rope_store=store)
+    ref, ref_res = gemv_rms_norm(x, res, nw, 1e-6, w, b, config)
+    q, kk, v = ref.view(-1).split([hq * head_dim, hkv * head_dim, hkv * head_dim])
+    rope_store_kv(q.view(1, hq, head_dim), kk.view(1, hkv, head_dim), v.view(1, hkv, head_dim), pos, table,
+                  caches[2], caches[3], slots)
+    assert torch.equal(new_res, ref_res)
+    assert torch.equal(y[0, :hq * head_dim], q) and torch.equal(y[0, (hq + hkv) * head_dim:], v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert bool(caches[0].abs().sum() > 0) == (slot >= 0)
+    if slot >= 0:  # the k part of the output is rotated too: the cache row holds it
+        flat = caches[0].view(-1, hkv * head_dim)[slot]
+        assert torch.equal(y[0, hq * head_dim:(hq + hkv) * head_dim], flat)
+
+
+def test_rope_store_refuses_what_it_cannot_do():
+    from minfer.kernels.gemm.gemv_epilogue import RopeStore
+
+    x, nw, w = torch.randn(1, 32), torch.ones(32), torch.randn(64, 32)  # 2 + 2 x 1 heads of 16
+    cache = torch.zeros(2, 4, 1, 16)
+    table = torch.zeros(64, 16)
+    ok = RopeStore(torch.tensor([1]), table, cache, cache, torch.tensor([0]), 2, 1, 16)
+    gemv_rms_norm(x, None, nw, 1e-6, w, rope_store=ok)
+    for bad, match in ((dict(num_q_heads=3), "rows"), (dict(cos_sin_cache=torch.zeros(64, 8)), "full rotary"),
+                       (dict(k_cache=cache.to(torch.bfloat16)), "k_cache")):
+        with pytest.raises(ValueError, match=match):
+            gemv_rms_norm(x, None, nw, 1e-6, w, rope_store=dataclasses.replace(ok, **bad))

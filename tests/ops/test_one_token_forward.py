@@ -137,3 +137,21 @@ def test_moe_shapes_fused_one_token_forward_on_gpu(tmp_path, shape, layers):
     run = dict(device="cuda", load_format="dummy", dtype=torch.float32)
     fused, plain = _decode_hidden(path, "triton", True, **run), _decode_hidden(path, "triton", False, **run)
     assert _rel(fused, plain) < 1e-4
+
+
+@pytest.mark.parametrize("arch,fused", [("llama3", True), ("qwen2", True), ("gpt_oss", True), ("mixtral", True),
+                                        ("qwen3", False)])
+def test_rope_store_in_the_qkv_launch_matches_the_plain_forward(checkpoints, moe_checkpoints, monkeypatch, arch,
+                                                                fused):
+    """``MINFER_FUSED_ROPE_STORE``: the qkv launch rotates q and k and stores K/V (``gemv_epilogue.py``) for Llama
+    attention without q/k norms (biases, sinks and windows too); Qwen3's norms keep the separate kernel. The decode
+    step, which attends over the K/V its qkv launches stored, gives the plain forward's logits."""
+    path = (moe_checkpoints if arch in MOE else checkpoints)[arch]
+    monkeypatch.setattr(one_token, "FUSED_ROPE_STORE", True)
+    used = []
+    real = one_token.gemv_rms_norm
+    monkeypatch.setattr(one_token, "gemv_rms_norm",
+                        lambda *a, **k: used.append(k.get("rope_store") is not None) or real(*a, **k))
+    got = _decode_hidden(path, "triton", True)
+    assert any(used) == fused
+    assert _rel(got, _decode_hidden(path, "triton", False)) < 1e-5

@@ -37,6 +37,7 @@ from ..pdl import launch_options, use_pdl, wait_for_previous
 from ..quant.fp8_ref import FP8_DTYPE, FP8_GROUP, num_groups
 from .gemv_config import (BLOCK, CHANNEL, GELU_MUL, NO_SCALE, PLAIN, RMS_NORM, SILU_MUL, GemvConfig, default_config,
                           default_fp8_config, lora_shrink_config)
+from .gemv_epilogue import RopeStore, rope_rows, rope_store_epilogue
 from .gemv_lora import GemvLora, lora_delta, lora_load_rows
 from .gemv_prologue import input_chunk, sum_squares
 
@@ -93,7 +94,9 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N_OUT, N, K, stride_wn, eps, HAS_BIAS
                  LORA: tl.constexpr = 0, LORA_SLOT=None, n_loras=0, k_part=0,
                  XA=None, stride_xa=0, LB=None, stride_lb=0, shard_end0=0, shard_end1=0, LORA_RANK: tl.constexpr = 1,
                  LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1,
-                 WRITE_NORMED: tl.constexpr = False):
+                 WRITE_NORMED: tl.constexpr = False, POS=None, CS=None, stride_c=0, KC=None, VC=None, SLOTS=None,
+                 ROPE_STORE: tl.constexpr = False, ROT_HEAD: tl.constexpr = 2, ROPE_Q_HEADS: tl.constexpr = 1,
+                 ROPE_KV_HEADS: tl.constexpr = 1):
     pid = tl.program_id(0)
     k_lo = 0
     k_hi = K
@@ -106,7 +109,10 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N_OUT, N, K, stride_wn, eps, HAS_BIAS
         k_lo = tl.program_id(1) * k_part  # this program's part of K; its partial sums go to its own row of Y
         k_hi = tl.minimum(K, k_lo + k_part)
         Y += tl.program_id(1) * N
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROPE_STORE:  # rotation pairs (gemv_epilogue.py)
+        rows = rope_rows(pid, ROT_HEAD, BLOCK_N)
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = W + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
     if PDL:  # the first weight tile streams in while the previous kernel drains (weights never change)
@@ -144,7 +150,11 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N_OUT, N, K, stride_wn, eps, HAS_BIAS
         y += tl.load(B + rows, mask=rows < N, other=0.0).to(tl.float32)
     if LORA == 2:
         y += lora_delta(lora_xa, lora_b)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
+    if ROPE_STORE:
+        rope_store_epilogue(y, Y, rows, pid, POS, CS, stride_c, KC, VC, SLOTS, ROPE_Q_HEADS, ROPE_KV_HEADS, ROT_HEAD,
+                            BLOCK_N)
+    else:
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < N)
 
 
 def _check_weight(weight: torch.Tensor, bias: torch.Tensor | None, weight_scale: torch.Tensor | None = None) -> int:
@@ -171,9 +181,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
             prologue: int = PLAIN, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
             new_residual: torch.Tensor | None = None, eps: float = 0.0, weight_scale: torch.Tensor | None = None,
             scale: int = NO_SCALE, gate: torch.Tensor | None = None, lora: GemvLora | None = None,
-            normed_out: torch.Tensor | None = None) -> torch.Tensor:
+            normed_out: torch.Tensor | None = None, rope_store: RopeStore | None = None) -> torch.Tensor:
     """One launch (two with ``lora``: its shrink first, over the same prologue); ``gate`` ``[1, H, D]`` (its heads at
-    any stride) is the gated prologues' second input; ``normed_out`` receives the RMS prologue's normed row."""
+    any stride) is the gated prologues' second input; ``normed_out`` receives the RMS prologue's normed row;
+    ``rope_store``: the rotary and cache-store epilogue (``gemv_epilogue.py``)."""
     n, k = weight.shape
     cfg = config or (default_config(n, k, prologue) if scale == NO_SCALE else default_fp8_config(n, k, prologue, scale))
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
@@ -193,6 +204,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
         extra = dict(LORA=LORA_EXPAND, **lora.expand_args(xa))
     if normed_out is not None:
         extra = dict(extra, WRITE_NORMED=True)
+    if rope_store is not None:
+        if lora is not None:
+            raise ValueError("rope_store: not with a LoRA adapter (its rows are not the epilogue's pairs)")
+        extra = dict(extra, **rope_store.kernel_args(n, x.dtype, cfg.block_n))
     _run(x, weight, n, bias, cfg, y, weight_scale, scale, extra, new_residual=new_residual,
          normed_out=normed_out, **inputs)
     return y
@@ -293,7 +308,8 @@ def _gated(x_gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | N
 def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None, *,
                   weight_scale: torch.Tensor | None = None, lora: GemvLora | None = None,
-                  normed_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  normed_out: torch.Tensor | None = None, rope_store: RopeStore | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gemv(fused_add_rms_norm(x, residual, norm_weight, eps), weight, bias)`` in one launch -> ``(y, new_residual)``.
 
     ``x`` and ``residual`` [1, K] (``residual`` may be None: then plain ``rms_norm(x)``), ``norm_weight`` [K],
@@ -314,7 +330,9 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     ``x + residual`` (rounded to the dtype) is written to a fresh ``new_residual`` by program 0 alone; with no
     residual, ``new_residual`` is ``x`` itself. The inputs are left unmodified. ``normed_out`` (a contiguous
     ``[1, K]`` of x's dtype), when given, receives the normed row itself, also from program 0: a MoE router's
-    launch keeps it for the experts, which read it next (``ops/one_token.py``).
+    launch keeps it for the experts, which read it next (``ops/one_token.py``). ``rope_store`` (a qkv projection):
+    q and k come out rotated and k, v go into the token's cache slot, as ``rope_store_kv`` after this launch would
+    leave them (``gemv_epilogue.py``).
     """
     check_dtype("x", x)
     check_dtype("norm_weight", norm_weight)
@@ -337,5 +355,5 @@ def gemv_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
     new_residual = x if residual is None else torch.empty_like(x)
     y = _launch(x, weight, bias, config, prologue=RMS_NORM, residual=residual, norm_weight=norm_weight,
                 new_residual=new_residual if residual is not None else None, eps=eps, weight_scale=weight_scale,
-                scale=scale, lora=lora, normed_out=normed_out)
+                scale=scale, lora=lora, normed_out=normed_out, rope_store=rope_store)
     return y, new_residual

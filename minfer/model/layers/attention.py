@@ -63,4 +63,9 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D], before their norms and rotary → [T, Hq, D]."""
         q = self.ops.rope_store_kv(q, k, v, rope, self, meta.slot_mapping[self.kv_group])
+        return self.attend(q, meta)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention alone, for q already rotated and the step's K/V already in the cache (the one-token forward's
+        qkv launch does both: ``ops/one_token.py``)."""
         return self.ops.paged_attention(q, self, meta, self.scale)
