@@ -12,8 +12,8 @@ object here (``Scheduler.policy`` is None): its path has no extra work per step 
   size. While the decode batch is large and only a few young prompts wait, admission is held for up to
   ``HOLD_STEPS`` steps so arrivals join in one mixed step: a step with prompt tokens runs eagerly, a pure decode
   step replays a CUDA graph, and at 256 clients about every other step would otherwise carry one arrival's prompt.
-  Served on the 8B shape it made 1.19x / 1.12x fcfs's output tok/s at 64 / 256 clients, TTFT p50 and p90 lower,
-  ITL p99 at 256 clients 11% higher (benchmarks/RESULTS.md, "Performance round"): the default.
+  Served on the 8B shape it gave more output tok/s than fcfs at 64 and 256 clients with lower TTFT p50 and p90, at
+  the cost of a higher ITL p99 at 256 (benchmarks/RESULTS.md, "Performance round"): the default.
 - ``kv-predict``: admit a sequence only if the blocks of its prompt plus a predicted share of its output fit
   beside the running sequences' predicted growth, SGLang's "new token ratio": the share starts at 0.7, falls by
   ``DECAY`` per step to 0.1 and goes back to 0.7 on a preemption. Admitting what will not fit costs a preemption

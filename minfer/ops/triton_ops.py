@@ -123,9 +123,9 @@ class TritonOps(Ops):
                   topk_softmax: bool = False) -> torch.Tensor:
         """Decode steps (``moe_args.use_moe_decode``: up to 8 tokens of MXFP4 experts, one of float ones): two
         matrix-vector kernels, each program routing its own token and streaming its expert's rows; more tokens:
-        routing, tokens grouped by expert on the device, and two grouped GEMMs. Either way the gate runs in the first kernel's epilogue, the routing weights in the
-        second's, only the experts some token chose are read, and MXFP4 codes are expanded in registers, never to
-        a dequantized copy."""
+        routing, tokens grouped by expert on the device, and two grouped GEMMs. Either way the gate runs in the
+        first kernel's epilogue, the routing weights in the second's, only the experts some token chose are read,
+        and MXFP4 codes are expanded in registers, never to a dequantized copy."""
         moe = fused_moe_decode if use_moe_decode(x.shape[0], experts.scale_gate_up is not None) else fused_moe
         return moe(x, router_logits, top_k=top_k, renormalize=renormalize, weights_dtype=weights_dtype,
                    topk_softmax=topk_softmax, **experts.as_kwargs())

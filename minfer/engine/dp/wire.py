@@ -3,9 +3,9 @@
 Under the server a replica sends every step's delta for every running request, so the pickling runs once per token
 on the replica's engine thread and the unpickling on the API process's receiver thread, each under its process's
 GIL. ``pickle`` stores a dataclass instance as its class and its state, rebuilt field by field; the same fields as
-tuples of plain values pickle 6x faster and load, with the objects rebuilt here, 1.7x faster (256 one-token deltas:
-7.0 -> 1.1 and 4.3 -> 2.6 µs an output on the 2-core development machine). Only plain ``RequestOutput`` and
-``CompletionOutput`` take this form; any subclass (a pooling output and its vector) goes as itself.
+tuples of plain values pickle several times faster and load faster even with the objects rebuilt here
+(benchmarks/RESULTS.md, "continued without a device"). Only plain ``RequestOutput`` and ``CompletionOutput`` take
+this form; any subclass (a pooling output and its vector) goes as itself.
 """
 from __future__ import annotations
 

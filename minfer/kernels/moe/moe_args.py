@@ -53,10 +53,9 @@ def max_blocks(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> i
 # The decode kernels (``moe_decode.py``) take steps of at most this many tokens: CUDA-graph buckets 1..8, and a
 # short prompt chunk. They read an expert's rows once per (token, expert) pair, where the grouped GEMMs read them
 # once per expert: equal HBM traffic while a repeat read hits L2 (the pairs of one tile run side by side), but the
-# MXFP4 expansion and the float32 products are paid per pair. MXFP4 (gpt-oss-20b, H200, graph replays): decode
-# 62 / 398 µs against grouped 148 / 621 at 1 / 8 tokens. Float weights: decode wins at one token only (qwen3-30b-a3b
-# 38 against 40 µs, qwen3.5-35b-a3b 27 against 37), the grouped GEMMs at 8 (138 against 191, 123 against 146):
-# ``dev/moe_decode_sweep.py``; benchmarks/RESULTS.md, "Performance round".
+# MXFP4 expansion and the float32 products are paid per pair. Measured on an H200 (``dev/moe_decode_sweep.py``;
+# benchmarks/RESULTS.md, "Performance round"): for MXFP4 experts the decode kernels win up to 8 tokens; for float
+# experts at one token only, the grouped GEMMs at 8.
 DECODE_MAX_TOKENS = 8
 DECODE_MAX_TOKENS_FLOAT = 1
 
@@ -91,9 +90,9 @@ def moe_decode_config(weight_bytes: float, h: int, i: int, device: torch.device)
     GEMV's (``gemm/gemv_config.py``: 4 rows x 2048); float32 weights take half. Elsewhere the kernels run in
     Triton's interpreter, where a program costs milliseconds of Python whatever its size: one program a pair and
     one a token, each a single K step, at the small layers that run there. Float experts: the down kernel takes a
-    token's experts one after another, 4096-value tiles, two stages (qwen3-30b-a3b's layer 141 -> 38 µs at one
-    token; the one-tile layout ``[8, 4, 256]`` ran at a seventh of the bandwidth); MXFP4 keeps the one tile,
-    within 7% of the best candidate (``dev/moe_decode_sweep.py``)."""
+    token's experts one after another, 4096-value tiles, two stages (at top 8 one ``[top_k, rows, K step]`` tile
+    leaves too few bytes in flight per expert); MXFP4 keeps the one tile. The choices are the fastest measured by
+    ``dev/moe_decode_sweep.py`` (benchmarks/RESULTS.md, "Performance round")."""
     if device.type != "cuda":
         return MoeDecodeConfig(min(next_pow2(i), 256), min(next_pow2(h), 256), tile=1 << 16)
     if weight_bytes < 1:
