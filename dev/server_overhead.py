@@ -42,7 +42,7 @@ _m.LLMEngine.__init__ = _stubbed
 """
 
 
-def serve(port: int, clients: int, engine_process: bool) -> None:
+def serve(port: int, clients: int, engine_process: bool, stream_interval: int) -> None:
     """The child: the stubbed engine behind the real app, on uvicorn; with ``engine_process`` the engine runs in a
     process of its own (the data-parallel path with one replica, stubbed there by the sitecustomize hook)."""
     import uvicorn
@@ -58,7 +58,7 @@ def serve(port: int, clients: int, engine_process: bool) -> None:
 
     engine_class = DataParallelLLMEngine if engine_process else LLMEngine
     engine = engine_class(stub_config(clients, async_scheduling=True), RequestOutputKind.DELTA)
-    app = build_app(engine, ["stub"])
+    app = build_app(engine, ["stub"], stream_interval=stream_interval)
     uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                                   http=http_protocol())).run()
     engine.shutdown()
@@ -93,19 +93,21 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8931)
     ap.add_argument("--engine-process", action="store_true",
                     help="the engine in a process of its own (the data-parallel path, one replica)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     ap.add_argument("--py-spy", default=None, metavar="FILE",
                     help="sample the server with py-spy during the run (stacks of the thread holding the GIL, "
                          "--format raw) into FILE")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        return serve(args.port, args.clients, args.engine_process)
+        return serve(args.port, args.clients, args.engine_process, args.stream_interval)
     env = dict(os.environ, PYTHONPATH=f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     hook = Path(tempfile.mkdtemp())
     (hook / "sitecustomize.py").write_text(STUB_HOOK.format(dev=str(HERE)))
     child_env = dict(env, PYTHONPATH=f"{hook}{os.pathsep}{env['PYTHONPATH']}")
     child = subprocess.Popen([sys.executable, __file__, "--serve", "--port", str(args.port), "--clients",
-                              str(args.clients)] + (["--engine-process"] if args.engine_process else []), env=child_env)
+                              str(args.clients), "--stream-interval", str(args.stream_interval)]
+                             + (["--engine-process"] if args.engine_process else []), env=child_env)
     try:
         base = f"http://127.0.0.1:{args.port}"
         sys.path.insert(0, str(HERE.parent))
@@ -133,7 +135,8 @@ def main() -> None:
     tokens = result["levels"][0]["output_tokens"]
     total = sum(s for s, _ in used)
     print(f"{args.clients} clients, {args.requests} requests x {args.max_tokens} tokens, engine "
-          f"{'in its own process' if args.engine_process else 'thread in the API process'}: {tokens} tokens in "
+          f"{'in its own process' if args.engine_process else 'thread in the API process'}, stream interval "
+          f"{args.stream_interval}: {tokens} tokens in "
           f"{wall:.1f} s ({tokens / wall:,.0f} tok/s on this machine, client included)")
     by_process: dict[str, float] = {}
     for secs, key in used:

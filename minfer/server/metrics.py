@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import time
+from bisect import bisect_left
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -184,6 +185,18 @@ def _snapshot_histogram(name: str, doc: str, snapshot: dict[str, Any] | None) ->
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=snapshot.get("sum", 0.0))
 
 
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``count`` observations of ``value``, at the cost of one: a bucket's count and the sum grow by ``count`` (a
+    histogram without prometheus-client's bucket layout observes ``count`` times)."""
+    buckets, bounds, total = (getattr(histogram, name, None) for name in ("_buckets", "_upper_bounds", "_sum"))
+    if buckets is None or bounds is None or total is None:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    buckets[bisect_left(bounds, value)].inc(count)
+
+
 class _VllmRequestMetrics:
     """vLLM's per-request series, bound to this server's label values once."""
 
@@ -281,7 +294,10 @@ class ServerMetrics:
         self._last_token_time: dict[str, float] = {}  # engine thread only
 
     def on_step(self, outputs: list[RequestOutput], new_tokens: list[int], now: float) -> None:
+        """Called for every step with outputs, so the latencies the step's requests share (those whose previous
+        token came in the same step) are observed together and the tokens counted once a step."""
         last, v = self._last_token_time, self.vllm
+        since: dict[float, int] = {}  # previous token's time -> requests
         for out, k in zip(outputs, new_tokens):
             prev = last.get(out.request_id)
             if prev is None:
@@ -291,11 +307,7 @@ class ServerMetrics:
                 self.prompt_tokens.inc(n_prompt)
                 v.prompt_tokens.inc(n_prompt)
             elif k:
-                self.itl.observe(now - prev)
-                v.itl.observe(now - prev)
-                v.tpot.observe(now - prev)
-            self.generation_tokens.inc(k)
-            v.generation_tokens.inc(k)
+                since[prev] = since.get(prev, 0) + 1
             if out.finished:
                 last.pop(out.request_id, None)
                 reason = out.outputs[0].finish_reason or "unknown"
@@ -304,6 +316,12 @@ class ServerMetrics:
                 v.finished(out, reason, now)
             else:
                 last[out.request_id] = now
+        for prev, count in since.items():
+            for histogram in (self.itl, v.itl, v.tpot):
+                observe_many(histogram, now - prev, count)
+        total = sum(new_tokens)
+        self.generation_tokens.inc(total)
+        v.generation_tokens.inc(total)
 
     def on_abort(self, request_id: str) -> None:
         self._last_token_time.pop(request_id, None)

@@ -39,7 +39,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
-               lora_modules: list[LoRAModulePath] | None = None, engine_process: bool = False) -> None:
+               lora_modules: list[LoRAModulePath] | None = None, engine_process: bool = False,
+               stream_interval: int = 1) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
     the process exits with ``ENGINE_DEAD_EXIT_STATUS`` (``SystemExit``), where a server answering 503s forever
@@ -59,6 +60,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     ``engine_process``: one engine in a process of its own (the data-parallel path with one replica), so that the
     engine loop and this process's event loop do not share a GIL; its messages cost pickling on both sides
     (``dev/server_overhead.py`` prices either way on a CPU machine).
+    ``stream_interval``: see ``build_app`` (checked before the model loads).
     """
     require_server_extra()
     try:
@@ -67,11 +69,13 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         from minfer.server.app import build_app
         from minfer.server.hosts import HostAllowList, check_origins, default_allowed_hosts, is_loopback
         from minfer.server.http_protocol import http_protocol
+        from minfer.server.serving import check_stream_interval
     except ImportError as exc:  # installed, but broken (a dependency of the extra is missing)
         raise ValueError(f"the server's packages do not import ({exc}): {_INSTALL}") from None
 
     check_tool_flags(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_flag(reasoning_parser)
+    check_stream_interval(stream_interval)
     hosts = allowed_hosts if allowed_hosts is not None else default_allowed_hosts(host)
     any_host = HostAllowList(hosts).any
     origins = check_origins(allowed_origins or [])
@@ -124,7 +128,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                         on_engine_dead=engine_dead, trust_request_chat_template=trust_request_chat_template,
                         reasoning_parser=reasoning_parser, allowed_hosts=hosts, allowed_origins=origins,
-                        lora_modules=lora_modules or (), **limit)
+                        lora_modules=lora_modules or (), stream_interval=stream_interval, **limit)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                                                timeout_graceful_shutdown=5, http=http_protocol()))
         try:

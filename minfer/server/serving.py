@@ -53,6 +53,7 @@ TOKENIZE_WORKERS = 2
 TEMPLATE_WORKERS = 2  # a request's own chat template
 CHECK_WORKERS = 2  # output constraints
 PARSE_WORKERS = 2  # request bodies
+MAX_STREAM_INTERVAL = 1024  # tokens a streamed chunk waits for
 logger = logging.getLogger("minfer.server")
 
 
@@ -65,7 +66,8 @@ class ServerContext:
     may send its own ``chat_template`` (``--trust-request-chat-template``; else that field is a 400).
     ``render_timeout_s``: the time one chat template render may take. ``reasoning_parser``: the name
     (``--reasoning-parser``, in ``minfer.reasoning.REASONING_PARSERS``) that splits a chat answer's reasoning
-    into ``reasoning_content``; None: the whole text is the content."""
+    into ``reasoning_content``; None: the whole text is the content. ``stream_interval``: the new tokens of a
+    streamed request that make a chunk (``--stream-interval``; ``RequestStream.interval``)."""
 
     engine: AsyncLLMEngine
     served_model_names: list[str]
@@ -76,8 +78,10 @@ class ServerContext:
     trust_request_chat_template: bool = False
     render_timeout_s: float = RENDER_TIMEOUT_S
     reasoning_parser: str | None = None
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        check_stream_interval(self.stream_interval)
         self.processor.clamp_max_tokens = False  # a max_tokens past the context is a 400, as in vLLM
         _ = self.processor.max_token_chars  # computed once, before the clones copy it
         self.worker_processors = [self.processor.clone() for _ in range(self.tokenize_workers)]
@@ -312,8 +316,17 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
 
 
+def check_stream_interval(interval: int) -> None:
+    if not isinstance(interval, int) or isinstance(interval, bool) or not 1 <= interval <= MAX_STREAM_INTERVAL:
+        raise ValueError(f"stream_interval (--stream-interval) must be an integer in [1, {MAX_STREAM_INTERVAL}], "
+                         f"got {interval!r}")
+
+
 async def collect(ctx: ServerContext, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-    """The final output of every stream (a non-streamed response); aborts all if anything fails."""
+    """The final output of every stream (a non-streamed response); aborts all if anything fails. The streams wake
+    their reader for the first and the last output only."""
+    for stream in streams:
+        stream.interval = 0
     async def drain() -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
         async for i, out in merged(streams):
@@ -341,8 +354,11 @@ async def stream_response(ctx: ServerContext, request: Request, streams: list[Re
     died, the engine refused the prompt) is still a proper 4xx/5xx rather than a 200 carrying an
     error. Later failures arrive as an ``{"error": ...}`` event, which OpenAI clients raise.
     Leaving the body iterator for any reason (the client went away, cancellation) aborts the
-    requests, freeing their KV blocks at once.
+    requests, freeing their KV blocks at once. A chunk carries ``ctx.stream_interval`` new tokens
+    (the first and the last may carry fewer).
     """
+    for stream in streams:
+        stream.interval = ctx.stream_interval
     outputs = merged(streams)
     try:
         first = await until_disconnect(request, outputs.__anext__())

@@ -90,3 +90,31 @@ def test_request_stream_joins_unread_deltas(checkpoints):
             assert c.token_offset in (0, len(tokens[c.index]))
             tokens[c.index] = tokens[c.index][:c.token_offset] + c.token_ids
             assert (tokens[c.index], c.text, c.finish_reason) == (cw.token_ids, cw.text, cw.finish_reason)
+
+
+def test_request_stream_interval_wakes_the_reader_every_n_tokens(checkpoints):
+    """With ``interval`` n the reader wakes for the first output, then once n new tokens are unread, and for the
+    last; 0 wakes it for the first and the last only. What it reads joins to the whole output either way."""
+    params = {"stop": SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=19, ignore_eos=True)}
+    whole = [o for step in _run(checkpoints["llama3"], False, params) for o in step]
+    deltas = [o for step in _run(checkpoints["llama3"], True, params) for o in step]
+    # the second sample forks a step later: 20 outputs, the middle ones a token each for either sample at most
+    assert len(deltas) == 20 and all(max(len(c.token_ids) for c in o.outputs) == 1 for o in deltas[:-1])
+
+    async def read(interval: int) -> list[tuple[int, RequestOutput]]:
+        stream, got = RequestStream("stop", interval), []
+        for i, out in enumerate(copy.deepcopy(deltas)):
+            stream.put(out)
+            if stream._event.is_set():  # the reader would wake now: read as it would
+                got.append((i, await stream.__anext__()))
+        return got
+
+    for interval, woken_at in ((1, list(range(20))), (4, [0, 4, 8, 12, 16, 19]), (7, [0, 7, 14, 19]), (0, [0, 19])):
+        got = asyncio.run(read(interval))
+        assert [i for i, _ in got] == woken_at, interval
+        assert got[-1][1].finished
+        for c, cw in zip(got[-1][1].outputs, whole[-1].outputs):
+            assert (c.token_ids, c.text, c.finish_reason) == (cw.token_ids, cw.text, cw.finish_reason)
+        for (i, g), w in zip(got[1:-1], [whole[i] for i, _ in got[1:-1]]):  # a middle read holds the tokens since
+            for c, cw in zip(g.outputs, w.outputs):
+                assert c.token_ids == cw.token_ids[c.token_offset:] and len(c.token_ids) == interval

@@ -103,3 +103,27 @@ def test_spec_decode_counters(tiny_model) -> None:
     assert _value(scrape, "vllm:spec_decode_num_drafts_total") > 0 and 0 < accepted <= drafted
     per_pos = [_value(scrape, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)]
     assert sum(per_pos) == accepted
+
+
+def test_observe_many_is_repeated_observe() -> None:
+    """``observe_many`` (one step's requests sharing an inter-token latency) leaves a histogram as that many
+    ``observe`` calls would, at bucket edges, between and past them, labelled or not."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from minfer.server.metrics import _ITL_BUCKETS, observe_many
+
+    registries = CollectorRegistry(), CollectorRegistry()
+    plain = [Histogram("h", "d", buckets=_ITL_BUCKETS, registry=r) for r in registries]
+    labelled = [Histogram("l", "d", ["engine"], buckets=_ITL_BUCKETS, registry=r).labels("3") for r in registries]
+    for value, count in ((0.0005, 3), (0.0006, 1), (0.02, 250), (0.0201, 7), (2.5, 2), (9.0, 4), (0.0, 1)):
+        for a, b in (plain, labelled):
+            for _ in range(count):
+                a.observe(value)
+            observe_many(b, value, count)
+    one, many = (generate_latest(r).decode().splitlines() for r in registries)
+    assert len(one) == len(many) > 40
+    for x, y in zip(one, many):
+        name_x, value_x = x.rsplit(" ", 1)
+        name_y, value_y = y.rsplit(" ", 1)
+        assert name_x == name_y
+        assert value_x == value_y if "_sum" not in name_x else abs(float(value_x) - float(value_y)) < 1e-9, (x, y)

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import httpx
+import pytest
 
 from .conftest import MODEL_NAME
 
@@ -95,3 +96,61 @@ def test_plain_streams_take_the_pre_encoded_chunks(client: httpx.Client, monkeyp
                       if line.startswith("data: ") and line != "data: [DONE]"]
         assert "".join(text_of(c["choices"][0]) for c in chunks if c["choices"]) == want
         assert len(calls) >= 5, (route, len(calls))
+
+
+def test_stream_interval_sends_n_tokens_a_chunk(tiny_model) -> None:
+    """A server with ``stream_interval=4`` sends each choice's tokens four a chunk (the first and the last chunk
+    excepted), and the chunks still join to the non-streamed response, logprobs and stop string included; for chat
+    too. A bad interval fails at construction, naming the flag."""
+    from .conftest import LiveServer
+
+    with pytest.raises(ValueError, match=r"stream_interval \(--stream-interval\) must be an integer in \[1, "):
+        LiveServer(tiny_model, app_args={"stream_interval": 0})
+    live = LiveServer(tiny_model, app_args={"stream_interval": 4})
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=60) as client:
+            body = dict(BODY, max_tokens=23)
+            free = client.post("/v1/completions", json=body).json()["choices"][1]["text"]
+            stop = next(free[i:i + 2] for i in range(len(free) // 2, len(free) - 2) if free[i:i + 2].strip())
+            for b in (body, dict(body, stop=[stop])):
+                whole = client.post("/v1/completions", json=b).json()
+                counts: dict[int, list[int]] = {0: [], 1: []}
+                texts = {0: "", 1: ""}
+                with client.stream("POST", "/v1/completions", json=dict(b, stream=True)) as resp:
+                    for line in resp.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            for ch in json.loads(line[6:])["choices"]:
+                                counts[ch["index"]].append(len(ch["logprobs"]["tokens"]))
+                                texts[ch["index"]] += ch["text"]
+                for ch in whole["choices"]:
+                    got = counts[ch["index"]]
+                    assert texts[ch["index"]] == ch["text"] and sum(got) == len(ch["logprobs"]["tokens"])
+                    assert len(got) >= 3 and all(c == 4 for c in got[1:-1]), got
+            chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 17,
+                    "temperature": 0.0, "ignore_eos": True}
+            want = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+            with client.stream("POST", "/v1/chat/completions", json=dict(chat, stream=True)) as resp:
+                deltas = [json.loads(line[6:])["choices"] for line in resp.iter_lines()
+                          if line.startswith("data: ") and line != "data: [DONE]"]
+            assert "".join(c[0]["delta"].get("content") or "" for c in deltas if c) == want
+            assert len(deltas) <= 2 + 17 // 4 + 2, len(deltas)  # role, content every 4 tokens, finish, usage
+    finally:
+        live.stop()
+
+
+def test_a_response_sent_whole_reads_its_stream_twice(client: httpx.Client, monkeypatch) -> None:
+    """A non-streamed request's reader wakes for its first and its last output only, not for each token."""
+    from minfer.engine.request_stream import RequestStream
+
+    reads: list[bool] = []
+    real = RequestStream.__anext__
+
+    async def counted(self: RequestStream) -> Any:
+        out = await real(self)
+        reads.append(out.finished)
+        return out
+
+    monkeypatch.setattr(RequestStream, "__anext__", counted)
+    body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": 12, "ignore_eos": True}
+    assert len(client.post("/v1/completions", json=body).json()["choices"][0]["text"]) > 0
+    assert reads in ([False, True], [True]), reads
