@@ -6,6 +6,7 @@
 #   bash benchmarks/serve_policies.sh                    # needs .whl carried (benchmarks/fetch_server_wheels.sh)
 #   POLICIES="fcfs prefill-first@32768" bash benchmarks/serve_policies.sh   # P@N: with --max-num-batched-tokens N
 #   POLICIES="prefill-first prefill-first+proc"        # P+proc: with --engine-process (the engine in its own process)
+#   POLICIES="prefill-first prefill-first+si4"         # P+siN: with --stream-interval N (N tokens a chunk)
 #
 # -> $OUT/policies.md (the table, with the TTFT floor of each level: minfer/benchmark/ttft_floor.py),
 #    $OUT/serve_logs.tgz (server and client logs, results.json of each run)
@@ -33,12 +34,15 @@ cpu_s() {
 }
 
 for entry in $POLICIES; do
+  interval=""; [ "${entry%+si*}" != "$entry" ] && { interval="${entry##*+si}"; entry="${entry%+si*}"; }
   proc=""; [ "${entry%+proc}" != "$entry" ] && { proc=--engine-process; entry="${entry%+proc}"; }
   policy="${entry%@*}"; tokens=""; [ "$entry" != "$policy" ] && tokens="${entry#*@}"
-  name="${policy}${tokens:+_$tokens}${proc:+_proc}"
-  echo "== serve llama-3.1-8b, --scheduling-policy $policy${tokens:+ --max-num-batched-tokens $tokens} ($(left) s left)"
+  name="${policy}${tokens:+_$tokens}${proc:+_proc}${interval:+_si$interval}"
+  echo "== serve llama-3.1-8b, --scheduling-policy $policy${tokens:+ --max-num-batched-tokens $tokens} $proc" \
+       "${interval:+--stream-interval $interval} ($(left) s left)"
   "$PY" -m minfer.cli serve --model "$MODEL" --load-format dummy --skip-tokenizer-init --max-model-len 4096 \
-    --max-num-seqs 256 --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} $proc --port "$PORT" \
+    --max-num-seqs 256 --scheduling-policy "$policy" ${tokens:+--max-num-batched-tokens "$tokens"} $proc \
+    ${interval:+--stream-interval "$interval"} --port "$PORT" \
     --no-access-log --uvicorn-log-level warning > "$LOGS/server_$name.log" 2>&1 &
   SERVER=$!
   up=0
