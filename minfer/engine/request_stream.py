@@ -56,7 +56,7 @@ class RequestStream:
         self.started = False  # has produced an output (so it no longer counts as waiting)
         self.finished = False
         self.interval = interval
-        self._unread = 0  # new tokens put since the reader last woke (counted while interval > 1)
+        self._unread = 0  # new tokens put since the reader last read (counted while interval > 1)
         self._woken = False
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -69,7 +69,7 @@ class RequestStream:
             wake = self._unread >= self.interval
         self._latest = output if self._latest is None else join_outputs(self._latest, output)
         if wake:
-            self._woken, self._unread = True, 0
+            self._woken = True
             self._event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -93,7 +93,7 @@ class RequestStream:
         self._event.clear()
         if self.finished and self._error is None:  # closed while this reader waited
             raise StopAsyncIteration
-        out, self._latest = self._latest, None
+        out, self._latest, self._unread = self._latest, None, 0
         if out is None or (self._error is not None and not out.finished):
             self.finished = True
             raise self._error or EngineDeadError("the request stream closed without output")
