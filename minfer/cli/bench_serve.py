@@ -25,11 +25,21 @@ def add_bench_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-rate", default=None, help="comma-separated req/s (open loop, Poisson) instead")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on in-flight requests at a rate")
     p.add_argument("--num-prompts", type=int, default=None, help="requests per level (default max(16, 2 x level))")
-    p.add_argument("--workload", choices=["a", "fixed"], default=None,
+    p.add_argument("--workload", choices=["a", "fixed", "prefix-repetition"], default=None,
                    help="a: BENCHMARKS.md's workload A, its lengths scaled to the served max_model_len when that is "
-                        "below 2,048; fixed: --input-len / --output-len (default: fixed when either is given, else a)")
-    p.add_argument("--input-len", type=int, default=None, help="fixed workload: prompt tokens (default 128)")
-    p.add_argument("--output-len", type=int, default=None, help="fixed workload: output tokens (default 128)")
+                        "below 2,048; fixed: --input-len / --output-len (default: fixed when either is given, else a); "
+                        "prefix-repetition (vLLM's dataset of that name): each prompt one of --num-prefixes shared "
+                        "prefixes of --prefix-len tokens, then --input-len tokens of its own; the prefix cache's hit "
+                        "rate is reported per level")
+    p.add_argument("--input-len", type=int, default=None,
+                   help="fixed workload: prompt tokens; prefix-repetition: each prompt's own tokens after the shared "
+                        "prefix (default 128)")
+    p.add_argument("--output-len", type=int, default=None, help="fixed and prefix-repetition workloads: output tokens "
+                        "(default 128)")
+    p.add_argument("--prefix-len", type=int, default=None, help="prefix-repetition: tokens of a shared prefix "
+                        "(default 512)")
+    p.add_argument("--num-prefixes", type=int, default=None, help="prefix-repetition: distinct shared prefixes a "
+                        "level's prompts draw from (default 8)")
     p.add_argument("--token-id-max", type=int, default=None,
                    help="prompt ids are drawn from [0, this] (default: the served model's vocabulary - 1, else 10000)")
     p.add_argument("--temperature", type=float, default=0.6)

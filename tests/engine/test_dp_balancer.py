@@ -73,3 +73,26 @@ def test_short_prompts_have_no_prefix_and_the_memory_is_bounded() -> None:
     for h in range(20):
         b.route(_prompt(100 + h))
     assert len(b._prefixes) <= 8
+
+
+def test_round_robin_takes_the_live_replicas_in_turn_whatever_their_load_and_prefixes(monkeypatch) -> None:
+    """The baseline the rule is measured against: replicas in turn, a dead one skipped, no affinity, load unread;
+    ``MINFER_DP_ROUTING`` chooses it and a wrong value is refused naming the choices."""
+    import pytest
+
+    from minfer.engine.dp.balancer import routing_from_env
+
+    b = Balancer(3, BS, max_num_seqs=64, routing="round-robin")
+    b.waiting[1] = 50
+    assert [b.route(_prompt(1, tail=t)) for t in range(5)] == [0, 1, 2, 0, 1]
+    b.remove(2)
+    assert [b.route(_prompt(1)) for _ in range(3)] == [0, 1, 0] and b.affinity_hits == 0
+    assert b.routed == [4, 3, 1]
+    with pytest.raises(ValueError, match="routing must be one of balanced, round-robin"):
+        Balancer(2, BS, 64, routing="random")
+    assert routing_from_env() == "balanced"
+    monkeypatch.setenv("MINFER_DP_ROUTING", "round-robin")
+    assert routing_from_env() == "round-robin"
+    monkeypatch.setenv("MINFER_DP_ROUTING", "rr")
+    with pytest.raises(ValueError, match="MINFER_DP_ROUTING must be one of balanced, round-robin, got 'rr'"):
+        routing_from_env()

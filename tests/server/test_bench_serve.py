@@ -137,3 +137,38 @@ def test_lengths_choose_the_fixed_workload_and_conflicts_are_named(server: Any) 
     too_long = _parse(["--base-url", server.base_url, "--input-len", "500", "--output-len", "100", "--quiet"])
     with pytest.raises(ValueError, match="do not fit the served model's max_model_len"):
         run(too_long)
+
+
+def test_prefix_repetition_shares_prefixes_and_reports_the_cache_hits(server: Any, tmp_path: Path) -> None:
+    """--workload prefix-repetition: every prompt is one of the level's --num-prefixes prefixes, then tokens of its
+    own; each level draws its own prefixes; the report gives the level's prefix-cache hits from the server's
+    counters, which a fixed workload's unrelated prompts do not get. Its flags elsewhere are an error."""
+    from minfer.benchmark.serve import build_requests, parse_levels, run
+
+    args = _parse(["--workload", "prefix-repetition", "--prefix-len", "64", "--num-prefixes", "2",
+                   "--input-len", "16", "--output-len", "4", "--token-id-max", "299"])
+    parse_levels(args)
+    bodies = build_requests(args, 8, 0)
+    heads = {tuple(b["prompt"][:64]) for b in bodies}
+    assert len(heads) == 2 and all(len(b["prompt"]) == 80 for b in bodies)
+    assert sum(tuple(b["prompt"][:64]) == min(heads) for b in bodies) == 4
+    assert len({tuple(b["prompt"][64:]) for b in bodies}) == 8
+    assert not heads & {tuple(b["prompt"][:64]) for b in build_requests(args, 8, 1)}  # another level, others
+    with pytest.raises(ValueError, match="--prefix-len shape the prefix-repetition workload"):
+        parse_levels(_parse(["--prefix-len", "64"]))
+    with pytest.raises(ValueError, match="--num-prefixes must be >= 1"):
+        parse_levels(_parse(["--workload", "prefix-repetition", "--num-prefixes", "0"]))
+
+    levels = {}
+    for name, flags in (("shared", ["--workload", "prefix-repetition", "--prefix-len", "64", "--num-prefixes", "2",
+                                    "--input-len", "16", "--output-len", "4"]), ("fixed", FIXED)):
+        out = tmp_path / name
+        flags = [f for f in flags if f not in ("--quiet", "--token-id-max", "299")]
+        assert run(_parse(["--base-url", server.base_url, "--concurrency", "2", "--num-prompts", "8", "--quiet",
+                           "--token-id-max", "299", "--output-dir", str(out), *flags])) == 0
+        (levels[name],) = json.loads((out / "results.json").read_text())["levels"]
+    shared = levels["shared"]
+    # 8 prompts of 5 blocks: the first of each prefix misses (and one beside it, two clients running at once), the
+    # others find its 4 blocks
+    assert shared["prefix_cache_hit_tokens"] >= 4 * 64 and shared["prefix_cache_hit_rate"] >= 0.4, shared
+    assert levels["fixed"]["prefix_cache_hit_rate"] < 0.1

@@ -23,9 +23,13 @@ The rule, per request (``Balancer.route``):
 A dead replica is never chosen and its prefixes are forgotten. Affinity is a preference, never a promise: a replica
 may have evicted the blocks since, and the request is correct anywhere. The decision is host arithmetic on the event
 loop, one hash per block looked up (``benchmarks/dp_balancer.py`` measures it).
+
+``MINFER_DP_ROUTING=round-robin`` routes the live replicas in turn instead, load and prefixes unread: the baseline
+the rule is measured against (``benchmarks/gpu_dp.sh``'s prefix runs), not a setting to serve with.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from typing import Sequence
 
@@ -34,6 +38,16 @@ AFFINITY_MARGIN = 4.0  # the affine replica may be this much above the least loa
 AFFINITY_SLACK = 0.1  # ... plus this share of the least load
 MAX_AFFINITY_TOKENS = 2048  # the longest prefix looked up (128 blocks of 16)
 MAX_PREFIXES = 65536  # prefix keys remembered (the least recently routed first out)
+ROUTING_ENV = "MINFER_DP_ROUTING"
+ROUTINGS = ("balanced", "round-robin")
+
+
+def routing_from_env() -> str:
+    """The routing rule ``MINFER_DP_ROUTING`` names (default ``balanced``); ValueError naming the choices."""
+    routing = os.environ.get(ROUTING_ENV, "balanced")
+    if routing not in ROUTINGS:
+        raise ValueError(f"{ROUTING_ENV} must be one of {', '.join(ROUTINGS)}, got {routing!r}")
+    return routing
 
 
 class Balancer:
@@ -41,8 +55,11 @@ class Balancer:
 
     def __init__(self, num_replicas: int, block_size: int, max_num_seqs: int,
                  margin: float = AFFINITY_MARGIN, slack: float = AFFINITY_SLACK,
-                 max_prefixes: int = MAX_PREFIXES) -> None:
+                 max_prefixes: int = MAX_PREFIXES, routing: str = "balanced") -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         self.block_size, self.max_num_seqs, self.max_prefixes = block_size, max_num_seqs, max_prefixes
+        self.round_robin, self._turn = routing == "round-robin", 0
         self.margin, self.slack = margin, slack
         self.waiting = [0] * num_replicas  # W(i)
         self.running = [0] * num_replicas  # R(i)
@@ -60,6 +77,12 @@ class Balancer:
         scores = {i: self.score(i) for i, up in enumerate(self.alive) if up}
         if not scores:
             raise RuntimeError("no data-parallel replica is alive")
+        if self.round_robin:
+            choice = next((i for i in scores if i >= self._turn), min(scores))
+            self._turn = choice + 1
+            self.waiting[choice] += n
+            self.routed[choice] += 1
+            return choice
         best = min(scores, key=scores.__getitem__)
         keys = self._keys(prompt_token_ids, lora_id)
         choice, prefixes = best, self._prefixes

@@ -24,7 +24,7 @@ from operator import methodcaller
 from typing import Any
 
 from minfer.config import EngineConfig
-from minfer.engine.dp.balancer import Balancer
+from minfer.engine.dp.balancer import Balancer, routing_from_env
 from minfer.engine.dp.launcher import Replicas
 from minfer.engine.dp.stats import merge_stats
 from minfer.engine.llm_engine import _load_tokenizer
@@ -68,6 +68,7 @@ class DataParallelLLMEngine:
             raise ValueError(f"a data-parallel engine streams deltas or finished outputs, not {output_kind}")
         if config.model is None:
             raise ValueError("model is required (a local folder or a Hugging Face hub id)")
+        routing = routing_from_env()  # checked before any replica starts
         self.config, self.output_kind = config, output_kind
         self.model_dir = resolve_model_path(config.model, config.revision, config.download_dir, config.load_format)
         self.model_config = load_model_config(self.model_dir)
@@ -87,7 +88,7 @@ class DataParallelLLMEngine:
         self.max_model_len: int = first["max_model_len"]
         self.pooler = PoolerFacts(first["pooler_config"]) if first["pooler_config"] is not None else None
         self.pids: list[int] = [info["pid"] for info in infos]
-        self.balancer = Balancer(config.data_parallel_size, config.block_size, config.max_num_seqs)
+        self.balancer = Balancer(config.data_parallel_size, config.block_size, config.max_num_seqs, routing=routing)
         self.routes: dict[str, Route] = {}
         self.step_errors: dict[str, Exception] = {}
 
@@ -219,9 +220,13 @@ class DataParallelLLMEngine:
         return self.replicas.failure
 
     def get_stats(self) -> dict[str, Any]:
-        """One engine's stats over the live replicas, and each replica's (``stats.merge_stats``)."""
+        """One engine's stats over the live replicas, and each replica's (``stats.merge_stats``); the balancer's rule
+        and the requests its prefix affinity placed."""
         alive = [self.replicas.alive(i) for i in range(self.replicas.size)]
-        return merge_stats(list(self.replicas.stats), alive, self.balancer.routed)
+        stats = merge_stats(list(self.replicas.stats), alive, self.balancer.routed)
+        stats["dp_routing"] = "round-robin" if self.balancer.round_robin else "balanced"
+        stats["dp_affinity_hits"] = self.balancer.affinity_hits
+        return stats
 
     def shutdown(self) -> None:
         """Stop every replica (and their tensor-parallel workers). Idempotent."""
