@@ -19,9 +19,11 @@ def test_the_least_loaded_replica_takes_a_request_and_a_waiting_one_counts_four(
     assert b.route(_prompt(10)) == 0
     b.finished(1, 1, started=False)  # replica 1's request ends before its first token: it is idle again
     assert b.route(_prompt(11)) == 1
-    b.kv_usage[2] = 0.5  # 32 sequences' worth of cache on replica 2 (64 x 0.5)
+    b.kv_usage[2] = 0.85  # below 90% the cache's usage weighs nothing (its sequences are counted already) ...
     b.finished(2, 1, started=False)
-    assert b.score(2) == 32 and b.route(_prompt(12)) == 1  # 1: waiting 4 < 0: running 1 + waiting 4 < 2: 32
+    assert b.score(2) == 0
+    b.kv_usage[2] = 0.95  # ... then grows to a full batch at 100%: half of 64 here
+    assert abs(b.score(2) - 32) < 1e-9 and b.route(_prompt(12)) == 1  # 1: waiting 4 < 0: running 1 + 4 < 2: 32
 
 
 def test_a_prompt_sharing_a_prefix_goes_where_its_prefix_went_within_the_margin() -> None:
@@ -96,3 +98,16 @@ def test_round_robin_takes_the_live_replicas_in_turn_whatever_their_load_and_pre
     monkeypatch.setenv("MINFER_DP_ROUTING", "rr")
     with pytest.raises(ValueError, match="MINFER_DP_ROUTING must be one of balanced, round-robin, got 'rr'"):
         routing_from_env()
+
+
+def test_a_prefix_follows_the_replica_that_served_it_last() -> None:
+    """A prefix pushed past the margin onto another replica belongs to that one from then on (the first may have
+    evicted it since), not to whichever of the two is less loaded."""
+    b = Balancer(2, BS, max_num_seqs=64)
+    assert b.route(_prompt(5, tail=1)) == 0
+    b.waiting[0] = 10  # replica 0 is past the margin: the family's next prompt goes to 1
+    assert b.route(_prompt(5, tail=2)) == 1
+    b.waiting[0], b.waiting[1] = 0, 1  # 0 is idle again, 1 within the margin: the family stays on 1
+    assert b.route(_prompt(5, tail=3)) == 1 and b.affinity_hits == 1
+    b.remove(1)  # its prefixes are forgotten: the family starts over on the least loaded
+    assert b.route(_prompt(5, tail=4)) == 0 and b.affinity_hits == 1

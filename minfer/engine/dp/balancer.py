@@ -2,19 +2,23 @@
 
 The rule, per request (``Balancer.route``):
 
-1. Every live replica i has a load ``score(i) = 4·W(i) + R(i) + S·U(i)``: W(i) the sequences sent to it that have not
-   produced a token yet (queued or in prefill), R(i) those producing tokens, U(i) its KV-cache usage (0..1, from its
-   latest stats, at most ``replica.STATS_INTERVAL_S`` old), S its ``max_num_seqs`` (a full cache weighs as a full
-   batch). W and R are counted here, as requests leave and their first and last outputs come back, so a burst of
-   requests spreads at once instead of waiting for the replicas' next stats. A waiting sequence weighs four running
-   ones (vLLM's internal balancer's weight): its prefill delays every running sequence's next token, and it waits.
+1. Every live replica i has a load ``score(i) = 4·W(i) + R(i) + S·F(i)``: W(i) the sequences sent to it that have not
+   produced a token yet (queued or in prefill), R(i) those producing tokens, S its ``max_num_seqs``, and F(i) how far
+   its KV-cache usage U(i) (0..1, from its latest stats, at most ``replica.STATS_INTERVAL_S`` old) is into its last
+   tenth, ``max(0, U - 0.9) / 0.1`` (``KV_FULL_FROM``): a full cache weighs as a full batch. W and R are counted here,
+   as requests leave and their first and last outputs come back, so a burst of requests spreads at once instead of
+   waiting for the replicas' next stats. The blocks in use are mostly R's own sequences', already counted; weighed
+   below 90% too, the snapshot's staleness herded every request of a burst onto the replica whose last snapshot was
+   lower. A waiting sequence weighs four running ones (vLLM's internal balancer's weight): its prefill delays every
+   running sequence's next token, and it waits.
 2. Prefix affinity: the prompt's leading block-aligned prefixes (1, 2, 3, ... full blocks of ``block_size`` tokens,
    within its first ``MAX_AFFINITY_TOKENS``; the adapter's id is part of the key, as KV computed through an adapter
    differs) are looked up, the longest first, among the prefixes of recently routed prompts (the last
-   ``MAX_PREFIXES`` recorded). The longest one found names the replicas that served it; the least loaded of them, a,
-   gets the request if ``score(a) <= 1.1·m + 4``, m being the least score (``AFFINITY_SLACK`` 10% and
-   ``AFFINITY_MARGIN`` 4, one waiting sequence's weight): its prefix cache likely holds those blocks, whose prefill is
-   then saved. Past that margin the saving is not worth the imbalance.
+   ``MAX_PREFIXES`` recorded). The longest one found names the replica that served it last, a, which gets the
+   request if ``score(a) <= 1.1·m + 4``, m being the least score (``AFFINITY_SLACK`` 10% and ``AFFINITY_MARGIN`` 4,
+   one waiting sequence's weight): its prefix cache likely holds those blocks, whose prefill is then saved. Past that
+   margin the saving is not worth the imbalance. Only the last replica counts: one that served the prefix before
+   may have evicted it since.
 3. Otherwise the least loaded replica gets it (ties: the lowest index).
 4. The prompt's prefixes of 1, 2, 4, 8, ... blocks and its whole block-aligned prompt are then recorded as served by
    the chosen replica: a shared system prompt is found at a power-of-two depth, and a conversation's next turn (its
@@ -34,6 +38,7 @@ from collections import OrderedDict
 from typing import Sequence
 
 WAITING_WEIGHT = 4  # a waiting sequence counts as this many running ones
+KV_FULL_FROM = 0.9  # KV-cache usage from which a replica's load grows with it, to a full batch at 100%
 AFFINITY_MARGIN = 4.0  # the affine replica may be this much above the least loaded one ...
 AFFINITY_SLACK = 0.1  # ... plus this share of the least load
 MAX_AFFINITY_TOKENS = 2048  # the longest prefix looked up (128 blocks of 16)
@@ -67,10 +72,11 @@ class Balancer:
         self.alive = [True] * num_replicas
         self.routed = [0] * num_replicas  # requests ever sent to each (for /stats)
         self.affinity_hits = 0  # requests that went to an affine replica
-        self._prefixes: OrderedDict[int, int] = OrderedDict()  # prefix key -> bit mask of the replicas that served it
+        self._prefixes: OrderedDict[int, int] = OrderedDict()  # prefix key -> the replica that served it last
 
     def score(self, i: int) -> float:
-        return WAITING_WEIGHT * self.waiting[i] + self.running[i] + self.max_num_seqs * self.kv_usage[i]
+        full = max(0.0, self.kv_usage[i] - KV_FULL_FROM) / (1.0 - KV_FULL_FROM)
+        return WAITING_WEIGHT * self.waiting[i] + self.running[i] + self.max_num_seqs * full
 
     def route(self, prompt_token_ids: Sequence[int], n: int = 1, lora_id: int = 0) -> int:
         """The replica for a request of ``n`` samples (counted as waiting there until ``started``)."""
@@ -87,16 +93,15 @@ class Balancer:
         keys = self._keys(prompt_token_ids, lora_id)
         choice, prefixes = best, self._prefixes
         for key in reversed(keys):  # the longest prefix first
-            mask = prefixes.get(key)
-            if mask:
-                affine = min((i for i in scores if mask >> i & 1), key=scores.__getitem__, default=None)
-                if affine is not None and scores[affine] <= scores[best] * (1 + self.slack) + self.margin:
+            affine = prefixes.get(key)
+            if affine is not None:
+                if affine in scores and scores[affine] <= scores[best] * (1 + self.slack) + self.margin:
                     choice = affine
                     self.affinity_hits += 1
                 break
-        bit = 1 << choice
         for k in {*(2 ** j - 1 for j in range(len(keys).bit_length())), len(keys) - 1} if keys else ():
-            prefixes[keys[k]] = prefixes.pop(keys[k], 0) | bit  # (re)inserted last: the most recent
+            prefixes.pop(keys[k], None)
+            prefixes[keys[k]] = choice  # (re)inserted last: the most recent
         while len(prefixes) > self.max_prefixes:
             prefixes.popitem(last=False)
         self.waiting[choice] += n
@@ -120,13 +125,8 @@ class Balancer:
         self.alive[i] = False
         self.waiting[i] = self.running[i] = 0
         self.kv_usage[i] = 0.0
-        bit = 1 << i
-        for key in [k for k, mask in self._prefixes.items() if mask & bit]:
-            mask = self._prefixes[key] & ~bit
-            if mask:
-                self._prefixes[key] = mask
-            else:
-                del self._prefixes[key]
+        for key in [k for k, replica in self._prefixes.items() if replica == i]:
+            del self._prefixes[key]
 
     def _keys(self, ids: Sequence[int], lora_id: int) -> list[int]:
         """``keys[k]``: the key of the prompt's first k + 1 full blocks, each chaining the one before to its block."""
