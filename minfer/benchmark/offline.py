@@ -110,11 +110,11 @@ def run_throughput(llm: LLM, prompts: list[dict], params: list[SamplingParams], 
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tokens = sum(len(o.prompt_token_ids) for o in outs)
     stats = llm.get_stats()
-    tp = int(stats.get("tensor_parallel_size", 1))
+    gpus = int(stats.get("tensor_parallel_size", 1)) * int(stats.get("data_parallel_size", 1))
     preempted_before = before["num_preemptions"]
     return {**spec_report(before, stats), "requests": len(outs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
             "seconds": round(elapsed, 3), "output_tok_s": round(out_tokens / elapsed, 1),
-            "output_tok_s_per_gpu": round(out_tokens / elapsed / tp, 1),
+            "output_tok_s_per_gpu": round(out_tokens / elapsed / gpus, 1),
             "total_tok_s": round((in_tokens + out_tokens) / elapsed, 1),
             "num_preemptions": stats["num_preemptions"] - preempted_before,
             "num_kv_blocks": stats["num_kv_blocks"],
@@ -199,9 +199,10 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
             raise ValueError(f"{name} must be >= 1, got {value}")
     if compare_hf and engine_kwargs.get("load_format") == "dummy":
         raise ValueError("compare_hf needs the weights on disk (HF loads them), not load_format='dummy'")
-    if engine_kwargs.get("data_parallel_size", 1) > 1:
-        raise ValueError("minfer bench measures one engine (its bounds are one engine's); data-parallel replicas: "
-                         "minfer bench-serve --launch --data-parallel-size N")
+    replicas = engine_kwargs.get("data_parallel_size", 1)
+    if replicas > 1 and (batch1 or compare_hf):
+        raise ValueError("data_parallel_size > 1 measures the replicas' throughput together: not with batch1 or "
+                         "compare_hf (one request, one engine)")
     llm = LLM(model, **(engine_kwargs | {"skip_tokenizer_init": True}))  # the prompts are token ids
     try:
         vocab, max_len = llm.llm_engine.model_config.vocab_size, llm.llm_engine.max_model_len
@@ -220,6 +221,10 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
                                            fit_note(max_len, vocab)]))
             result["workload"] = f"A ({note})" if note else "A"
         result |= run_throughput(llm, prompts, params, progress)
+        if replicas > 1:  # this process holds no model to price; N replicas' bound is N times one engine's
+            result["data_parallel_size"] = replicas
+            result["bounds"] = f"{replicas} x one engine's (run it with data_parallel_size 1)"
+            return result
         bounds = throughput_bounds(DecodeCost.of_engine(llm), [len(p["prompt_token_ids"]) for p in prompts],
                                    [p.max_tokens for p in params])
         result["bounds"] = bounds

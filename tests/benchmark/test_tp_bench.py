@@ -88,6 +88,26 @@ def test_bench_cli_tp2_end_to_end(tmp_path, monkeypatch):
     assert r["share_of_bound"] == pytest.approx(r["output_tok_s"] / expected["bound_tok_s"], abs=1e-4)  # rounded
 
 
+def test_bench_cli_dp2_measures_the_replicas_together(tmp_path, monkeypatch, capsys):
+    """`minfer bench --data-parallel-size 2`: every request runs once across the two replicas, the per-GPU figure
+    halves, the bounds say they are twice one engine's; batch 1 with replicas is refused, naming why."""
+    tiny = dict(shapes.SHAPES["llama-3.1-8b"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=512)
+    monkeypatch.setitem(shapes.SHAPES, "tiny-llama", tiny)
+    base = ["bench", "--shape", "tiny-llama", "--checkpoint-dir", str(tmp_path), "--quiet", "--data-parallel-size",
+            "2", *SMALL]
+    out = tmp_path / "a.json"
+    assert cli_main(base + ["--num-prompts", "6", "--input-len", "8", "--output-len", "4",
+                            "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["data_parallel_size"] == 2 and r["output_tokens"] == 24 and r["requests"] == 6
+    assert r["output_tok_s_per_gpu"] == pytest.approx(r["output_tok_s"] / 2, abs=0.1)
+    assert r["bounds"].startswith("2 x one engine's") and "share_of_bound" not in r
+    assert cli_main(base + ["--batch1"]) != 0
+    assert "data_parallel_size > 1 measures the replicas' throughput together: not with batch1" in \
+        capsys.readouterr().err
+
+
 def test_70b_shape_plan_is_streamed_and_a_scaled_version_loads(tmp_path, monkeypatch):
     """The full 70B's files (planned, not written); a 1-layer version with its head layout, written file by
     file, loads at tp=2 and runs batch 1 against the 2-GPU bound."""
