@@ -66,14 +66,19 @@ def test_kv_heads_are_replicated_past_their_number():
     assert DecodeCost.for_model(cfg, 4).kv_bytes_per_token == 2 * DecodeCost.for_model(cfg, 8).kv_bytes_per_token
 
 
-def test_bench_cli_tp2_end_to_end(tmp_path, monkeypatch):
-    """`minfer bench --shape ... --tensor-parallel-size 2` on the CPU: the JSON names 2 GPUs, the per-GPU figure,
-    and bounds from the rank-0 shard's bytes that equal the shape's share (`--batch1`: the 70B test below)."""
+def _tiny_bench(tmp_path, monkeypatch, parallel_flag: str) -> list[str]:
+    """`minfer bench` arguments for a 2-layer stand-in of the 8B shape, written under ``tmp_path``, over 2 ranks or
+    replicas (``parallel_flag``)."""
     tiny = dict(shapes.SHAPES["llama-3.1-8b"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=512)
     monkeypatch.setitem(shapes.SHAPES, "tiny-llama", tiny)
-    base = ["bench", "--shape", "tiny-llama", "--checkpoint-dir", str(tmp_path), "--quiet", "--tensor-parallel-size",
-            "2", *SMALL]
+    return ["bench", "--shape", "tiny-llama", "--checkpoint-dir", str(tmp_path), "--quiet", parallel_flag, "2", *SMALL]
+
+
+def test_bench_cli_tp2_end_to_end(tmp_path, monkeypatch):
+    """`minfer bench --shape ... --tensor-parallel-size 2` on the CPU: the JSON names 2 GPUs, the per-GPU figure,
+    and bounds from the rank-0 shard's bytes that equal the shape's share (`--batch1`: the 70B test below)."""
+    base = _tiny_bench(tmp_path, monkeypatch, "--tensor-parallel-size")
     out = tmp_path / "a.json"
     assert cli_main(base + ["--num-prompts", "3", "--input-len", "8", "--output-len", "4",
                             "--output-json", str(out)]) == 0
@@ -91,11 +96,7 @@ def test_bench_cli_tp2_end_to_end(tmp_path, monkeypatch):
 def test_bench_cli_dp2_measures_the_replicas_together(tmp_path, monkeypatch, capsys):
     """`minfer bench --data-parallel-size 2`: every request runs once across the two replicas, the per-GPU figure
     halves, the bounds say they are twice one engine's; batch 1 with replicas is refused, naming why."""
-    tiny = dict(shapes.SHAPES["llama-3.1-8b"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=512)
-    monkeypatch.setitem(shapes.SHAPES, "tiny-llama", tiny)
-    base = ["bench", "--shape", "tiny-llama", "--checkpoint-dir", str(tmp_path), "--quiet", "--data-parallel-size",
-            "2", *SMALL]
+    base = _tiny_bench(tmp_path, monkeypatch, "--data-parallel-size")
     out = tmp_path / "a.json"
     assert cli_main(base + ["--num-prompts", "6", "--input-len", "8", "--output-len", "4",
                             "--output-json", str(out)]) == 0
