@@ -9,7 +9,8 @@ what remains is the engine's own Python and small torch ops), ``minfer bench-ser
 prompts, closed loop), and the child's CPU time (``/proc``, per thread) is divided by the tokens it streamed.
 
 Run it on a quiet machine: the client shares the cores. Usage:
-    python dev/server_overhead.py [--clients 256] [--requests 512] [--max-tokens 128]
+    python dev/server_overhead.py [--clients 256] [--requests 512] [--max-tokens 128] [--stream-interval N]
+                                   [--engine-process] [--py-spy FILE]
 """
 from __future__ import annotations
 
