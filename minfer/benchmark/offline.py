@@ -223,7 +223,7 @@ def bench(model: str, shape: str | None, engine_kwargs: dict[str, Any], *, num_p
         result |= run_throughput(llm, prompts, params, progress)
         if replicas > 1:  # this process holds no model to price; N replicas' bound is N times one engine's
             result["data_parallel_size"] = replicas
-            result["bounds"] = f"{replicas} x one engine's (run it with data_parallel_size 1)"
+            result["bound_note"] = f"{replicas} x one engine's bounds (run it with data_parallel_size 1)"
             return result
         bounds = throughput_bounds(DecodeCost.of_engine(llm), [len(p["prompt_token_ids"]) for p in prompts],
                                    [p.max_tokens for p in params])

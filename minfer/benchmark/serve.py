@@ -51,8 +51,8 @@ def choose_workload(args: argparse.Namespace) -> None:
     if args.workload == "a" and given:
         raise ValueError(f"{' and '.join(given)} set the fixed workload's lengths, but --workload a draws its own: "
                          "drop them, or pass --workload fixed")
-    prefix_flags = [flag for flag, v in (("--prefix-len", getattr(args, "prefix_len", None)),
-                                         ("--num-prefixes", getattr(args, "num_prefixes", None))) if v is not None]
+    prefix_flags = [flag for flag, v in (("--prefix-len", args.prefix_len), ("--num-prefixes", args.num_prefixes))
+                    if v is not None]
     if prefix_flags and args.workload != "prefix-repetition":
         raise ValueError(f"{' and '.join(prefix_flags)} shape the prefix-repetition workload: pass --workload "
                          "prefix-repetition, or drop them")
@@ -157,7 +157,7 @@ async def run_level(base_url: str, model: str, bodies: list[dict[str, Any]], con
 def parse_levels(args: argparse.Namespace) -> list[tuple[str, float]]:
     """The load levels, with every numeric argument checked before any server is started or called."""
     for name in ("num_prompts", "max_concurrency", "input_len", "output_len", "prefix_len", "num_prefixes"):
-        value = getattr(args, name, None)
+        value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if (args.token_id_max is not None and args.token_id_max < 0) or args.warmup < 0:

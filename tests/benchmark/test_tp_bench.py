@@ -103,7 +103,7 @@ def test_bench_cli_dp2_measures_the_replicas_together(tmp_path, monkeypatch, cap
     r = json.loads(out.read_text())
     assert r["data_parallel_size"] == 2 and r["output_tokens"] == 24 and r["requests"] == 6
     assert r["output_tok_s_per_gpu"] == pytest.approx(r["output_tok_s"] / 2, abs=0.1)
-    assert r["bounds"].startswith("2 x one engine's") and "share_of_bound" not in r
+    assert r["bound_note"].startswith("2 x one engine's bounds") and "bounds" not in r and "share_of_bound" not in r
     assert cli_main(base + ["--batch1"]) != 0
     assert "data_parallel_size > 1 measures the replicas' throughput together: not with batch1" in \
         capsys.readouterr().err
