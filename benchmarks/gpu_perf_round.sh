@@ -13,8 +13,7 @@
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
 # onetoken: the one-token MoE layout (router launch keeping the normed row, decode kernels under PDL): its gpu tests,
 #           then benchmarks/ab_compare.sh against the old tree in $AB_OLD (default .ab_old): batch 1 on the MoE shapes
-#           ($B1_SHAPES) and on llama-3.2-1b (whose 1,110 tok/s, against 1,175, came from the dropped fused-merge
-#           tree). The old tree travels inside the carried .whl: `mkdir -p .whl/ab_old && git archive a133d18 minfer
+#           ($B1_SHAPES) and on llama-3.2-1b (RESULTS.md, "continued without a device"). The old tree travels inside the carried .whl: `mkdir -p .whl/ab_old && git archive a133d18 minfer
 #           benchmarks pyproject.toml | tar -x -C .whl/ab_old`, then AB_OLD=.whl/ab_old     -> $OUT/ab.md
 #           Before it, batch 1 on llama-3.2-1b with MINFER_FUSED_ROPE_STORE=0 / 1 (rotary and the KV store in the
 #           qkv launch, gemv_epilogue.py), twice                                           -> $OUT/onetoken.md
