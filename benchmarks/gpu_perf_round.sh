@@ -15,9 +15,8 @@
 #           then benchmarks/ab_compare.sh against the old tree in $AB_OLD (default .ab_old): batch 1 on the MoE shapes
 #           ($B1_SHAPES) and on llama-3.2-1b (RESULTS.md, "continued without a device"). The old tree travels inside the carried .whl: `mkdir -p .whl/ab_old && git archive a133d18 minfer
 #           benchmarks pyproject.toml | tar -x -C .whl/ab_old`, then AB_OLD=.whl/ab_old     -> $OUT/ab.md
-#           Before it, batch 1 on llama-3.2-1b with neither, with MINFER_FUSED_ROPE_STORE=1 (rotary and the KV store
-#           in the qkv launch, gemv_epilogue.py) and with MINFER_SHORT_DECODE_TOKENS=511 (the short-context graphs,
-#           cuda_graphs.py), twice                                                         -> $OUT/onetoken.md
+#           Before it, batch 1 on llama-3.2-1b with MINFER_FUSED_ROPE_STORE=0 / 1 (rotary and the KV store in the
+#           qkv launch, gemv_epilogue.py), twice                                           -> $OUT/onetoken.md
 #           (about 8 minutes: its own call; policyA in another)
 # policyA:  workload A on qwen3-0.6b and llama-3.1-8b under fcfs and prefill-first (the default since this round),
 #           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md
@@ -82,16 +81,10 @@ case " $PARTS " in *" onetoken "*)
   echo "== one-token and MoE decode gpu tests ($(left) s left)"
   timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_one_token_forward.py \
     tests/kernels/test_kernel_moe_decode_gpu.py tests/kernels/test_kernel_pdl.py tests/kernels/test_kernel_gemv.py \
-    "tests/engine/test_engine_gpu.py::test_short_context_graphs_equal_eager" \
-    "tests/engine/test_engine_gpu.py::test_cuda_graph_decode_equals_eager" > "$OUT/onetoken_tests.log" 2>&1
+    > "$OUT/onetoken_tests.log" 2>&1
   echo "   exit $?; $(tail -1 "$OUT/onetoken_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/onetoken_tests.log" | head -5
-  # neither, the rope-and-store epilogue in the qkv launch (gemv_epilogue.py), the short-context graphs
-  # (cuda_graphs.py), twice
-  for r in 1 2; do
-    for v in "0 0" "1 0" "0 511"; do set -- $v
-      MINFER_FUSED_ROPE_STORE=$1 MINFER_SHORT_DECODE_TOKENS=$2 bench "b1_llama-3.2-1b_rope$1_short$2_$r" \
-        --shape llama-3.2-1b --batch1
-    done
+  for r in 1 2; do  # the rope-and-store epilogue in the qkv launch (gemv_epilogue.py), off then on, twice
+    for f in 0 1; do MINFER_FUSED_ROPE_STORE=$f bench "b1_llama-3.2-1b_rope${f}_$r" --shape llama-3.2-1b --batch1; done
   done
   bench_table onetoken.md
   echo "== A/B against ${AB_OLD:-.ab_old} ($(left) s left)"

@@ -10,17 +10,10 @@ skips) and attend over one token, so they never touch a live sequence's cache. A
 one memory pool. Only the Triton ops are captured (the torch ops size their work from host integers),
 through the runner's step forward: the batch-1 bucket takes their fused one-token forward. Under
 tensor parallelism every rank captures the same buckets, the collectives inside them.
-
-Short contexts get graphs of their own. The decode kernels size their split-K grid from the block table's width
-(the host never reads the lengths), so a graph captured over the whole ``max_model_len`` runs many mostly empty
-splits and a merge launch per layer even at a 100-token context. The small buckets (``SHORT_BUCKETS``, where the
-split heuristic splits at all) are captured a second time over the table's first ``short_tokens`` columns, few
-enough for one split and no merge, and a step whose widest table fits replays those.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -30,12 +23,6 @@ from minfer.kernels.stage_inputs import pack_decode_inputs, packed_words, stage_
 from minfer.ops import AttentionMetadata, ModelForward
 
 logger = logging.getLogger("minfer")
-
-# Contexts up to this many tokens replay the narrowed graphs: under 2 x MIN_SPLIT_TOKENS (decode_attention.py), so
-# the split heuristic picks one split. MINFER_SHORT_DECODE_TOKENS=0 turns them off (benchmarks/gpu_perf_round.sh
-# PARTS=onetoken times both).
-SHORT_TOKENS = int(os.environ.get("MINFER_SHORT_DECODE_TOKENS", "511"))
-SHORT_BUCKETS = 8  # the buckets up to this batch (the larger ones fill the SMs without splitting)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -47,23 +34,16 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, max_batch: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device, forward: ModelForward | None = None, num_groups: int = 1,
-                 state_slots: int = 0, lora: Any = None, short_tokens: int = SHORT_TOKENS) -> None:
+                 state_slots: int = 0, lora: Any = None) -> None:
         """``num_groups``: the KV groups, each with its own slot mapping and block tables. ``state_slots``: the
         state cache's slots when the model has recurrent layers (the last one takes the padding rows). ``lora``:
-        the engine's ``LoRAManager``, whose static token-to-slot buffers the graphs read (refilled each replay).
-        ``short_tokens``: the context the narrowed graphs of the small buckets hold (0: none)."""
+        the engine's ``LoRAManager``, whose static token-to-slot buffers the graphs read (refilled each replay)."""
         self.model = model
         self.lora = lora
         self.forward = model if forward is None else forward  # the runner's: Ops.model_forward(model)
         self.sizes = graph_batch_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.block_size = block_size
-        short_width = short_tokens // block_size
-        # (bucket, table width) of every graph, largest first: each bucket over the whole table, the small ones
-        # also over its first short_width columns
-        narrow = 0 < short_width < max_blocks_per_seq
-        self.shapes = [(s, max_blocks_per_seq) for s in reversed(self.sizes)] + [
-            (s, short_width) for s in reversed(self.sizes) if narrow and s <= SHORT_BUCKETS]
         b, dev = self.max_batch, device
         self.input_ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
@@ -79,31 +59,31 @@ class DecodeGraphs:
         # critical path at small batches), into one logits buffer that every bucket shares.
         # (the whole vocabulary's: under tensor parallelism the graph holds the logits gather)
         self.logits = torch.empty(b, model.config.vocab_size, dtype=model.lm_head.weight.dtype, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
         # With LoRA on, each bucket is captured twice: with the adapters' launches (reading the static slots) and,
         # for the steps in which no row has an adapter, without them (their kernels would only exit at once).
-        self.plain: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.plain_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.plain: dict[int, torch.cuda.CUDAGraph] = {}
+        self.plain_outputs: dict[int, torch.Tensor] = {}
 
-    def _meta(self, b: int, width: int) -> AttentionMetadata:
+    def _meta(self, b: int) -> AttentionMetadata:
         state = {} if self.spare_slot < 0 else dict(state_slots=self.state_slots[:b], has_state=self.has_state[:b],
                                                     query_start_loc=self.query_start_loc[:b + 1])
         return AttentionMetadata(
-            slot_mapping=[s[:b] for s in self.slot_mapping], block_tables=[t[:b, :width] for t in self.block_tables],
+            slot_mapping=[s[:b] for s in self.slot_mapping], block_tables=[t[:b] for t in self.block_tables],
             context_lens=self.context_lens[:b], num_decodes=b, block_size=self.block_size, **state)
 
     @torch.no_grad()
     def capture(self) -> None:
-        """Warm up and capture every (bucket, width), largest first so the pool is sized by the first."""
+        """Warm up and capture every bucket, largest first so the pool is sized by the first."""
         # The staging kernel compiles now, not in the first decode step.
         packed = torch.zeros(packed_words(1, 1, len(self.block_tables)), dtype=torch.int64,
                              device=self.input_ids.device)
         stage_decode_inputs(packed, 1, 1, None, self.input_ids, self.positions, self.slot_mapping, self.context_lens,
                             self.block_tables)
         pool = None
-        for b, width in self.shapes:
-            meta = self._meta(b, width)
+        for b in reversed(self.sizes):
+            meta = self._meta(b)
             for adapters in (True, False) if self.lora is not None else (False,):
                 if self.lora is not None:
                     self._use_lora(b, adapters)
@@ -115,12 +95,11 @@ class DecodeGraphs:
                 pool = graph.pool()
                 graphs, outputs = (self.graphs, self.outputs) if adapters or self.lora is None else \
                     (self.plain, self.plain_outputs)
-                graphs[b, width], outputs[b, width] = graph, out
+                graphs[b], outputs[b] = graph, out
         torch.cuda.synchronize()
         if self.lora is not None:
             self.lora.state.meta = None  # eager forwards set their own
-        logger.info("captured %d decode CUDA graphs (batch %d..%d, %d of them over %d-block tables)", len(self.graphs),
-                    self.sizes[0], self.max_batch, len(self.shapes) - len(self.sizes), self.shapes[-1][1])
+        logger.info("captured %d decode CUDA graphs (batch %d..%d)", len(self.graphs), self.sizes[0], self.max_batch)
 
     def _forward(self, b: int, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.forward(self.input_ids[:b], self.positions[:b], meta)
@@ -142,7 +121,6 @@ class DecodeGraphs:
         reads them in time)."""
         groups, n, width = tables.shape
         b = next(s for s in self.sizes if s >= n)
-        key = next(k for k in reversed(self.shapes) if k[0] == b and k[1] >= width)  # the narrowest that holds it
         host = torch.empty(packed_words(n, width, groups), dtype=torch.int64, pin_memory=self.input_ids.is_cuda)
         pack_decode_inputs(host.numpy(), ids, positions, slots, src_rows, ctx_lens, tables)
         packed = host.to(self.input_ids.device, non_blocking=True)
@@ -155,13 +133,13 @@ class DecodeGraphs:
             self.lora.stage(lora_slots, n, b)
         graphs, outputs = (self.plain, self.plain_outputs) if self.lora is not None and not adapters else \
             (self.graphs, self.outputs)
-        if key in graphs:
-            graphs[key].replay()
-            hidden = outputs[key]
+        if b in graphs:
+            graphs[b].replay()
+            hidden = outputs[b]
         else:  # uncaptured: the same buffers, eagerly
             if self.lora is not None:
                 self._use_lora(b, adapters)
-            hidden = self._forward(b, self._meta(*key))
+            hidden = self._forward(b, self._meta(b))
         return hidden[:n], self.logits[:n]
 
     def _use_lora(self, b: int, adapters: bool) -> None:

@@ -35,25 +35,3 @@ def test_padded_decode_buffers_match_hf(checkpoints):
         assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
     assert calls and set(calls) == {3}  # every decode step went through the buffers, one padding row
     assert int(graphs.slot_mapping[0, 3]) == -1 and int(graphs.context_lens[3]) == 1
-
-
-def test_short_contexts_run_over_the_narrowed_table(checkpoints):
-    """The small buckets' narrowed graphs: a step whose widest table fits ``short_tokens`` runs over the table's
-    first columns, a wider one over the whole table, and both match HF across the edge."""
-    llm = LLM(str(checkpoints["llama3"]), attention_backend="triton", num_kv_blocks=64, max_num_seqs=8,
-              max_num_batched_tokens=64, max_model_len=128)
-    runner = llm.llm_engine.runner
-    graphs = DecodeGraphs(runner.model, 8, cdiv(128, 16), 16, runner.device, short_tokens=40)  # not captured
-    assert graphs.shapes == [(8, 8), (4, 8), (2, 8), (1, 8), (8, 2), (4, 2), (2, 2), (1, 2)]
-    widths = []
-    real_meta = graphs._meta
-    graphs._meta = lambda b, width: widths.append(width) or real_meta(b, width)
-    runner.graphs = graphs
-    prompts = [[5, 6, 7], list(range(2, 20))]  # contexts 4..39 and 19..54: 2 blocks, then 3 and 4
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ref, ref_logits = hf_greedy(checkpoints["llama3"], prompt, 20)
-        assert_greedy_match(out.outputs[0].token_ids, ref, ref_logits)
-    assert widths[0] == 2 and widths[-1] == 8 and set(widths) == {2, 8}, widths
-    assert DecodeGraphs(runner.model, 8, 8, 16, runner.device, short_tokens=0).shapes == [(s, 8) for s in (8, 4, 2, 1)]

@@ -69,37 +69,6 @@ def test_cuda_graph_decode_equals_eager(checkpoints):
     assert results[True] == results[False]
 
 
-
-def test_short_context_graphs_equal_eager(checkpoints):
-    """The small buckets' graphs over a narrowed block table (one split, no merge) replay while the contexts fit
-    them, and the whole-table graphs after: greedy outputs across that edge equal enforce_eager's."""
-    prompts = [[(i * k) % 300 + 2 for i in range(470 + 9 * k)] for k in range(3)]  # 470-488 tokens, +24 crosses 496
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    results, replays = {}, {}
-    for eager in (True, False):
-        llm = LLM(str(checkpoints["qwen3"]), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=8,
-                  max_model_len=1024, enforce_eager=eager)
-        graphs = llm.llm_engine.runner.graphs
-        if graphs is not None:
-            assert {(1, 31), (4, 31), (1, 64)} <= set(graphs.graphs)
-            for key, graph in list(graphs.graphs.items()):
-                graphs.graphs[key] = CountedGraph(graph, key, replays)
-        results[eager] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                                                       params, use_tqdm=False)]
-    assert results[True] == results[False]
-    assert replays.get((4, 31)) and replays.get((4, 64)), replays  # both sides of the edge ran as graphs
-
-
-class CountedGraph:
-    """A captured graph whose replays are counted by key."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, key: tuple[int, int], counts: dict) -> None:
-        self.graph, self.key, self.counts = graph, key, counts
-
-    def replay(self) -> None:
-        self.counts[self.key] = self.counts.get(self.key, 0) + 1
-        self.graph.replay()
-
 def test_async_scheduling_equals_sync_on_gpu(checkpoints):
     """The overlap's device side (pinned uploads, pending tokens copied from the previous step's
     draws into graph inputs, draws copied back behind an event) gives the synchronous outputs."""
