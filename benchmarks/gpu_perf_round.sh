@@ -15,8 +15,8 @@
 #           then benchmarks/ab_compare.sh against the old tree in $AB_OLD (default .ab_old): batch 1 on the MoE shapes
 #           ($B1_SHAPES) and on llama-3.2-1b (RESULTS.md, "continued without a device"). The old tree travels inside the carried .whl: `mkdir -p .whl/ab_old && git archive a133d18 minfer
 #           benchmarks pyproject.toml | tar -x -C .whl/ab_old`, then AB_OLD=.whl/ab_old     -> $OUT/ab.md
-#           Before it, batch 1 on llama-3.2-1b with MINFER_FUSED_ROPE_STORE=0 / 1 (rotary and the KV store in the
-#           qkv launch, gemv_epilogue.py), twice                                           -> $OUT/onetoken.md
+#           Before it, batch 1 on llama-3.2-1b with MINFER_FUSED_ROPE_STORE=0 / 1 (the default: rotary and the KV
+#           store in the qkv launch, gemv_epilogue.py), twice                              -> $OUT/onetoken.md
 #           (about 8 minutes: its own call; policyA in another)
 # policyA:  workload A on qwen3-0.6b and llama-3.1-8b under fcfs and prefill-first (the default since this round),
 #           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md

@@ -23,9 +23,10 @@ from minfer.kernels.gemm.gemv_lora import GemvLora
 from minfer.ops.metadata import AttentionMetadata
 
 
-# Rotary and the KV store in the qkv launch (gemv_epilogue.py) for the Llama layout: off until timed on a GPU
-# (MINFER_FUSED_ROPE_STORE=1 turns it on; benchmarks/gpu_perf_round.sh PARTS=onetoken measures both).
-FUSED_ROPE_STORE = os.environ.get("MINFER_FUSED_ROPE_STORE", "0") == "1"
+# Rotary and the KV store in the qkv launch (gemv_epilogue.py) for the Llama layout: one launch less per layer
+# (batch 1 on llama-3.2-1b +2.7%, benchmarks/RESULTS.md). MINFER_FUSED_ROPE_STORE=0 turns it off;
+# benchmarks/gpu_perf_round.sh PARTS=onetoken measures both.
+FUSED_ROPE_STORE = os.environ.get("MINFER_FUSED_ROPE_STORE", "1") == "1"
 
 
 class OneTokenForward:

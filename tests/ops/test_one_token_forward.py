@@ -139,15 +139,16 @@ def test_moe_shapes_fused_one_token_forward_on_gpu(tmp_path, shape, layers):
     assert _rel(fused, plain) < 1e-4
 
 
-@pytest.mark.parametrize("arch,fused", [("llama3", True), ("qwen2", True), ("gpt_oss", True), ("mixtral", True),
-                                        ("qwen3", False)])
+@pytest.mark.parametrize("arch,flag,fused", [("llama3", True, True), ("qwen2", True, True), ("gpt_oss", True, True),
+                                             ("mixtral", True, True), ("qwen3", True, False), ("llama3", False, False)])
 def test_rope_store_in_the_qkv_launch_matches_the_plain_forward(checkpoints, moe_checkpoints, monkeypatch, arch,
-                                                                fused):
-    """``MINFER_FUSED_ROPE_STORE``: the qkv launch rotates q and k and stores K/V (``gemv_epilogue.py``) for Llama
-    attention without q/k norms (biases, sinks and windows too); Qwen3's norms keep the separate kernel. The decode
-    step, which attends over the K/V its qkv launches stored, gives the plain forward's logits."""
+                                                                flag, fused):
+    """``MINFER_FUSED_ROPE_STORE`` (on by default): the qkv launch rotates q and k and stores K/V
+    (``gemv_epilogue.py``) for Llama attention without q/k norms (biases, sinks and windows too); Qwen3's norms keep
+    the separate kernel, as does every layer with the flag off. The decode step, which attends over the K/V its qkv
+    launches stored, gives the plain forward's logits."""
     path = (moe_checkpoints if arch in MOE else checkpoints)[arch]
-    monkeypatch.setattr(one_token, "FUSED_ROPE_STORE", True)
+    monkeypatch.setattr(one_token, "FUSED_ROPE_STORE", flag)
     used = []
     real = one_token.gemv_rms_norm
     monkeypatch.setattr(one_token, "gemv_rms_norm",
