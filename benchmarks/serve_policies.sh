@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/serve_policies.sh                    # needs .whl carried (benchmarks/fetch_server_wheels.sh)
 #   POLICIES="fcfs prefill-first@32768" bash benchmarks/serve_policies.sh   # P@N: with --max-num-batched-tokens N
-#   POLICIES="prefill-first prefill-first+proc"        # P+proc: with --engine-process (the engine in its own process)
+#   POLICIES="prefill-first+thread prefill-first+proc" # P+proc: --engine-process (the engine in its own process, the
+#                                                      # default on a GPU); P+thread: --no-engine-process
 #   POLICIES="prefill-first prefill-first+si4"         # P+siN: with --stream-interval N (N tokens a chunk)
 #
 # -> $OUT/policies.md (the table, with the TTFT floor of each level: minfer/benchmark/ttft_floor.py),
@@ -36,8 +37,10 @@ cpu_s() {
 for entry in $POLICIES; do
   interval=""; [ "${entry%+si*}" != "$entry" ] && { interval="${entry##*+si}"; entry="${entry%+si*}"; }
   proc=""; [ "${entry%+proc}" != "$entry" ] && { proc=--engine-process; entry="${entry%+proc}"; }
+  [ "${entry%+thread}" != "$entry" ] && { proc=--no-engine-process; entry="${entry%+thread}"; }
   policy="${entry%@*}"; tokens=""; [ "$entry" != "$policy" ] && tokens="${entry#*@}"
-  name="${policy}${tokens:+_$tokens}${proc:+_proc}${interval:+_si$interval}"
+  layout=""; [ "$proc" = --engine-process ] && layout=_proc; [ "$proc" = --no-engine-process ] && layout=_thread
+  name="${policy}${tokens:+_$tokens}${layout}${interval:+_si$interval}"
   echo "== serve llama-3.1-8b, --scheduling-policy $policy${tokens:+ --max-num-batched-tokens $tokens} $proc" \
        "${interval:+--stream-interval $interval} ($(left) s left)"
   "$PY" -m minfer.cli serve --model "$MODEL" --load-format dummy --skip-tokenizer-init --max-model-len 4096 \

@@ -82,9 +82,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="larger request bodies get a 413 before they are parsed (default: 16 MiB; 0: no cap)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
-    p.add_argument("--engine-process", action="store_true",
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (the data-parallel path with one replica), so that "
-                        "its loop and the HTTP event loop do not share a GIL")
+                        "its loop and the HTTP event loop do not share a GIL (default: on when the engine runs on a "
+                        "GPU; --no-engine-process keeps it on a thread of the server's process)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="new tokens a streamed chunk waits for (the first and the last chunk excepted); more tokens a "
                         "chunk cost the server less per token when it serves many streams at once (default 1)")

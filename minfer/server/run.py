@@ -39,7 +39,7 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
                allowed_hosts: list[str] | None = None, allowed_origins: list[str] | None = None,
-               lora_modules: list[LoRAModulePath] | None = None, engine_process: bool = False,
+               lora_modules: list[LoRAModulePath] | None = None, engine_process: bool | None = None,
                stream_interval: int = 1) -> None:
     """Load the model, then serve until interrupted (SIGINT/SIGTERM shut down gracefully) or until the engine
     dies (a tensor-parallel worker, a device error): then the requests in flight fail, the server stops and
@@ -58,8 +58,9 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
     ``lora_modules``: see ``build_app`` (their names and ``enable_lora`` are checked before the model loads, the
     adapters themselves once it has).
     ``engine_process``: one engine in a process of its own (the data-parallel path with one replica), so that the
-    engine loop and this process's event loop do not share a GIL; its messages cost pickling on both sides
-    (``dev/server_overhead.py`` prices either way on a CPU machine).
+    engine loop and this process's event loop do not share a GIL; its messages cost pickling on both sides. None:
+    ``default_engine_process`` (on a GPU the event loop's share of one GIL held the 8B shape's server back: 1.21x
+    the tokens at 256 clients in its own process; a CPU engine's own sampling and pickling outweigh that).
     ``stream_interval``: see ``build_app`` (checked before the model loads).
     """
     require_server_extra()
@@ -104,6 +105,8 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         names = served_model_names or [model]
     check_lora_modules(lora_modules or [], names, bool(engine_kwargs.get("enable_lora", False)))
     config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
+    if engine_process is None:
+        engine_process = default_engine_process(config)
     replicas = config.data_parallel_size > 1 or engine_process
     engine_class = DataParallelLLMEngine if replicas else LLMEngine  # replicas: engine/dp/
     engine = engine_class(config, RequestOutputKind.DELTA)  # the server streams deltas
@@ -155,6 +158,12 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
         signal.raise_signal(signal.SIGTERM)
     if died:
         raise SystemExit(ENGINE_DEAD_EXIT_STATUS)
+
+
+def default_engine_process(config: Any) -> bool:
+    """Whether ``minfer serve`` runs its engine in a process of its own when not told: on a GPU (``config``: the
+    ``EngineConfig``), where serving measured faster so (``benchmarks/RESULTS.md``, the serve runs of issue 42)."""
+    return config.resolved_device().type == "cuda"
 
 
 class _Terminated(BaseException):

@@ -170,3 +170,23 @@ def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
     assert main(["serve", model, "--chat-template", str(path), "--api-key", "k", "--port", "8123",
                  "--num-kv-blocks", "64", "--max-num-seqs", "4", "--allowed-hosts", "testserver"]) == 0
     assert served == [("127.0.0.1", 8123)]
+
+
+def test_engine_process_flag_defaults_by_device(seen: dict[str, Any]) -> None:
+    """``--engine-process`` / ``--no-engine-process`` are passed on; with neither, ``run_server`` decides by the
+    engine's device: its own process on a GPU, a thread on the CPU."""
+    import torch
+
+    from minfer.config import EngineConfig
+    from minfer.server.run import default_engine_process
+
+    assert main(["serve"]) == 0 and seen["engine_process"] is None
+    assert main(["serve", "--engine-process"]) == 0 and seen["engine_process"] is True
+    assert main(["serve", "--no-engine-process"]) == 0 and seen["engine_process"] is False
+    assert default_engine_process(EngineConfig.from_kwargs(model="m", device="cpu")) is False
+
+    class OnGpu:
+        def resolved_device(self) -> torch.device:
+            return torch.device("cuda")
+
+    assert default_engine_process(OnGpu()) is True
