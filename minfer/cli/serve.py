@@ -84,7 +84,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine in a process of its own (the data-parallel path with one replica), so that "
-                        "its loop and the HTTP event loop do not share a GIL (default: on when the engine runs on a "
+                        "its loop and the HTTP event loop do not share a GIL (default: on when the engine runs on one "
                         "GPU; --no-engine-process keeps it on a thread of the server's process)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="new tokens a streamed chunk waits for (the first and the last chunk excepted); more tokens a "

@@ -161,9 +161,10 @@ def run_server(model: str | None, engine_kwargs: dict[str, Any], host: str = "12
 
 
 def default_engine_process(config: Any) -> bool:
-    """Whether ``minfer serve`` runs its engine in a process of its own when not told: on a GPU (``config``: the
-    ``EngineConfig``), where serving measured faster so (``benchmarks/RESULTS.md``, the serve runs of issue 42)."""
-    return config.resolved_device().type == "cuda"
+    """Whether ``minfer serve`` runs its engine in a process of its own when not told: on one GPU (``config``: the
+    ``EngineConfig``), where serving measured faster so (``benchmarks/RESULTS.md``, the serve runs of issue 42). A
+    tensor-parallel engine keeps its thread until a replica's workers have been served on GPUs."""
+    return config.resolved_device().type == "cuda" and config.tensor_parallel_size == 1
 
 
 class _Terminated(BaseException):

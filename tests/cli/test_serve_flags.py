@@ -174,7 +174,7 @@ def test_serve_command_end_to_end(checkpoints: dict[str, Path], tmp_path: Path,
 
 def test_engine_process_flag_defaults_by_device(seen: dict[str, Any]) -> None:
     """``--engine-process`` / ``--no-engine-process`` are passed on; with neither, ``run_server`` decides by the
-    engine's device: its own process on a GPU, a thread on the CPU."""
+    engine's device: its own process on one GPU, a thread on the CPU or under tensor parallelism."""
     import torch
 
     from minfer.config import EngineConfig
@@ -185,8 +185,11 @@ def test_engine_process_flag_defaults_by_device(seen: dict[str, Any]) -> None:
     assert main(["serve", "--no-engine-process"]) == 0 and seen["engine_process"] is False
     assert default_engine_process(EngineConfig.from_kwargs(model="m", device="cpu")) is False
 
-    class OnGpu:
+    class OnGpus:
+        def __init__(self, tensor_parallel_size: int) -> None:
+            self.tensor_parallel_size = tensor_parallel_size
+
         def resolved_device(self) -> torch.device:
             return torch.device("cuda")
 
-    assert default_engine_process(OnGpu()) is True
+    assert default_engine_process(OnGpus(1)) is True and default_engine_process(OnGpus(2)) is False
