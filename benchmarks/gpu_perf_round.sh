@@ -18,7 +18,7 @@
 #           Before it, batch 1 on llama-3.2-1b with MINFER_FUSED_ROPE_STORE=0 / 1 (the default: rotary and the KV
 #           store in the qkv launch, gemv_epilogue.py), twice                              -> $OUT/onetoken.md
 #           (about 8 minutes: its own call; policyA in another)
-# policyA:  workload A on qwen3-0.6b and llama-3.1-8b under fcfs and prefill-first (the default since this round),
+# policyA:  workload A on qwen3-0.6b and llama-3.1-8b under fcfs and prefill-first (the default policy),
 #           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
 #           as measured)                                                              -> $OUT/policies.md

@@ -45,9 +45,9 @@ class RequestStream:
 
     ``interval``: how many new tokens wake the reader. Each wake costs the event loop a task switch and, in a
     streamed response, a chunk's encoding and a socket write, per request per step; a larger interval sends
-    several tokens a chunk (vLLM's and SGLang's ``--stream-interval``), and 0 wakes it only for the last output
-    (a response sent whole reads nothing else). The first output and the last always wake it, and so do errors
-    and ``close``."""
+    several tokens a chunk (vLLM's and SGLang's ``--stream-interval``), and 0 wakes it only for the first and the
+    last output (a response sent whole reads nothing else). The first output and the last always wake it, and so
+    do errors and ``close``."""
 
     __slots__ = ("request_id", "started", "finished", "interval", "_unread", "_woken", "_latest", "_error", "_event")
 

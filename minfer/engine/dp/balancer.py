@@ -64,7 +64,7 @@ class Balancer:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {routing!r}")
         self.block_size, self.max_num_seqs, self.max_prefixes = block_size, max_num_seqs, max_prefixes
-        self.round_robin, self._turn = routing == "round-robin", 0
+        self.routing, self._turn = routing, 0
         self.margin, self.slack = margin, slack
         self.waiting = [0] * num_replicas  # W(i)
         self.running = [0] * num_replicas  # R(i)
@@ -83,7 +83,7 @@ class Balancer:
         scores = {i: self.score(i) for i, up in enumerate(self.alive) if up}
         if not scores:
             raise RuntimeError("no data-parallel replica is alive")
-        if self.round_robin:
+        if self.routing == "round-robin":
             choice = next((i for i in scores if i >= self._turn), min(scores))
             self._turn = choice + 1
             self.waiting[choice] += n

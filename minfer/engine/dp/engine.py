@@ -224,7 +224,7 @@ class DataParallelLLMEngine:
         and the requests its prefix affinity placed."""
         alive = [self.replicas.alive(i) for i in range(self.replicas.size)]
         stats = merge_stats(list(self.replicas.stats), alive, self.balancer.routed)
-        stats["dp_routing"] = "round-robin" if self.balancer.round_robin else "balanced"
+        stats["dp_routing"] = self.balancer.routing
         stats["dp_affinity_hits"] = self.balancer.affinity_hits
         return stats
 
