@@ -15,7 +15,7 @@ there, as a different summation order differs (a test holds both to the torch re
 hold greedy decoding to HF in float32, where the product is exact). The programs of the first column tile also
 store ``h`` (the new residual stream) to ``R_OUT``, a tensor of its own: the others still read the old one.
 
-``MINFER_GEMM_PROLOGUE=0`` turns the layout off (``model/quantization/prologue.py``); the configs are
+``MINFER_GEMM_PROLOGUE=1`` turns the layout on (``model/quantization/prologue.py``); the configs are
 ``benchmarks/bench_gemm_prologue.py``'s.
 """
 from __future__ import annotations
