@@ -56,12 +56,15 @@ class Chain:
         self.nw = torch.ones(h, device=dev, dtype=dt)
         self.x = torch.randn(rows, h, device=dev, dtype=dt)
         self.res = torch.randn(rows, h, device=dev, dtype=dt)
+        self.res_inplace = self.res.clone()
         self.attn = torch.randn(rows, q, device=dev, dtype=dt)  # stands in for attention's output
         self.gate_up = torch.randn(rows, 2 * i, device=dev, dtype=dt)
 
     def unfused(self, _cfgs: dict | None = None) -> None:
+        # The residual is updated in place, as the engine's norm does (no copy launch the engine does not make); it
+        # grows by x at each call over the replays, which changes no timing and stays far from bfloat16's range.
+        res = self.res_inplace
         for w in self.w:
-            res = self.res.clone()  # (fused_add_rms_norm writes the residual in place)
             F.linear(fused_add_rms_norm(self.x, res, self.nw, self.eps), w["qkv"])
             F.linear(self.attn, w["o"])
             F.linear(fused_add_rms_norm(self.x, res, self.nw, self.eps), w["gate_up"])
