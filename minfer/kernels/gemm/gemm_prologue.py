@@ -52,7 +52,9 @@ def default_config(m: int, n: int, k: int, prologue: int) -> GemmConfig:
 @triton.jit
 def _input_tile(X, R, NW, R_OUT, rows, cols, row_ok, col_ok, K, stride_x, stride_r, write_residual,
                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The operand tile ``[BLOCK_M, BLOCK_K]`` in x's dtype, and (RMS prologue) its float32 ``h²`` row sums."""
+    """The operand tile ``[BLOCK_M, BLOCK_K]`` in x's dtype, and its float32 ``h²`` row sums ``[BLOCK_M]`` (zeros but
+    for the RMS prologue: every branch returns the same types, which the compiler checks and the interpreter not)."""
+    no_ss = tl.zeros(rows.shape, dtype=tl.float32)
     mask = row_ok[:, None] & col_ok[None, :]
     ptrs = X + rows[:, None] * stride_x + cols[None, :]
     if PROLOGUE == 2:  # silu(gate) * up over [gate | up], activation.py's roundings
@@ -60,7 +62,7 @@ def _input_tile(X, R, NW, R_OUT, rows, cols, row_ok, col_ok, K, stride_x, stride
         up = tl.load(ptrs + K, mask=mask, other=0.0)
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), 0.0
+        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), no_ss
     x = tl.load(ptrs, mask=mask, other=0.0)
     if PROLOGUE == 1:
         dtype = x.dtype
@@ -72,7 +74,7 @@ def _input_tile(X, R, NW, R_OUT, rows, cols, row_ok, col_ok, K, stride_x, stride
         xf = x.to(tl.float32)
         w = tl.load(NW + cols, mask=col_ok, other=0.0)
         return (xf * w.to(tl.float32)[None, :]).to(dtype), tl.sum(xf * xf, axis=1)
-    return x, 0.0
+    return x, no_ss
 
 
 @triton.jit
