@@ -22,11 +22,6 @@
 #           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
 #           as measured)                                                              -> $OUT/policies.md
-# prologue: the few-row GEMM with the norm / SwiGLU in its launch (kernels/gemm/gemm_prologue.py): its gpu tests,
-#           benchmarks/bench_gemm_prologue.py (every layer's projections at M rows in one graph, unfused against fused,
-#           each projection's configs swept unless PROLOGUE_SWEEP=), then the engine's gpu tests with it on
-#           -> $OUT/prologue_<shape>.md
-# prologueA: workload A with MINFER_GEMM_PROLOGUE=0 / 1 alternating ($PROLOGUE_SHAPES, $ROUNDS) -> $OUT/prologueA.md
 # extras:   decode attention B=1 x 32k over split counts, and the FP8 / bf16 gemv at gate_up under ncu
 #           (dev/ncu_gemv.py)                                                -> $OUT/decode32k.md, $OUT/ncu_gemv.txt
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
@@ -103,29 +98,6 @@ case " $PARTS " in *" policyA "*)
     for policy in fcfs prefill-first; do bench "A_${shape}_$policy" --shape "$shape" --scheduling-policy "$policy"; done
   done
   bench_table policyA.md ;;
-esac
-case " $PARTS " in *" prologueA "*)  # workload A with the projections' prologues off and on, alternating
-  for r in $(seq 1 "${ROUNDS:-1}"); do for shape in ${PROLOGUE_SHAPES:-qwen3-0.6b}; do for f in 0 1; do
-    MINFER_GEMM_PROLOGUE=$f bench "A_${shape}_prologue${f}_$r" --shape "$shape"
-  done; done; done
-  bench_table prologueA.md ;;
-esac
-case " $PARTS " in *" prologue "*)
-  echo "== prologue GEMM gpu tests ($(left) s left)"
-  timeout "$(cap 120)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_gemm_prologue.py \
-    > "$OUT/prologue_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/prologue_tests.log")"
-  for s in ${PROLOGUE_BENCH_SHAPES:-qwen3-0.6b llama-3.2-1b}; do
-    echo "== projections at M rows, $s ($(left) s left)"
-    timeout "$(cap 150)" "$PY" benchmarks/bench_gemm_prologue.py --shape "$s" --rows "${PROLOGUE_ROWS:-64,128,256}" \
-      ${PROLOGUE_SWEEP---sweep} --json "$OUT/prologue_best.json" > "$OUT/prologue_$s.md" 2> "$OUT/prologue_$s.log" \
-      || echo "   exit $?; $(tail -2 "$OUT/prologue_$s.log")"
-    cat "$OUT/prologue_$s.md"; grep "best" "$OUT/prologue_$s.log" | tail -12
-  done
-  MINFER_GEMM_PROLOGUE=1 timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_engine_gpu.py \
-    -k "(matches_hf and (llama3 or qwen2 or gemma3 or gpt_oss) and not kwargs2) or graph or async or accurate" \
-    > "$OUT/prologue_engine_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/prologue_engine_tests.log")"
-  grep -E "^(FAILED|ERROR)" "$OUT/prologue_tests.log" "$OUT/prologue_engine_tests.log" | head -5
-  ;;
 esac
 case " $PARTS " in *" extras "*)
   echo "== decode attention B=1 x 32k, split counts ($(left) s left)"

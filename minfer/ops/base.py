@@ -99,25 +99,6 @@ class Ops(ABC):
             expanded = scale[:, None]
         return Fp8Activation((xs / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale, x.dtype)
 
-    prologue_rows = 0  # the most rows a float projection computes its norm / SwiGLU input for (0: never)
-
-    def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor:
-        """``linear(rms_norm(x (+ residual)))``, writing ``x + residual`` to ``residual_out`` (``residual`` is left
-        as it was): the reference of the Triton ops' one launch."""
-        if residual is None:
-            normed = self.rms_norm(x, norm_weight, eps)
-        else:
-            normed, new = self.add_rms_norm(x, residual_out.copy_(residual), norm_weight, eps)
-            if new is not residual_out:
-                residual_out.copy_(new)
-        return torch.nn.functional.linear(normed, weight, bias)
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``linear(silu_and_mul(gate_up))``."""
-        return torch.nn.functional.linear(self.silu_and_mul(gate_up), weight)
-
     def rms_norm_fp8(self, x: torch.Tensor, weight: torch.Tensor, eps: float, block: bool) -> Fp8Activation:
         """``rms_norm`` emitting the next FP8 layer's input (the Triton ops fuse the two)."""
         return self.quantize_activation(self.rms_norm(x, weight, eps), None, block)

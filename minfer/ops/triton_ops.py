@@ -16,7 +16,6 @@ from minfer.kernels.attention.gluon_sm90 import sm90_available
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.gemm.gemm_prologue import MAX_ROWS, gemm_rms_norm, gemm_silu_mul
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
@@ -53,16 +52,6 @@ class TritonOps(Ops):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)
-
-    prologue_rows = MAX_ROWS
-
-    def rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, residual_out: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor:
-        return gemm_rms_norm(x, residual, norm_weight, eps, weight, bias, residual_out=residual_out)[0]
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return gemm_silu_mul(gate_up, weight)
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_and_mul(x)

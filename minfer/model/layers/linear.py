@@ -24,7 +24,6 @@ from torch import nn
 
 from minfer.distributed import SINGLE, TensorParallel
 from minfer.model.quantization.base import UNQUANTIZED, Activation, ActivationQuant, LinearMethod
-from minfer.model.quantization.prologue import GEMM_PROLOGUE, gemm_prologue_enabled
 from minfer.ops import Ops
 
 
@@ -40,7 +39,6 @@ class FusedLinear(nn.Module):
         self.cols_from = cols_from
         self.tp = tp if cols_from is not None else SINGLE  # only a row-parallel layer communicates
         self.method, self.ops = method, ops
-        self.prologue = method.computes_prologues and gemm_prologue_enabled()
         n = sum(shard_sizes)
         self.bias = nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False) if bias else None
         method.create_weights(self, n, in_features, dtype)
@@ -56,10 +54,8 @@ class FusedLinear(nn.Module):
     @property
     def input_quant(self) -> ActivationQuant | None:
         """The format the layer before should emit this layer's input in (None: the model dtype, which LoRA
-        adapters read too). A float layer takes its norm or SwiGLU deferred, into its own launch."""
-        if self.lora is not None:
-            return None
-        return GEMM_PROLOGUE if self.prologue else self.method.input_quant
+        adapters read too)."""
+        return self.method.input_quant if self.lora is None else None
 
     def checkpoint_keys(self) -> list[tuple[str, int]]:
         """(attribute, stacked matrix) for every tensor the checkpoint must supply."""

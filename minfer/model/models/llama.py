@@ -96,9 +96,9 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x, out=self.attn_in)
         else:
             x, residual = self.input_layernorm(x, residual, out=self.attn_in)
-        x = self.self_attn(x, positions, meta)
-        if self.capture is not None:  # after qkv: a projection with the norm in its launch writes the residual
+        if self.capture is not None:
             self.capture[:residual.shape[0]].copy_(residual)
+        x = self.self_attn(x, positions, meta)
         x, residual = self.post_attention_layernorm(x, residual, out=self.mlp_in)
         return self.mlp(x), residual
 

@@ -45,7 +45,6 @@ class LinearMethod(ABC):
     matrix this rank holds; the method decides what a row is made of."""
 
     input_quant: ActivationQuant | None = None  # the input format the layer before should emit (None: as is)
-    computes_prologues = False  # apply() takes the deferred norm / SwiGLU inputs of quantization/prologue.py
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, rows: int, in_features: int, dtype: torch.dtype) -> None:
@@ -70,18 +69,13 @@ class LinearMethod(ABC):
 
 
 class UnquantizedLinear(LinearMethod):
-    """Float weights in the model dtype. Its input may be a deferred norm or SwiGLU (``prologue.py``), which the
-    product computes in its own launch."""
-
-    computes_prologues = True
+    """Float weights in the model dtype."""
 
     def create_weights(self, layer: nn.Module, rows: int, in_features: int, dtype: torch.dtype) -> None:
         layer.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: Activation, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            return F.linear(x, layer.weight, bias)
-        return x.linear(layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
 
 
 UNQUANTIZED = UnquantizedLinear()
