@@ -220,7 +220,7 @@ def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool) -> list[str]:
             if sweep and ws is not None:
                 best = None
                 for c in GEMV_SWEEP:
-                    cfg = GemvConfig(c.block_n, min(c.block_k, 1 << (k - 1).bit_length()), c.num_warps)
+                    cfg = GemvConfig(c.block_n, min(c.block_k, 1 << (k - 1).bit_length()), c.num_warps, c.num_stages)
                     try:
                         e = max_err(call(wt, ws, cfg), ref(wt, ws))
                         t = bench(lambda: call(wt, ws, cfg), rep=50)
@@ -240,8 +240,11 @@ GEMM_SWEEP = [fg.Fp8GemmConfig(bm, bn, group_m=gmm, num_warps=w, num_stages=s) f
     (64, 32, 8, 4, 4), (64, 64, 8, 4, 4), (64, 64, 8, 4, 5), (64, 128, 8, 4, 3), (64, 128, 8, 4, 4),
     (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 8, 4, 3), (128, 256, 8, 8, 3),
     (64, 256, 8, 4, 3)]]
-GEMV_SWEEP = [GemvConfig(bn, bk, w) for bn, bk, w in [
-    (4, 1024, 4), (8, 512, 4), (8, 1024, 4), (16, 256, 4), (16, 512, 4), (8, 2048, 8), (16, 256, 8)]]
+# (rows, columns, warps, pipeline stages): the last five hold more bytes in flight a program (deeper pipelines, wider
+# chunks), the lead of the e4m3 kernel's Nsight Compute profile (RESULTS.md, 2026-12-05)
+GEMV_SWEEP = [GemvConfig(bn, bk, w, s) for bn, bk, w, s in [
+    (4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 2048, 8, 3),
+    (16, 256, 8, 3), (8, 512, 4, 5), (8, 1024, 4, 4), (16, 512, 4, 4), (4, 2048, 4, 3), (16, 1024, 8, 3)]]
 
 
 def sweep_gemm(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...]) -> None:
