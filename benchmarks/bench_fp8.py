@@ -240,8 +240,8 @@ GEMM_SWEEP = [fg.Fp8GemmConfig(bm, bn, group_m=gmm, num_warps=w, num_stages=s) f
     (64, 32, 8, 4, 4), (64, 64, 8, 4, 4), (64, 64, 8, 4, 5), (64, 128, 8, 4, 3), (64, 128, 8, 4, 4),
     (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 8, 4, 3), (128, 256, 8, 8, 3),
     (64, 256, 8, 4, 3)]]
-# (rows, columns, warps, pipeline stages): the last five hold more bytes in flight a program (deeper pipelines, wider
-# chunks), the lead of the e4m3 kernel's Nsight Compute profile (RESULTS.md, 2026-12-05)
+# (rows, columns, warps, pipeline stages); the last five hold more bytes in flight a program (deeper pipelines, wider
+# chunks)
 GEMV_SWEEP = [GemvConfig(bn, bk, w, s) for bn, bk, w, s in [
     (4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 2048, 8, 3),
     (16, 256, 8, 3), (8, 512, 4, 5), (8, 1024, 4, 4), (16, 512, 4, 4), (4, 2048, 4, 3), (16, 1024, 8, 3)]]

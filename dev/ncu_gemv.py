@@ -1,6 +1,7 @@
 """Launches of the batch-1 matrix-vector kernel for Nsight Compute: llama-3.1-8b's gate_up (28672 x 4096, the RMS
-prologue), bf16 and e4m3 with per-row scales, where the FP8 kernel runs furthest from the bandwidth (59% against
-83%, RESULTS.md). Each format launches three times (build, warm, measured): profile the third and the sixth.
+prologue), bf16 and e4m3 with per-row scales: the shape where the FP8 kernel runs furthest from the bandwidth
+(RESULTS.md). Each format launches three times (build, warm, measured), so the third launch is bf16's measured one
+and the sixth e4m3's; the command below profiles the third to the sixth.
 
     ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 2 --launch-count 4 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
