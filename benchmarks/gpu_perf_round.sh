@@ -9,6 +9,9 @@
 #           (benchmarks/sweep_decode_sm90.py, graph-timed)                          -> $OUT/base.md, $OUT/decode32k.md
 # profile:  where the small models' steps go (dev/step_timeline.py on qwen3-0.6b and llama-3.2-1b, dev/profile_steps.py)
 #           and a batch-1 profile of qwen3-30b-a3b                 -> $OUT/timeline_*.md, $OUT/profile_*.txt
+# profile8b: where llama-3.1-8b's workload A goes in bf16, FP8 and FP8 + int8 KV (dev/step_timeline.py), the decode and
+#           prompt steps' kernels (dev/profile_steps.py), and the decode split heuristic against its neighbours
+#           -> $OUT/timelines_8b.md, $OUT/profile_8b_*.md, $OUT/decode_splits.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
 # onetoken: the one-token MoE layout (router launch keeping the normed row, decode kernels under PDL): its gpu tests,
@@ -69,6 +72,30 @@ case " $PARTS " in *" profile "*)
   timeout "$(cap 100)" "$PY" dev/step_timeline.py --shape llama-3.2-1b --out "$OUT/timeline_llama-3.2-1b.md" \
     > "$OUT/timeline_llama-3.2-1b.log" 2>&1 || echo "   exit $?"
   cat "$OUT/timeline_llama-3.2-1b.md" 2>/dev/null ;;
+esac
+case " $PARTS " in *" profile8b "*)
+  echo "== decode attention splits: the heuristic (auto) against its neighbours ($(left) s left)"
+  for shape in "1 32768 auto,16,17" "4 4096 auto,4,5" "16 1024 auto,1,2"; do
+    set -- $shape
+    timeout "$(cap 60)" "$PY" benchmarks/sweep_decode_sm90.py --batch "$1" --ctx "$2" --splits "$3" 2>&1 \
+      | grep "^|\|^B=\|Error" | grep -v "^|---\|^| impl"
+  done | tee "$OUT/decode_splits.md"
+  for v in "fp8:--quantization fp8" "fp8_int8kv:--quantization fp8 --kv-cache-dtype int8" "bf16:"; do
+    name=${v%%:*}; args=${v#*:}
+    echo "== step timeline llama-3.1-8b $name ($(left) s left)"
+    timeout "$(cap 120)" "$PY" dev/step_timeline.py --shape llama-3.1-8b --load-format dummy $args \
+      --out "$OUT/timeline_$name.md" > "$OUT/timeline_8b_$name.log" 2>&1 || echo "   exit $?"
+    { echo "### $name"; cat "$OUT/timeline_$name.md" 2>/dev/null; } | tee -a "$OUT/timelines_8b.md"
+    rm -f "$OUT/timeline_$name.md"
+  done
+  for v in "decode_fp8:--quantization fp8" "decode_fp8_int8kv:--quantization fp8 --kv-cache-dtype int8" \
+           "prompt_fp8:--quantization fp8 --prompt-steps --steps 4"; do
+    name=${v%%:*}; args=${v#*:}
+    echo "== step profile llama-3.1-8b $name ($(left) s left)"
+    (cd dev && timeout "$(cap 110)" "$PY" profile_steps.py --shape llama-3.1-8b --load-format dummy --steps 20 $args \
+      --out "$OUT/profile_8b_$name.md" > "$OUT/profile_8b_$name.log" 2>&1) || echo "   exit $?"
+    head -4 "$OUT/profile_8b_$name.md" 2>/dev/null
+  done ;;
 esac
 case " $PARTS " in *" moe "*)
   echo "== MoE decode gpu tests ($(left) s left)"

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_kernels import PEAK_BW, bench_graph, contiguous_kv, kv_bytes, paged_cache, quantized_cache, rel_err  # noqa: E402
 from minfer.kernels.attention import decode_attention_sm90 as sm90  # noqa: E402
-from minfer.kernels.attention.decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+from minfer.kernels.attention.decode_attention import (  # noqa: E402
+    SPLIT_TARGET_PER_SM, choose_num_splits, paged_decode_attention)
 
 
 def main() -> None:
@@ -28,7 +29,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--variants", default="", help="comma-separated variants (see above; default: shipped)")
-    ap.add_argument("--splits", default="", help="split counts, comma-separated (default: the heuristic's)")
+    ap.add_argument("--splits", default="", help="split counts, comma-separated; auto: the Hopper entry's heuristic "
+                    "(the default)")
     ap.add_argument("--kv-dtype", default="auto", help="auto (bf16) or an 8-bit format: int8, fp8_e4m3, fp8_e5m2")
     args = ap.parse_args()
     os.environ.setdefault("MINFER_SM90_ATTENTION", "1")  # the kernel itself, whatever Triton it was measured on
@@ -42,10 +44,14 @@ def main() -> None:
     scale = d ** -0.5
     nbytes = kv_bytes(args.batch * args.ctx, hkv, d, args.kv_dtype) + 4 * q.numel()
     heuristic = choose_num_splits(args.batch, hkv, table.shape[1] * page, q.device)
-    splits = [int(s) for s in args.splits.split(",")] if args.splits else [heuristic]
+    per_sm = SPLIT_TARGET_PER_SM if sc else sm90.SPLITS_PER_SM
+    sm90_heuristic = choose_num_splits(args.batch, hkv, table.shape[1] * page, q.device, per_sm)
+    splits = [sm90_heuristic if s == "auto" else int(s) for s in args.splits.split(",")] if args.splits \
+        else [sm90_heuristic]
     ref = paged_decode_attention(q, kc, vc, table, lens, scale, **sc)
     out = torch.empty_like(q)
-    print(f"B={args.batch} ctx={args.ctx} {args.kv_dtype}, heuristic splits {heuristic}\n"
+    print(f"B={args.batch} ctx={args.ctx} {args.kv_dtype}, heuristic splits: triton {heuristic}, "
+          f"gluon {sm90_heuristic}\n"
           "| impl | splits | us | TB/s | % of peak | err vs triton |\n|---|---|---|---|---|---|")
     line = lambda name, ns, ms, err: print(f"| {name} | {ns} | {ms * 1e3:.1f} | {nbytes / ms / 1e9:.2f} | "
                                            f"{100 * nbytes / ms / 1e9 / (PEAK_BW / 1e12):.0f}% | {err} |", flush=True)

@@ -38,11 +38,14 @@ def main() -> None:
     ap.add_argument("--cprofile", action="store_true", help="Python's cProfile over the steps instead (host hot spots)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                     help="dummy: random weights drawn on the GPU (no checkpoint written: large shapes)")
+    ap.add_argument("--quantization", default=None, help="as minfer bench's (fp8: online per-channel FP8 weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--out", default="profile.txt")
     args = ap.parse_args()
     path = shape_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape, args.load_format)
     llm = LLM(str(path), load_format=args.load_format, skip_tokenizer_init=True, max_model_len=4096,
-              attention_backend=args.attention_backend, async_scheduling=not args.no_async)
+              attention_backend=args.attention_backend, async_scheduling=not args.no_async,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     if args.batch1:
         prompts, _ = fixed_workload(1, 128, 4096, vocab_size=engine.model_config.vocab_size)

@@ -14,6 +14,7 @@ launched at all: host-bound steps show up there. "host launch" is the host's tim
 launch (building inputs and queueing kernels; it never waits for the device).
 
     python3 dev/step_timeline.py --shape qwen3-0.6b [--no-async] [--out timeline.md]
+    python3 dev/step_timeline.py --shape llama-3.1-8b --load-format dummy --quantization fp8 --kv-cache-dtype int8
     python3 dev/step_timeline.py --model minfer/assets/builtin-model --num-prompts 4 --max-model-len 256  # CPU
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from minfer import LLM, SamplingParams
-from minfer.benchmark.shapes import write_random_checkpoint
+from minfer.benchmark.shapes import shape_checkpoint
 from minfer.benchmark.workload import workload_a
 
 BUCKETS = [(200, 10**9), (100, 199), (32, 99), (8, 31), (1, 7)]
@@ -39,11 +40,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096,
                     help="workload A needs 2,011; smaller clips each request")
     ap.add_argument("--no-async", action="store_true")
+    ap.add_argument("--quantization", default=None, help="as minfer bench's (fp8: online per-channel FP8 weights)")
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: random weights drawn on the GPU while loading (no checkpoint written: 8B shapes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    model = args.model or str(write_random_checkpoint(args.shape, Path("/tmp/minfer-shapes") / args.shape,
-                                                      device="cuda"))
-    llm = LLM(model, skip_tokenizer_init=True, max_model_len=args.max_model_len, async_scheduling=not args.no_async)
+    model = args.model or str(shape_checkpoint(args.shape, Path("/tmp/minfer-shapes"), args.load_format))
+    llm = LLM(model, skip_tokenizer_init=True, max_model_len=args.max_model_len, async_scheduling=not args.no_async,
+              load_format=args.load_format, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     prompts, params = workload_a(args.num_prompts)

@@ -262,9 +262,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     """Splits per sequence for ``batch * num_kv_heads`` (sequence, KV head) programs.
 
     With two or more programs per SM every SM streams K/V already and a split only adds the
-    merge (batch 64 x 4k: 1 split 256 us, 2 splits 266 us). Below that, split until about two
-    programs per SM exist: enough resident programs to keep HBM busy, while each split still
-    streams ~1k tokens so its fixed costs (q load, partial write, merge) stay small.
+    merge (batch 64 x 4k: 1 split 256 us, 2 splits 266 us). Below that, split as far as the grid
+    still fits ``per_sm`` programs an SM: enough resident programs to keep HBM busy, while each split
+    still streams ~1k tokens so its fixed costs (q load, partial write, merge) stay small. The count
+    rounds down: a grid a few programs past the SMs runs them as a tail after the rest, and the
+    Hopper kernel gives its deeper ring only to grids of at most one program an SM.
     No split gets under ``MIN_SPLIT_TOKENS`` of the widest context (``max_context``, from the
     block table width so the host never reads the lengths), where the merge would cost more.
     8-bit caches measured best with the same rule (1 split at B=64 x 4k; 32 at B=1 x 32k). ``per_sm``: the
@@ -274,7 +276,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     sms = num_sms(device)
     if programs >= ENOUGH_PER_SM * sms:
         return 1
-    by_occupancy = triton.cdiv(per_sm * sms, programs)
+    by_occupancy = max(1, per_sm * sms // programs)
     by_length = max(1, max_context // MIN_SPLIT_TOKENS)
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
