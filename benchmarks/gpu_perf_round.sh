@@ -12,6 +12,9 @@
 # profile8b: where llama-3.1-8b's workload A goes in bf16, FP8 and FP8 + int8 KV (dev/step_timeline.py), the decode and
 #           prompt steps' kernels (dev/profile_steps.py), and the decode split heuristic against its neighbours
 #           -> $OUT/timelines_8b.md, $OUT/profile_8b_*.md, $OUT/decode_splits.md
+# splitk:   the split-K FP8 GEMM of decode-sized batches: its gpu tests, benchmarks/bench_fp8_decode_gemm.py (cuBLAS
+#           against the kernel's pick and a candidate grid), workload A on llama-3.1-8b FP8 and FP8 + int8 KV with
+#           MINFER_FP8_SPLITK=1 and 0                                        -> $OUT/fp8_decode_gemm.md, $OUT/splitk.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
 # onetoken: the one-token MoE layout (router launch keeping the normed row, decode kernels under PDL): its gpu tests,
@@ -96,6 +99,22 @@ case " $PARTS " in *" profile8b "*)
       --out "$OUT/profile_8b_$name.md" > "$OUT/profile_8b_$name.log" 2>&1) || echo "   exit $?"
     head -4 "$OUT/profile_8b_$name.md" 2>/dev/null
   done ;;
+esac
+case " $PARTS " in *" splitk "*)
+  echo "== split-K FP8 GEMM gpu tests ($(left) s left)"
+  timeout "$(cap 120)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_fp8_splitk.py \
+    > "$OUT/splitk_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/splitk_tests.log")"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/splitk_tests.log" | head -5
+  echo "== the decode-sized FP8 GEMMs: cuBLAS against split-K ($(left) s left)"
+  timeout "$(cap 200)" "$PY" benchmarks/bench_fp8_decode_gemm.py --ms "${SPLITK_MS:-16,64,128,256}" \
+    --out "$OUT/fp8_decode_gemm.md" > "$OUT/fp8_decode_gemm.log" 2>&1 || echo "   exit $?"
+  grep -A8 "^| M | layer" "$OUT/fp8_decode_gemm.md" 2>/dev/null; grep -E "Error|error" "$OUT/fp8_decode_gemm.log" | head -5
+  for kv in auto int8; do
+    for f in 1 0; do
+      MINFER_FP8_SPLITK=$f bench "A_8b_fp8_kv${kv}_splitk$f" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype $kv
+    done
+  done
+  bench_table splitk.md ;;
 esac
 case " $PARTS " in *" moe "*)
   echo "== MoE decode gpu tests ($(left) s left)"

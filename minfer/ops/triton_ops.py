@@ -4,6 +4,7 @@ Imported only when the Triton ops are chosen (``select_ops``), so the torch path
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -16,6 +17,7 @@ from minfer.kernels.attention.gluon_sm90 import sm90_available
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
+from minfer.kernels.gemm.fp8_gemm_splitk import fp8_gemm_splitk
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
@@ -31,6 +33,13 @@ from minfer.kernels.sampling import greedy_argmax, gumbel_argmax
 from minfer.ops.base import ModelForward, Ops
 from minfer.ops.metadata import AttentionMetadata, Fp8Activation, MoeExperts, PagedKVCache, RopeInputs
 from minfer.ops.one_token import OneTokenFusedForward
+
+
+# Channel FP8 products of decode-sized batches (up to FP8_SPLITK_MAX_ROWS rows) may take the split-K Triton GEMM
+# (``fp8_gemm_splitk``: every SM gets a share of K where cuBLAS's tiles leave SMs idle); MINFER_FP8_SPLITK=1 turns it
+# on. Larger products stay on cuBLAS, which is compute-bound there and faster.
+FP8_SPLITK = os.environ.get("MINFER_FP8_SPLITK", "0") == "1"
+FP8_SPLITK_MAX_ROWS = 256
 
 
 class TritonOps(Ops):
@@ -115,7 +124,12 @@ class TritonOps(Ops):
     def fp8_linear(self, x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:
         a = x if isinstance(x, Fp8Activation) else self.quantize_activation(x, input_scale, block)
-        gemm = fp8_gemm_block if block else fp8_gemm_channel
+        if block:
+            gemm = fp8_gemm_block
+        elif FP8_SPLITK and a.q.shape[0] <= FP8_SPLITK_MAX_ROWS:
+            gemm = fp8_gemm_splitk
+        else:
+            gemm = fp8_gemm_channel
         return gemm(a.q, a.scale, weight, weight_scale, bias, out_dtype=a.dtype)
 
     def fused_moe(self, x: torch.Tensor, router_logits: torch.Tensor, experts: MoeExperts, top_k: int,

@@ -14,6 +14,7 @@ from fp8_checkpoints import (
     write_tensor_fp8,
 )
 from minfer import LLM, SamplingParams
+from minfer.ops import triton_ops
 
 PROMPTS = [[5], list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(50)]]
 NEW = 8
@@ -134,11 +135,14 @@ def test_bad_quantization_argument_names_the_field(float_ckpts):
         LLM(str(float_ckpts["llama3"]), quantization="int4")
 
 
-@pytest.mark.parametrize("fmt", ["online", "block", "static"])
-def test_triton_fp8_path_matches_the_reference(float_ckpts, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["online", "online-splitk", "block", "static"])
+def test_triton_fp8_path_matches_the_reference(float_ckpts, tmp_path, monkeypatch, fmt):
     """The Triton ops in the interpreter: the norms and SwiGLU emit e4m3 themselves, the products run
-    through ``_scaled_mm`` / the block-scaled GEMM, batch 1 through the e4m3 matrix-vector kernels; the
-    same distributions as the reference ops (``assert_same_distributions``: e4m3 rounding aside)."""
+    through ``_scaled_mm`` / the block-scaled GEMM (or, ``online-splitk``, every product of these short prompts
+    through the split-K Triton GEMM), batch 1 through the e4m3 matrix-vector kernels; the same distributions as
+    the reference ops (``assert_same_distributions``: e4m3 rounding aside)."""
+    monkeypatch.setattr(triton_ops, "FP8_SPLITK", fmt == "online-splitk")
+    fmt = fmt.removesuffix("-splitk")
     kwargs = {"quantization": "fp8"} if fmt == "online" else {}
     ckpt = float_ckpts["qwen3"] if fmt == "online" else (
         write_block_fp8(float_ckpts["qwen3"], tmp_path / "fp8") if fmt == "block" else

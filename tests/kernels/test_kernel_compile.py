@@ -39,6 +39,9 @@ _LORA_SHRINK_SIG = dict(X="*bf16", A="*bf16", BUF="*fp32", SORTED="*i32", COUNTS
                         stride_bk="i32", stride_bs="i32", stride_bt="i32")
 _LORA_EXPAND_SIG = dict(BUF="*fp32", B="*bf16", OUT="*bf16", SORTED="*i32", COUNTS="*i32", L="i32", stride_bk="i32",
                         stride_bs="i32", stride_bt="i32", stride_wl="i32", stride_wn="i32", stride_ot="i32")
+_SPLITK_SIG = dict(A="*fp8e4nv", AS="*fp32", B="*fp8e4nv", BS="*fp32", BIAS="*bf16", C="*bf16", WS="*fp32",
+                   TICKETS="*i32", M="i32", N="i32", K="i32", K_STRETCH="i32", stride_am="i32", stride_bn="i32",
+                   stride_cm="i32")
 BUILDS = {
     "silu": ("minfer.kernels.activation", "_act_and_mul_kernel",
              dict(X="*bf16", OUT="*bf16", stride_x="i32", stride_o="i32", inter="i32"),
@@ -131,6 +134,14 @@ BUILDS = {
                                     dict(N_SHARDS=2, TILE_STARTS=(0, 224, 448), B_ROWS=(0, 14336),
                                          OUT_COLS=(0, 14336), SIZES=(14336, 14336), RANK=16, SPLIT_K=1,
                                          BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, L_PAD=8, PRECISION="tf32x3")),
+    # the split-K FP8 GEMM of decode batches (fp8_gemm_splitk.py): a split launch (partials, the ticket, the last
+    # program's sum) at 128 x 128 on 8 warps, and an unsplit one at 64 x 64 with ragged K
+    "fp8_splitk": ("minfer.kernels.gemm.fp8_gemm_splitk", "_fp8_splitk_kernel", _SPLITK_SIG,
+                   dict(HAS_BIAS=False, SPLIT=2, EVEN_K=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, PDL=True),
+                   dict(num_warps=8, num_stages=4)),
+    "fp8_splitk_unsplit": ("minfer.kernels.gemm.fp8_gemm_splitk", "_fp8_splitk_kernel", _SPLITK_SIG,
+                           dict(HAS_BIAS=True, SPLIT=1, EVEN_K=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PDL=False),
+                           dict(num_warps=4, num_stages=4)),
 }
 
 

@@ -1,0 +1,99 @@
+"""The channel FP8 GEMM at decode batch sizes: cuBLASLt's row-wise ``_scaled_mm`` against the split-K Triton kernel
+(``fp8_gemm_splitk``: its cost model's pick and the best of a candidate grid), with bf16 ``torch.mm`` for scale, at
+llama-3.1-8b's four projections and M = 16..256 rows (the decode steps of workload A).
+
+Each variant is checked against the channel reference before it is timed; times are medians of CUDA-graph replays
+with L2 flushed before each (``bench_kernels.bench_graph``: the weights come from HBM, as in a step). The last table
+sums a layer's four projections per M: what a decode step of that batch spends in them per layer.
+
+    python benchmarks/bench_fp8_decode_gemm.py [--ms 16,64,128,256] [--out fp8_decode_gemm.md]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench_kernels import bench_graph  # noqa: E402
+from minfer.kernels._utils import num_sms  # noqa: E402
+from minfer.kernels.gemm import fp8_gemm as fg  # noqa: E402
+from minfer.kernels.gemm import fp8_gemm_splitk as fs  # noqa: E402
+from minfer.kernels.quant import fp8_quant as fq  # noqa: E402
+from minfer.kernels.quant import fp8_ref as fr  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TILES = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (128, 128, 4)]  # block_m, block_n, warps
+SPLITS = [1, 2, 3, 4]
+
+
+def us(fn) -> float:
+    return bench_graph(fn) * 1e3
+
+
+def label(c: fs.SplitKConfig) -> str:
+    return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} split {c.split}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="16,64,128,192,256")
+    ap.add_argument("--stages", default="4", help="pipeline depths of the candidate grid, comma list")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    ms = [int(m) for m in args.ms.split(",")]
+    stages = [int(s) for s in args.stages.split(",")]
+    sms = num_sms(torch.device("cuda"))
+    lines = [f"{torch.cuda.get_device_name()}, {sms} SMs; µs (TFLOP/s)",
+             "| proj | M | bf16 mm | cuBLAS fp8 | split-K auto | auto config | best candidate | best config "
+             "| cuBLAS / auto | cuBLAS / best |", "|---|---|---|---|---|---|---|---|---|---|"]
+    layer: dict[int, list[float]] = {m: [0.0, 0.0, 0.0, 0.0] for m in ms}
+    for name, (n, k) in SHAPES.items():
+        wq, ws = fr.quantize_fp8_ref(torch.randn(n, k, device="cuda") / k ** 0.5, None)
+        ws = ws.contiguous()
+        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xq, xs = fq.quantize_fp8(x, None)
+            ref = fg.fp8_gemm_channel_ref(xq, xs, wq, ws)
+            tflops = lambda t: 2 * m * n * k / t / 1e6  # noqa: E731 (t in µs)
+            t_bf16 = us(lambda: x @ wb.T)
+            t_cublas = us(lambda: fg.fp8_gemm_channel(xq, xs, wq, ws))
+            auto = fs.splitk_config(m, n, k, sms)
+            timed: dict[fs.SplitKConfig, float] = {}
+            candidates = {auto} | {fs.SplitKConfig(bm, bn, s, num_warps=w, num_stages=st)
+                                   for bm, bn, w in TILES for s in SPLITS for st in stages
+                                   if not (bm == 128 and m <= 64)}
+            for cfg in sorted(candidates, key=label):
+                try:
+                    out = fs.fp8_gemm_splitk(xq, xs, wq, ws, config=cfg)
+                    err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+                    if err > 1e-2:
+                        print(f"{name} M={m} {label(cfg)}: error {err:.1e}, not timed", flush=True)
+                        continue
+                    timed[cfg] = us(lambda: fs.fp8_gemm_splitk(xq, xs, wq, ws, config=cfg))
+                except Exception as e:  # a config that does not fit (shared memory) is skipped, named
+                    print(f"{name} M={m} {label(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            best = min(timed, key=timed.get)
+            t_auto, t_best = timed.get(auto, float("nan")), timed[best]
+            layer[m] = [a + b for a, b in zip(layer[m], (t_bf16, t_cublas, t_auto, t_best))]
+            lines.append(f"| {name} | {m} | {t_bf16:.1f} ({tflops(t_bf16):.0f}) | {t_cublas:.1f} ({tflops(t_cublas):.0f}) "
+                         f"| {t_auto:.1f} ({tflops(t_auto):.0f}) | {label(auto)} | {t_best:.1f} ({tflops(t_best):.0f}) "
+                         f"| {label(best)} | {t_cublas / t_auto:.2f}× | {t_cublas / t_best:.2f}× |")
+            print(lines[-1], flush=True)
+    lines += ["", "| M | layer: bf16 | cuBLAS fp8 | split-K auto | best per projection | cuBLAS / auto |",
+              "|---|---|---|---|---|---|"]
+    for m, (b, c, a, best) in layer.items():
+        lines.append(f"| {m} | {b:.1f} | {c:.1f} | {a:.1f} | {best:.1f} | {c / a:.2f}× |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

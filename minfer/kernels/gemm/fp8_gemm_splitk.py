@@ -1,0 +1,176 @@
+"""The channel-scaled FP8 GEMM of decode-sized batches (``M`` up to a few hundred rows), split along K.
+
+At ``M = 256`` a llama-3.1-8b projection is a few dozen 128 x 128 output tiles (o and down: 64), so a GEMM that
+gives each tile one program leaves half of an H100 / H200's 132 SMs idle while the others stream the weight
+(cuBLASLt's row-wise ``_scaled_mm`` picks such tiles for all four projections). Splitting K gives every SM a
+share: program ``(tile, s)`` sums the tile's product over the ``s``-th stretch of K in float32 and writes it to a
+workspace; the last of a tile's programs to finish (an atomic ticket per tile) adds the stretches in order
+0, 1, ..., applies the row and column scales (and bias) and writes the output. The order is fixed, so the result
+does not depend on which program comes last: replays and eager runs agree bit for bit.
+
+Memory order: every thread's partial stores, a CTA barrier, then one ``atomic_add`` with acq_rel semantics at GPU
+scope (the split-K semaphore pattern); the last program meets at a barrier after its acquire, loads the partials
+with ``.cg`` (from L2, past its own L1) and puts the ticket back to zero, so the counters are ready for the next
+launch without a memset. Two launches on one device must not overlap: under PDL the next kernel waits for this
+one's grid to finish before it reads anything, and the engine runs its GEMMs on one stream.
+
+The split count and tile come from :func:`splitk_config`, a cost model of waves over the SMs, not from autotuning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .._utils import num_sms
+from ..pdl import launch_options, use_pdl, wait_for_previous
+from .fp8_gemm import _check_fp8_operands
+
+MAX_TILES = 1 << 14  # tickets held per device; a launch with more tiles runs unsplit
+_tickets: dict[torch.device, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """Tile ``block_m`` x ``block_n`` (``block_k`` deep), ``split`` stretches of K, warps and pipeline depth."""
+
+    block_m: int
+    block_n: int
+    split: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# The fixed cost of a program (pipeline fill, epilogue, and for a split tile the partial's round trip), in
+# k-steps of its own tile: a split pays off only while its stretch of K stays several times longer.
+PROGRAM_OVERHEAD_STEPS = 4
+MAX_SPLIT = 8
+
+
+def splitk_config(m: int, n: int, k: int, sms: int, block_n: int | None = None) -> SplitKConfig:
+    """The tile and split of an ``[m, k] x [k, n]`` GEMM on ``sms`` multiprocessors: the one with the fewest
+    k-steps on the busiest SM, counting whole waves of programs (a wave that fills a few SMs costs a full one) and
+    ``PROGRAM_OVERHEAD_STEPS`` a program; ties go to fewer splits. ``block_n`` pins the tile width (sweeps)."""
+    block_m = 64 if m <= 64 else 128
+    best: tuple[float, SplitKConfig] | None = None
+    for bn in ([block_n] if block_n else [64, 128]):
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, bn)
+        k_steps = triton.cdiv(k, 128)
+        for split in range(1, MAX_SPLIT + 1):
+            if split > 1 and (k_steps // split < 2 * PROGRAM_OVERHEAD_STEPS or tiles > MAX_TILES):
+                break
+            waves = triton.cdiv(tiles * split, sms)
+            cost = waves * (triton.cdiv(k_steps, split) + PROGRAM_OVERHEAD_STEPS) * bn  # tile width: work a step
+            if best is None or cost < best[0]:
+                best = (cost, SplitKConfig(block_m, bn, split, num_warps=8 if block_m * bn >= 128 * 128 else 4))
+    assert best is not None
+    return best[1]
+
+
+@triton.jit
+def _fp8_splitk_kernel(A, AS, B, BS, BIAS, C, WS, TICKETS, M, N, K, K_STRETCH, stride_am, stride_bn, stride_cm,
+                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """C[M, N] = (A · Bᵀ) * AS[:, None] * BS[None, :] (+ BIAS), K summed in SPLIT stretches of K_STRETCH."""
+    pid = tl.program_id(0)
+    stretch = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    # The row tiles of one column tile are neighbours in launch order: they read the same weight tile, once
+    # from HBM and again from L2.
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    # Rows and columns past M / N wrap around (valid addresses, no load masks); their results are not stored.
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    k0 = stretch * K_STRETCH
+    rk = tl.arange(0, BLOCK_K)
+    a_ptrs = A + rm.to(tl.int64)[:, None] * stride_am + (k0 + rk)[None, :]
+    b_ptrs = B + rn.to(tl.int64)[None, :] * stride_bn + (k0 + rk)[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    wait_for_previous(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for j in range(0, tl.cdiv(tl.minimum(K - k0, K_STRETCH), BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k0 - j * BLOCK_K
+            a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    on = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = (om < M)[:, None] & (on < N)[None, :]
+    if SPLIT > 1:
+        tile = om.to(tl.int64)[:, None] * N + on[None, :]
+        tl.store(WS + (stretch * M).to(tl.int64) * N + tile, acc, mask=inside)
+        tl.debug_barrier()  # every thread's partial stores come before the release below
+        ticket = tl.atomic_add(TICKETS + pid, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:
+            tl.debug_barrier()  # no thread loads a partial before the acquire
+            acc = tl.load(WS + tile, mask=inside, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT):
+                acc += tl.load(WS + (s * M).to(tl.int64) * N + tile, mask=inside, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(TICKETS + pid, 0, sem="relaxed", scope="gpu")
+            _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_BIAS)
+    else:
+        _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_BIAS)
+
+
+@triton.jit
+def _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_BIAS: tl.constexpr):
+    """The codes' float32 product times the token and channel scales (plus bias), rounded once into C."""
+    acc = acc * tl.load(AS + rm)[:, None] * tl.load(BS + rn)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + rn).to(tl.float32)[None, :]
+    tl.store(C + om.to(tl.int64)[:, None] * stride_cm + on[None, :], acc.to(C.dtype.element_ty), mask=inside)
+
+
+def _tickets_for(device: torch.device) -> torch.Tensor | None:
+    """The device's ticket counters (zeros between launches). Made on first use, which is eager: the engine warms
+    each CUDA-graph bucket up before capturing it. None while a capture is running and none exist yet."""
+    tickets = _tickets.get(device)
+    if tickets is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        tickets = _tickets[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return tickets
+
+
+def fp8_gemm_splitk(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                    config: SplitKConfig | None = None) -> torch.Tensor:
+    """Channel-scaled FP8 GEMM -> ``[M, N]`` in ``out_dtype``; the operands as :func:`fp8_gemm_channel` takes them
+    (``xq [M, K]`` e4m3 with per-token ``x_scale [M]``, ``w [N, K]`` e4m3 with per-row ``w_scale [N]``, float32
+    scales, ``bias [N]`` added in float32), both operands with a contiguous last dim. ``config`` overrides
+    :func:`splitk_config` (sweeps and tests)."""
+    m, k = xq.shape
+    n = w.shape[0]
+    _check_fp8_operands(xq, x_scale, w, w_scale, bias, ((m,), (n,)))
+    if xq.stride(1) != 1 or w.stride(1) != 1 or not x_scale.is_contiguous() or not w_scale.is_contiguous():
+        raise ValueError("xq and w need a contiguous last dim, x_scale and w_scale contiguous")
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    cfg = config or splitk_config(m, n, k, num_sms(xq.device))
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tickets = _tickets_for(xq.device) if cfg.split > 1 and tiles <= MAX_TILES else None
+    split = cfg.split if tickets is not None else 1
+    stretch = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, stretch)  # no empty stretch
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    pdl = use_pdl(xq.device)
+    _fp8_splitk_kernel[(tiles, split)](
+        xq, x_scale, w, w_scale, bias if bias is not None else w_scale, out, ws,
+        tickets if tickets is not None else x_scale, m, n, k, stretch, xq.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(pdl),
+    )
+    return out

@@ -1,0 +1,109 @@
+"""The split-K channel FP8 GEMM (``fp8_gemm_splitk``) against the channel reference: under the interpreter at small
+odd shapes (its fp8 ``tl.dot`` is exact there, so only the float32 summation order differs), on a GPU at
+llama-3.1-8b's decode shapes against the reference and against cuBLAS's ``_scaled_mm``; its ticket counters are
+back at zero after every launch, and the split sum does not depend on which program finishes last."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testlib import rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
+
+from minfer.kernels.gemm import fp8_gemm as fg
+from minfer.kernels.gemm import fp8_gemm_splitk as fs
+from minfer.kernels.quant import fp8_quant as fq
+from minfer.kernels.quant import fp8_ref as fr
+
+
+def _operands(m: int, n: int, k: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    xq, xs = fq.quantize_fp8(torch.randn(m, k, device=device, dtype=torch.bfloat16), None)
+    wq, ws = fr.quantize_fp8_ref(torch.randn(n, k, device=device) / k ** 0.5, None)
+    return xq, xs, wq, ws.contiguous()
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 33, 200), (17, 65, 300), (70, 129, 520)])
+@pytest.mark.parametrize("config", [fs.SplitKConfig(16, 32, 1), fs.SplitKConfig(16, 32, 3),
+                                    fs.SplitKConfig(32, 64, 2, block_k=64), None],
+                         ids=["unsplit", "split3", "split2-k64", "auto"])
+def test_splitk_matches_reference(m, n, k, config):
+    """Every split count, ragged K (the last stretch masked), rows and columns past the tiles; with and without
+    bias, float32 and bf16 outputs; the tickets are zero again afterwards."""
+    xq, xs, wq, ws = _operands(m, n, k)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    for b in (None, bias):
+        y = fs.fp8_gemm_splitk(xq, xs, wq, ws, b, out_dtype=torch.float32, config=config)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert rel_err(y, fg.fp8_gemm_channel_ref(xq, xs, wq, ws, b, out_dtype=torch.float32)) <= 1e-5
+    y16 = fs.fp8_gemm_splitk(xq, xs, wq, ws, bias, config=config)
+    assert y16.dtype == torch.bfloat16
+    assert rel_err(y16, fg.fp8_gemm_channel_ref(xq, xs, wq, ws, bias)) <= 1e-2
+    if config is not None and config.split > 1:
+        assert int(fs._tickets[torch.device("cpu")].abs().sum()) == 0
+
+
+def test_splitk_sum_is_in_stretch_order():
+    """The split result equals the stretches' float32 products added in order 0, 1, 2 (what the last program
+    does whichever it is), not merely something close: the kernel's sum is fixed, so runs agree bit for bit."""
+    m, n, k = 5, 48, 384
+    xq, xs, wq, ws = _operands(m, n, k)
+    cfg = fs.SplitKConfig(16, 16, 3)
+    y = fs.fp8_gemm_splitk(xq, xs, wq, ws, out_dtype=torch.float32, config=cfg)
+    parts = [xq[:, s:s + 128].float() @ wq[:, s:s + 128].float().T for s in range(0, k, 128)]
+    expected = ((parts[0] + parts[1]) + parts[2]) * xs[:, None] * ws[None, :]
+    assert torch.allclose(y, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(y, fs.fp8_gemm_splitk(xq, xs, wq, ws, out_dtype=torch.float32, config=cfg))
+
+
+def test_splitk_config_fills_the_sms():
+    """The cost model splits where one wave of tiles leaves SMs idle and not where the tiles fill them already:
+    llama-3.1-8b at 256 rows on 132 SMs (o and down: 64 tiles of 128 x 128)."""
+    sms = 132
+    o = fs.splitk_config(256, 4096, 4096, sms)
+    assert o.split * (256 // o.block_m) * (4096 // o.block_n) > sms * 3 // 4  # most SMs busy
+    gate_up = fs.splitk_config(256, 28672, 4096, sms)
+    assert gate_up.split == 1  # 448 tiles: 3.4 waves already
+    small = fs.splitk_config(16, 4096, 14336, sms)
+    assert small.block_m == 64 and small.split > 1  # a weight stream: every SM takes a share of K
+    assert fs.splitk_config(256, 4096, 256, sms).split == 1  # too short a K to split
+
+
+def test_splitk_rejects_bad_arguments():
+    xq, xs, wq, ws = _operands(4, 32, 64)
+    with pytest.raises(ValueError, match="w_scale"):
+        fs.fp8_gemm_splitk(xq, xs, wq, ws[:1].contiguous())
+    with pytest.raises(TypeError):
+        fs.fp8_gemm_splitk(xq.float(), xs, wq, ws)
+    with pytest.raises(ValueError, match="contiguous"):
+        fs.fp8_gemm_splitk(xq, xs, wq.t().contiguous().t(), ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [8, 64, 130, 256])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_gpu_splitk(m, n, k):
+    """llama-3.1-8b's projections at decode batch sizes: within float32 summation order of the reference and of
+    cuBLAS's row-wise ``_scaled_mm`` (bf16 out), repeatable bit for bit, tickets zero afterwards."""
+    xq, xs, wq, ws = _operands(m, n, k, "cuda")
+    y = fs.fp8_gemm_splitk(xq, xs, wq, ws, out_dtype=torch.float32)
+    assert rel_err(y, fg.fp8_gemm_channel_ref(xq, xs, wq, ws, out_dtype=torch.float32)) <= 1e-5
+    y16 = fs.fp8_gemm_splitk(xq, xs, wq, ws)
+    assert rel_err(y16, fg.fp8_gemm_channel(xq, xs, wq, ws)) <= 1e-2
+    assert torch.equal(y16, fs.fp8_gemm_splitk(xq, xs, wq, ws))
+    assert int(fs._tickets[y.device].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_splitk_in_a_cuda_graph():
+    """Captured after an eager warm-up (which makes the tickets) and replayed over new inputs."""
+    m, n, k = 200, 4096, 14336
+    xq, xs, wq, ws = _operands(m, n, k, "cuda")
+    fs.fp8_gemm_splitk(xq, xs, wq, ws)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fs.fp8_gemm_splitk(xq, xs, wq, ws)
+    xq2, xs2, _, _ = _operands(m, n, k, "cuda")
+    xq.copy_(xq2)
+    xs.copy_(xs2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, fs.fp8_gemm_splitk(xq, xs, wq, ws))
