@@ -81,9 +81,9 @@ def main() -> None:
             best = min(timed, key=timed.get)
             t_auto, t_best = timed.get(auto, float("nan")), timed[best]
             layer[m] = [a + b for a, b in zip(layer[m], (t_bf16, t_cublas, t_auto, t_best))]
-            lines.append(f"| {name} | {m} | {t_bf16:.1f} ({tflops(t_bf16):.0f}) | {t_cublas:.1f} ({tflops(t_cublas):.0f}) "
-                         f"| {t_auto:.1f} ({tflops(t_auto):.0f}) | {label(auto)} | {t_best:.1f} ({tflops(t_best):.0f}) "
-                         f"| {label(best)} | {t_cublas / t_auto:.2f}× | {t_cublas / t_best:.2f}× |")
+            cell = lambda t: f"{t:.1f} ({tflops(t):.0f})"  # noqa: E731
+            lines.append(f"| {name} | {m} | {cell(t_bf16)} | {cell(t_cublas)} | {cell(t_auto)} | {label(auto)} "
+                         f"| {cell(t_best)} | {label(best)} | {t_cublas / t_auto:.2f}× | {t_cublas / t_best:.2f}× |")
             print(lines[-1], flush=True)
     lines += ["", "| M | layer: bf16 | cuBLAS fp8 | split-K auto | best per projection | cuBLAS / auto |",
               "|---|---|---|---|---|---|"]
