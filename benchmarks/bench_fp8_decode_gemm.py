@@ -27,8 +27,8 @@ from minfer.kernels.quant import fp8_quant as fq  # noqa: E402
 from minfer.kernels.quant import fp8_ref as fr  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TILES = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (128, 128, 4)]  # block_m, block_n, warps
-SPLITS = [1, 2, 3, 4]
+TILES = [(64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8)]  # block_m, block_n, warps
+SPLITS = [1, 2, 3, 4, 6]
 
 
 def us(fn) -> float:
@@ -36,12 +36,12 @@ def us(fn) -> float:
 
 
 def label(c: fs.SplitKConfig) -> str:
-    return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} split {c.split}"
+    return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} split {c.split}" + (" fast" if c.fast_accum else "")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ms", default="16,64,128,192,256")
+    ap.add_argument("--ms", default="4,16,32,64,96,128,256")
     ap.add_argument("--stages", default="4", help="pipeline depths of the candidate grid, comma list")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -52,6 +52,7 @@ def main() -> None:
              "| proj | M | bf16 mm | cuBLAS fp8 | split-K auto | auto config | best candidate | best config "
              "| cuBLAS / auto | cuBLAS / best |", "|---|---|---|---|---|---|---|---|---|---|"]
     layer: dict[int, list[float]] = {m: [0.0, 0.0, 0.0, 0.0] for m in ms}
+    grid: list[str] = []  # every candidate per shape and M, fastest first (tile w warps / split µs)
     for name, (n, k) in SHAPES.items():
         wq, ws = fr.quantize_fp8_ref(torch.randn(n, k, device="cuda") / k ** 0.5, None)
         ws = ws.contiguous()
@@ -79,6 +80,11 @@ def main() -> None:
                 except Exception as e:  # a config that does not fit (shared memory) is skipped, named
                     print(f"{name} M={m} {label(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best = min(timed, key=timed.get)
+            fast = fs.SplitKConfig(**{**best.__dict__, "fast_accum": True})  # what the float32 promotion costs
+            timed_fast = us(lambda: fs.fp8_gemm_splitk(xq, xs, wq, ws, config=fast))
+            ranked = sorted(timed.items(), key=lambda kv: kv[1])
+            grid.append(f"{name} M={m}: cuBLAS {t_cublas:.1f}; best fast-accum {timed_fast:.1f}; "
+                        + ", ".join(f"{c.block_m}x{c.block_n}w{c.num_warps}/{c.split} {t:.1f}" for c, t in ranked))
             t_auto, t_best = timed.get(auto, float("nan")), timed[best]
             layer[m] = [a + b for a, b in zip(layer[m], (t_bf16, t_cublas, t_auto, t_best))]
             cell = lambda t: f"{t:.1f} ({tflops(t):.0f})"  # noqa: E731
@@ -89,6 +95,7 @@ def main() -> None:
               "|---|---|---|---|---|---|"]
     for m, (b, c, a, best) in layer.items():
         lines.append(f"| {m} | {b:.1f} | {c:.1f} | {a:.1f} | {best:.1f} | {c / a:.2f}× |")
+    lines += ["", "Every candidate, fastest first (block_m x block_n, warps / split: µs):", ""] + grid
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -106,10 +106,11 @@ case " $PARTS " in *" splitk "*)
     > "$OUT/splitk_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/splitk_tests.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/splitk_tests.log" | head -5
   echo "== the decode-sized FP8 GEMMs: cuBLAS against split-K ($(left) s left)"
-  timeout "$(cap 200)" "$PY" benchmarks/bench_fp8_decode_gemm.py --ms "${SPLITK_MS:-16,64,128,256}" \
+  timeout "$(cap 240)" "$PY" benchmarks/bench_fp8_decode_gemm.py --ms "${SPLITK_MS:-4,16,32,64,96,128,256}" \
     --out "$OUT/fp8_decode_gemm.md" > "$OUT/fp8_decode_gemm.log" 2>&1 || echo "   exit $?"
-  grep -A8 "^| M | layer" "$OUT/fp8_decode_gemm.md" 2>/dev/null; grep -E "Error|error" "$OUT/fp8_decode_gemm.log" | head -5
-  for kv in auto int8; do
+  grep -A10 "^| M | layer" "$OUT/fp8_decode_gemm.md" 2>/dev/null; grep -E "Error|error" "$OUT/fp8_decode_gemm.log" | head -5
+  grep -E "M=[0-9]+: cuBLAS" "$OUT/fp8_decode_gemm.md" | cut -c1-260
+  [ -n "${SPLITK_BENCH_ONLY:-}" ] || for kv in auto int8; do
     for f in 1 0; do
       MINFER_FP8_SPLITK=$f bench "A_8b_fp8_kv${kv}_splitk$f" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype $kv
     done

@@ -80,11 +80,19 @@ def test_splitk_rejects_bad_arguments():
 @pytest.mark.parametrize("m", [8, 64, 130, 256])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_gpu_splitk(m, n, k):
-    """llama-3.1-8b's projections at decode batch sizes: within float32 summation order of the reference and of
-    cuBLAS's row-wise ``_scaled_mm`` (bf16 out), repeatable bit for bit, tickets zero afterwards."""
+    """llama-3.1-8b's projections at decode batch sizes: near the float32 reference (each 128-deep product is
+    promoted to float32; a whole stretch accumulated in the FP8 MMA's reduced-precision adder measured ~1e-3 at
+    these K), as close as bf16 rounding to cuBLAS's row-wise ``_scaled_mm``, repeatable bit for bit, tickets zero
+    afterwards."""
     xq, xs, wq, ws = _operands(m, n, k, "cuda")
     y = fs.fp8_gemm_splitk(xq, xs, wq, ws, out_dtype=torch.float32)
-    assert rel_err(y, fg.fp8_gemm_channel_ref(xq, xs, wq, ws, out_dtype=torch.float32)) <= 1e-5
+    ref = fg.fp8_gemm_channel_ref(xq, xs, wq, ws, out_dtype=torch.float32)
+    err = rel_err(y, ref)
+    fast = fs.splitk_config(m, n, k, 132)
+    fast_err = rel_err(fs.fp8_gemm_splitk(xq, xs, wq, ws, out_dtype=torch.float32,
+                                          config=fs.SplitKConfig(**{**fast.__dict__, "fast_accum": True})), ref)
+    print(f"M={m} N={n} K={k}: rel err {err:.1e} (fast accumulation {fast_err:.1e})")
+    assert err <= 3e-4
     y16 = fs.fp8_gemm_splitk(xq, xs, wq, ws)
     assert rel_err(y16, fg.fp8_gemm_channel(xq, xs, wq, ws)) <= 1e-2
     assert torch.equal(y16, fs.fp8_gemm_splitk(xq, xs, wq, ws))

@@ -34,7 +34,10 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 @dataclass(frozen=True)
 class SplitKConfig:
-    """Tile ``block_m`` x ``block_n`` (``block_k`` deep), ``split`` stretches of K, warps and pipeline depth."""
+    """Tile ``block_m`` x ``block_n`` (``block_k`` deep), ``split`` stretches of K, warps and pipeline depth.
+    ``fast_accum``: let the tensor cores accumulate a whole stretch in their reduced-precision adder (sm_90's FP8
+    MMA keeps ~14 bits of mantissa); by default each ``block_k``-deep product is added to a float32 accumulator, as
+    cuBLAS does by default (sweeps only)."""
 
     block_m: int
     block_n: int
@@ -42,6 +45,7 @@ class SplitKConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 4
+    fast_accum: bool = False
 
 
 # The fixed cost of a program (pipeline fill, epilogue, and for a split tile the partial's round trip), in
@@ -73,7 +77,8 @@ def splitk_config(m: int, n: int, k: int, sms: int, block_n: int | None = None) 
 @triton.jit
 def _fp8_splitk_kernel(A, AS, B, BS, BIAS, C, WS, TICKETS, M, N, K, K_STRETCH, stride_am, stride_bn, stride_cm,
                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FAST_ACCUM: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """C[M, N] = (A · Bᵀ) * AS[:, None] * BS[None, :] (+ BIAS), K summed in SPLIT stretches of K_STRETCH."""
     pid = tl.program_id(0)
     stretch = tl.program_id(1)
@@ -99,7 +104,10 @@ def _fp8_splitk_kernel(A, AS, B, BS, BIAS, C, WS, TICKETS, M, N, K, K_STRETCH, s
             k_left = K - k0 - j * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc)
+        if FAST_ACCUM:
+            acc = tl.dot(a, b, acc)
+        else:  # each k-step's product promoted to the float32 accumulator (sm_90: fast accumulation by default)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     om = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -170,7 +178,7 @@ def fp8_gemm_splitk(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_
         xq, x_scale, w, w_scale, bias if bias is not None else w_scale, out, ws,
         tickets if tickets is not None else x_scale, m, n, k, stretch, xq.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(pdl),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FAST_ACCUM=cfg.fast_accum, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out
