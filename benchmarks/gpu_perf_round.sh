@@ -102,15 +102,19 @@ case " $PARTS " in *" profile8b "*)
 esac
 case " $PARTS " in *" splitk "*)
   echo "== split-K FP8 GEMM gpu tests ($(left) s left)"
-  timeout "$(cap 120)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_fp8_splitk.py \
+  timeout "$(cap 120)" "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/kernels/test_kernel_fp8_splitk.py \
     > "$OUT/splitk_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/splitk_tests.log")"
-  grep -E "^(FAILED|ERROR)|Error" "$OUT/splitk_tests.log" | head -5
+  grep -E "^(FAILED|ERROR)|Error|rel err" "$OUT/splitk_tests.log" | head -20
   echo "== the decode-sized FP8 GEMMs: cuBLAS against split-K ($(left) s left)"
   timeout "$(cap 240)" "$PY" benchmarks/bench_fp8_decode_gemm.py --ms "${SPLITK_MS:-4,16,32,64,96,128,256}" \
     --out "$OUT/fp8_decode_gemm.md" > "$OUT/fp8_decode_gemm.log" 2>&1 || echo "   exit $?"
   grep -A10 "^| M | layer" "$OUT/fp8_decode_gemm.md" 2>/dev/null; grep -E "Error|error" "$OUT/fp8_decode_gemm.log" | head -5
   grep -E "M=[0-9]+: cuBLAS" "$OUT/fp8_decode_gemm.md" | cut -c1-260
-  [ -n "${SPLITK_BENCH_ONLY:-}" ] || for kv in auto int8; do
+  [ -n "${SPLITK_BENCH_ONLY:-}" ] || for f in 1 0; do  # a batch of 16 (decode at M = 16), then workload A
+    MINFER_FP8_SPLITK=$f bench "b16_8b_fp8_splitk$f" --shape llama-3.1-8b --quantization fp8 --num-prompts 16 \
+      --input-len 128 --output-len 512
+  done
+  [ -n "${SPLITK_BENCH_ONLY:-}" ] || for kv in ${SPLITK_KV:-auto int8}; do
     for f in 1 0; do
       MINFER_FP8_SPLITK=$f bench "A_8b_fp8_kv${kv}_splitk$f" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype $kv
     done

@@ -36,10 +36,10 @@ from minfer.ops.one_token import OneTokenFusedForward
 
 
 # Channel FP8 products of decode-sized batches (up to FP8_SPLITK_MAX_ROWS rows) may take the split-K Triton GEMM
-# (``fp8_gemm_splitk``: every SM gets a share of K where cuBLAS's tiles leave SMs idle); MINFER_FP8_SPLITK=1 turns it
-# on. Larger products stay on cuBLAS, which is compute-bound there and faster.
+# (``fp8_gemm_splitk``: every SM streams a share of the weight where cuBLAS's tiles leave SMs idle); MINFER_FP8_SPLITK=1
+# turns it on. From about 96 rows cuBLAS is as fast or faster (benchmarks/RESULTS.md), so larger products stay on it.
 FP8_SPLITK = os.environ.get("MINFER_FP8_SPLITK", "0") == "1"
-FP8_SPLITK_MAX_ROWS = 256
+FP8_SPLITK_MAX_ROWS = 64
 
 
 class TritonOps(Ops):

@@ -54,16 +54,14 @@ def test_splitk_sum_is_in_stretch_order():
 
 
 def test_splitk_config_fills_the_sms():
-    """The cost model splits where one wave of tiles leaves SMs idle and not where the tiles fill them already:
-    llama-3.1-8b at 256 rows on 132 SMs (o and down: 64 tiles of 128 x 128)."""
-    sms = 132
-    o = fs.splitk_config(256, 4096, 4096, sms)
-    assert o.split * (256 // o.block_m) * (4096 // o.block_n) > sms * 3 // 4  # most SMs busy
-    gate_up = fs.splitk_config(256, 28672, 4096, sms)
-    assert gate_up.split == 1  # 448 tiles: 3.4 waves already
-    small = fs.splitk_config(16, 4096, 14336, sms)
-    assert small.block_m == 64 and small.split > 1  # a weight stream: every SM takes a share of K
-    assert fs.splitk_config(256, 4096, 256, sms).split == 1  # too short a K to split
+    """About two programs an SM, each stretch of K at least ten k-steps: llama-3.1-8b's projections at decode batch
+    sizes on 132 SMs get the splits measured best (qkv 2, o 3, down 4, gate_up unsplit on 128-wide tiles)."""
+    for m in (1, 16, 64):
+        picks = [fs.splitk_config(m, n, k, 132) for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))]
+        assert [(c.block_m, c.block_n, c.split) for c in picks] == [(64, 64, 2), (64, 64, 3), (64, 128, 1), (64, 64, 4)]
+    assert fs.splitk_config(16, 4096, 1024, 132).split == 1  # 8 k-steps: too short a K to split
+    assert fs.splitk_config(128, 4096, 14336, 132).split == 2  # twice the row tiles, half the split
+    assert fs.splitk_config(16, 512, 14336, 8).split == 2  # a small GPU: the programs fill its few SMs
 
 
 def test_splitk_rejects_bad_arguments():
@@ -77,7 +75,7 @@ def test_splitk_rejects_bad_arguments():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [8, 64, 130, 256])
+@pytest.mark.parametrize("m", [4, 16, 64, 130])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
 def test_gpu_splitk(m, n, k):
     """llama-3.1-8b's projections at decode batch sizes: near the float32 reference (each 128-deep product is
@@ -96,13 +94,14 @@ def test_gpu_splitk(m, n, k):
     y16 = fs.fp8_gemm_splitk(xq, xs, wq, ws)
     assert rel_err(y16, fg.fp8_gemm_channel(xq, xs, wq, ws)) <= 1e-2
     assert torch.equal(y16, fs.fp8_gemm_splitk(xq, xs, wq, ws))
-    assert int(fs._tickets[y.device].abs().sum()) == 0
+    tickets = fs._tickets.get(y.device)  # none until a launch splits
+    assert tickets is None or int(tickets.abs().sum()) == 0
 
 
 @pytest.mark.gpu
 def test_gpu_splitk_in_a_cuda_graph():
     """Captured after an eager warm-up (which makes the tickets) and replayed over new inputs."""
-    m, n, k = 200, 4096, 14336
+    m, n, k = 40, 4096, 14336
     xq, xs, wq, ws = _operands(m, n, k, "cuda")
     fs.fp8_gemm_splitk(xq, xs, wq, ws)
     torch.cuda.synchronize()

@@ -48,30 +48,28 @@ class SplitKConfig:
     fast_accum: bool = False
 
 
-# The fixed cost of a program (pipeline fill, epilogue, and for a split tile the partial's round trip), in
-# k-steps of its own tile: a split pays off only while its stretch of K stays several times longer.
-PROGRAM_OVERHEAD_STEPS = 4
 MAX_SPLIT = 8
+PROGRAMS_PER_SM = 2  # a 64 x 64 tile's four stages take 64 KB of shared memory, a 64 x 128 one's 96 KB
+MIN_STRETCH_STEPS = 10  # k-steps of 128 a split program streams at least: below that its fixed costs show
 
 
-def splitk_config(m: int, n: int, k: int, sms: int, block_n: int | None = None) -> SplitKConfig:
-    """The tile and split of an ``[m, k] x [k, n]`` GEMM on ``sms`` multiprocessors: the one with the fewest
-    k-steps on the busiest SM, counting whole waves of programs (a wave that fills a few SMs costs a full one) and
-    ``PROGRAM_OVERHEAD_STEPS`` a program; ties go to fewer splits. ``block_n`` pins the tile width (sweeps)."""
-    block_m = 64 if m <= 64 else 128
-    best: tuple[float, SplitKConfig] | None = None
-    for bn in ([block_n] if block_n else [64, 128]):
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, bn)
-        k_steps = triton.cdiv(k, 128)
-        for split in range(1, MAX_SPLIT + 1):
-            if split > 1 and (k_steps // split < 2 * PROGRAM_OVERHEAD_STEPS or tiles > MAX_TILES):
-                break
-            waves = triton.cdiv(tiles * split, sms)
-            cost = waves * (triton.cdiv(k_steps, split) + PROGRAM_OVERHEAD_STEPS) * bn  # tile width: work a step
-            if best is None or cost < best[0]:
-                best = (cost, SplitKConfig(block_m, bn, split, num_warps=8 if block_m * bn >= 128 * 128 else 4))
-    assert best is not None
-    return best[1]
+def splitk_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
+    """The tile and split of an ``[m, k] x [k, n]`` GEMM on ``sms`` multiprocessors, for decode-sized ``m``.
+
+    Such a GEMM streams its weight: what counts is that every SM has about two programs loading at once. Tiles are
+    64 rows by 64 columns, or 128 columns where 64-wide ones alone would pass two programs an SM (llama-3.1-8b's
+    gate_up); K is then split into as many stretches as keep the grid within two programs an SM and each stretch at
+    least ``MIN_STRETCH_STEPS`` k-steps long. On an H100 at M = 4..64 this picked the fastest of 15 candidates or
+    one within 6% at llama-3.1-8b's four projections (``benchmarks/bench_fp8_decode_gemm.py``; qkv split 2, o 3,
+    down 4, gate_up 1)."""
+    block_m = 64
+    slots = PROGRAMS_PER_SM * sms
+    block_n = 64 if triton.cdiv(m, block_m) * triton.cdiv(n, 64) <= slots else 128
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    by_slots = max(1, slots // tiles)
+    by_length = max(1, triton.cdiv(k, 128) // MIN_STRETCH_STEPS)
+    split = min(by_slots, by_length, MAX_SPLIT) if tiles <= MAX_TILES else 1
+    return SplitKConfig(block_m, block_n, split)
 
 
 @triton.jit
