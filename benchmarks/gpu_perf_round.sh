@@ -12,8 +12,9 @@
 # profile8b: where llama-3.1-8b's workload A goes in bf16, FP8 and FP8 + int8 KV (dev/step_timeline.py), the decode and
 #           prompt steps' kernels (dev/profile_steps.py), and the decode split heuristic against its neighbours
 #           -> $OUT/timelines_8b.md, $OUT/profile_8b_*.md, $OUT/decode_splits.md
-# splitk:   the split-K FP8 GEMM of decode-sized batches: its gpu tests, benchmarks/bench_fp8_decode_gemm.py (cuBLAS
-#           against the kernel's pick and a candidate grid), workload A on llama-3.1-8b FP8 and FP8 + int8 KV with
+# splitk:   the split-K FP8 GEMM of decode-sized batches: its gpu tests (SPLITK_ENGINE_TESTS=1: the FP8 engine's
+#           too), benchmarks/bench_fp8_decode_gemm.py (cuBLAS against the kernel's pick and a candidate grid; not with
+#           SPLITK_NO_BENCH=1), llama-3.1-8b FP8 at a batch of 16 and workload A (FP8, FP8 + int8 KV: SPLITK_KV) with
 #           MINFER_FP8_SPLITK=1 and 0                                        -> $OUT/fp8_decode_gemm.md, $OUT/splitk.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
@@ -105,11 +106,16 @@ case " $PARTS " in *" splitk "*)
   timeout "$(cap 120)" "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/kernels/test_kernel_fp8_splitk.py \
     > "$OUT/splitk_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/splitk_tests.log")"
   grep -E "^(FAILED|ERROR)|Error|rel err" "$OUT/splitk_tests.log" | head -20
+  [ -z "${SPLITK_ENGINE_TESTS:-}" ] || { echo "== FP8 engine gpu tests ($(left) s left)"
+    timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_fp8_gpu.py \
+      > "$OUT/fp8_engine_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/fp8_engine_tests.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/fp8_engine_tests.log" | head -5; }
+  [ -n "${SPLITK_NO_BENCH:-}" ] || {
   echo "== the decode-sized FP8 GEMMs: cuBLAS against split-K ($(left) s left)"
   timeout "$(cap 240)" "$PY" benchmarks/bench_fp8_decode_gemm.py --ms "${SPLITK_MS:-4,16,32,64,96,128,256}" \
     --out "$OUT/fp8_decode_gemm.md" > "$OUT/fp8_decode_gemm.log" 2>&1 || echo "   exit $?"
   grep -A10 "^| M | layer" "$OUT/fp8_decode_gemm.md" 2>/dev/null; grep -E "Error|error" "$OUT/fp8_decode_gemm.log" | head -5
-  grep -E "M=[0-9]+: cuBLAS" "$OUT/fp8_decode_gemm.md" | cut -c1-260
+  grep -E "M=[0-9]+: cuBLAS" "$OUT/fp8_decode_gemm.md" | cut -c1-260; }
   [ -n "${SPLITK_BENCH_ONLY:-}" ] || for f in 1 0; do  # a batch of 16 (decode at M = 16), then workload A
     MINFER_FP8_SPLITK=$f bench "b16_8b_fp8_splitk$f" --shape llama-3.1-8b --quantization fp8 --num-prompts 16 \
       --input-len 128 --output-len 512
