@@ -12,10 +12,11 @@
 # profile8b: where llama-3.1-8b's workload A goes in bf16, FP8 and FP8 + int8 KV (dev/step_timeline.py), the decode and
 #           prompt steps' kernels (dev/profile_steps.py), and the decode split heuristic against its neighbours
 #           -> $OUT/timelines_8b.md, $OUT/profile_8b_*.md, $OUT/decode_splits.md
-# splitk:   the split-K FP8 GEMM of decode-sized batches: its gpu tests (SPLITK_ENGINE_TESTS=1: the FP8 engine's
-#           too), benchmarks/bench_fp8_decode_gemm.py (cuBLAS against the kernel's pick and a candidate grid; not with
-#           SPLITK_NO_BENCH=1), llama-3.1-8b FP8 at a batch of 16 and workload A (FP8, FP8 + int8 KV: SPLITK_KV) with
-#           MINFER_FP8_SPLITK=1 and 0                                        -> $OUT/fp8_decode_gemm.md, $OUT/splitk.md
+# splitk:   the split-K GEMMs of decode-sized batches (SPLITK_DTYPE=fp8, the default, or bf16): their gpu tests
+#           (SPLITK_ENGINE_TESTS=1: the FP8 engine's too), benchmarks/bench_decode_gemm.py (cuBLAS against the rule's
+#           pick and a candidate grid; not with SPLITK_NO_BENCH=1), llama-3.1-8b at a batch of 16 and workload A (KV
+#           formats: SPLITK_KV) with MINFER_FP8_SPLITK / MINFER_SPLITK_16BIT 1 and 0
+#                                                        -> $OUT/decode_gemm_<dtype>.md, $OUT/splitk_<dtype>.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
 # onetoken: the one-token MoE layout (router launch keeping the normed row, decode kernels under PDL): its gpu tests,
@@ -102,8 +103,11 @@ case " $PARTS " in *" profile8b "*)
   done ;;
 esac
 case " $PARTS " in *" splitk "*)
-  echo "== split-K FP8 GEMM gpu tests ($(left) s left)"
-  timeout "$(cap 120)" "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/kernels/test_kernel_fp8_splitk.py \
+  # SPLITK_DTYPE=fp8 (default): the channel FP8 GEMM (MINFER_FP8_SPLITK); bf16: the 16-bit one (MINFER_SPLITK_16BIT)
+  dt="${SPLITK_DTYPE:-fp8}"
+  if [ "$dt" = fp8 ]; then flag=MINFER_FP8_SPLITK; quant=(--quantization fp8); else flag=MINFER_SPLITK_16BIT; quant=(); fi
+  echo "== split-K GEMM gpu tests ($(left) s left)"
+  timeout "$(cap 120)" "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/kernels/test_kernel_splitk_gemm.py \
     > "$OUT/splitk_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/splitk_tests.log")"
   grep -E "^(FAILED|ERROR)|Error|rel err" "$OUT/splitk_tests.log" | head -20
   [ -z "${SPLITK_ENGINE_TESTS:-}" ] || { echo "== FP8 engine gpu tests ($(left) s left)"
@@ -111,21 +115,23 @@ case " $PARTS " in *" splitk "*)
       > "$OUT/fp8_engine_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/fp8_engine_tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/fp8_engine_tests.log" | head -5; }
   [ -n "${SPLITK_NO_BENCH:-}" ] || {
-  echo "== the decode-sized FP8 GEMMs: cuBLAS against split-K ($(left) s left)"
-  timeout "$(cap 240)" "$PY" benchmarks/bench_fp8_decode_gemm.py --ms "${SPLITK_MS:-4,16,32,64,96,128,256}" \
-    --out "$OUT/fp8_decode_gemm.md" > "$OUT/fp8_decode_gemm.log" 2>&1 || echo "   exit $?"
-  grep -A10 "^| M | layer" "$OUT/fp8_decode_gemm.md" 2>/dev/null; grep -E "Error|error" "$OUT/fp8_decode_gemm.log" | head -5
-  grep -E "M=[0-9]+: cuBLAS" "$OUT/fp8_decode_gemm.md" | cut -c1-260; }
+  echo "== the decode-sized $dt GEMMs: cuBLAS against split-K ($(left) s left)"
+  timeout "$(cap 240)" "$PY" benchmarks/bench_decode_gemm.py --dtype "$dt" --ms "${SPLITK_MS:-4,16,32,64,96,128,256}" \
+    --out "$OUT/decode_gemm_$dt.md" > "$OUT/decode_gemm_$dt.log" 2>&1 || echo "   exit $?"
+  grep -A10 "^| M | layer" "$OUT/decode_gemm_$dt.md" 2>/dev/null; grep -E "Error|error" "$OUT/decode_gemm_$dt.log" | head -5
+  grep -E "M=[0-9]+: cuBLAS" "$OUT/decode_gemm_$dt.md" | cut -c1-260; }
   [ -n "${SPLITK_BENCH_ONLY:-}" ] || for f in 1 0; do  # a batch of 16 (decode at M = 16), then workload A
-    MINFER_FP8_SPLITK=$f bench "b16_8b_fp8_splitk$f" --shape llama-3.1-8b --quantization fp8 --num-prompts 16 \
-      --input-len 128 --output-len 512
+    export "$flag=$f"
+    bench "b16_8b_${dt}_splitk$f" --shape llama-3.1-8b "${quant[@]}" --num-prompts 16 --input-len 128 --output-len 512
   done
   [ -n "${SPLITK_BENCH_ONLY:-}" ] || for kv in ${SPLITK_KV:-auto int8}; do
     for f in 1 0; do
-      MINFER_FP8_SPLITK=$f bench "A_8b_fp8_kv${kv}_splitk$f" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype $kv
+      export "$flag=$f"
+      bench "A_8b_${dt}_kv${kv}_splitk$f" --shape llama-3.1-8b "${quant[@]}" --kv-cache-dtype "$kv"
     done
   done
-  bench_table splitk.md ;;
+  unset "$flag"
+  bench_table "splitk_$dt.md" ;;
 esac
 case " $PARTS " in *" moe "*)
   echo "== MoE decode gpu tests ($(left) s left)"

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from minfer.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from minfer.kernels.attention.decode_attention import paged_decode_attention
@@ -17,7 +18,7 @@ from minfer.kernels.attention.gluon_sm90 import sm90_available
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.gemm.fp8_gemm_splitk import fp8_gemm_splitk
+from minfer.kernels.gemm.splitk_gemm import fp8_gemm_splitk, gemm_splitk
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
@@ -41,6 +42,9 @@ from minfer.ops.one_token import OneTokenFusedForward
 # cuBLAS is as fast or faster (benchmarks/RESULTS.md), so larger products stay on it.
 FP8_SPLITK = os.environ.get("MINFER_FP8_SPLITK", "1") == "1"
 FP8_SPLITK_MAX_ROWS = 64
+# The same kernel on 16-bit weights (``gemm_splitk``), off until a GPU times it against cuBLAS: MINFER_SPLITK_16BIT=1.
+SPLITK_16BIT = os.environ.get("MINFER_SPLITK_16BIT", "0") == "1"
+SPLITK_16BIT_MAX_ROWS = 64
 
 
 class TritonOps(Ops):
@@ -121,6 +125,12 @@ class TritonOps(Ops):
 
     def silu_and_mul_fp8(self, x: torch.Tensor, block: bool) -> Fp8Activation:
         return Fp8Activation(*silu_and_mul_fp8(x, FP8_GROUP if block else None), x.dtype)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if (SPLITK_16BIT and x.dim() == 2 and x.shape[0] <= SPLITK_16BIT_MAX_ROWS and x.dtype == weight.dtype
+                and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1):
+            return gemm_splitk(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def fp8_linear(self, x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:

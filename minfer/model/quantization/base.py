@@ -75,7 +75,8 @@ class UnquantizedLinear(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: Activation, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        ops = getattr(layer, "ops", None)
+        return F.linear(x, layer.weight, bias) if ops is None else ops.linear(x, layer.weight, bias)
 
 
 UNQUANTIZED = UnquantizedLinear()

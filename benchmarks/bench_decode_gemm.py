@@ -1,12 +1,13 @@
-"""The channel FP8 GEMM at decode batch sizes: cuBLASLt's row-wise ``_scaled_mm`` against the split-K Triton kernel
-(``fp8_gemm_splitk``: its cost model's pick and the best of a candidate grid), with bf16 ``torch.mm`` for scale, at
-llama-3.1-8b's four projections and M = 16..256 rows (the decode steps of workload A).
+"""GEMMs at decode batch sizes: cuBLAS against the split-K Triton kernels (``kernels/gemm/splitk_gemm.py``: their rule's
+pick and the best of a candidate grid), at llama-3.1-8b's four projections and M = 4..256 rows (workload A's
+decode steps, small batches). ``--dtype fp8``: the channel FP8 product (cuBLASLt's row-wise ``_scaled_mm`` against
+``fp8_gemm_splitk``), with bf16 ``torch.mm`` for scale; ``--dtype bf16``: ``torch.mm`` against ``gemm_splitk``.
 
-Each variant is checked against the channel reference before it is timed; times are medians of CUDA-graph replays
-with L2 flushed before each (``bench_kernels.bench_graph``: the weights come from HBM, as in a step). The last table
-sums a layer's four projections per M: what a decode step of that batch spends in them per layer.
+Each variant is checked against its reference before it is timed; times are medians of CUDA-graph replays with L2
+flushed before each (``bench_kernels.bench_graph``: the weights come from HBM, as in a step). The last tables sum a
+layer's four projections per M and list every candidate, fastest first.
 
-    python benchmarks/bench_fp8_decode_gemm.py [--ms 16,64,128,256] [--out fp8_decode_gemm.md]
+    python benchmarks/bench_decode_gemm.py [--dtype fp8|bf16] [--ms 4,16,64] [--out decode_gemm.md]
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_kernels import bench_graph  # noqa: E402
 from minfer.kernels._utils import num_sms  # noqa: E402
 from minfer.kernels.gemm import fp8_gemm as fg  # noqa: E402
-from minfer.kernels.gemm import fp8_gemm_splitk as fs  # noqa: E402
+from minfer.kernels.gemm import splitk_gemm as fs  # noqa: E402
 from minfer.kernels.quant import fp8_quant as fq  # noqa: E402
 from minfer.kernels.quant import fp8_ref as fr  # noqa: E402
 
@@ -35,55 +36,69 @@ def us(fn) -> float:
     return bench_graph(fn) * 1e3
 
 
+def candidates(m: int, elem_bytes: int, stages: list[int]) -> set[fs.SplitKConfig]:
+    """The grid: tiles x splits x pipeline depths, 128-row tiles only past 64 rows, k-steps of 128 bytes."""
+    return {fs.SplitKConfig(bm, bn, s, 128 // elem_bytes, num_warps=w, num_stages=st)
+            for bm, bn, w in TILES for s in SPLITS for st in stages if not (bm == 128 and m <= 64)}
+
+
 def label(c: fs.SplitKConfig) -> str:
     return f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} split {c.split}" + (" fast" if c.fast_accum else "")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("--ms", default="4,16,32,64,96,128,256")
     ap.add_argument("--stages", default="4", help="pipeline depths of the candidate grid, comma list")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     stages = [int(s) for s in args.stages.split(",")]
+    fp8 = args.dtype == "fp8"
     sms = num_sms(torch.device("cuda"))
-    lines = [f"{torch.cuda.get_device_name()}, {sms} SMs; µs (TFLOP/s)",
-             "| proj | M | bf16 mm | cuBLAS fp8 | split-K auto | auto config | best candidate | best config "
+    base = "cuBLAS fp8" if fp8 else "cuBLAS bf16"
+    lines = [f"{torch.cuda.get_device_name()}, {sms} SMs, {args.dtype}; µs (TFLOP/s)",
+             f"| proj | M | bf16 mm | {base} | split-K auto | auto config | best candidate | best config "
              "| cuBLAS / auto | cuBLAS / best |", "|---|---|---|---|---|---|---|---|---|---|"]
     layer: dict[int, list[float]] = {m: [0.0, 0.0, 0.0, 0.0] for m in ms}
     grid: list[str] = []  # every candidate per shape and M, fastest first (tile w warps / split µs)
     for name, (n, k) in SHAPES.items():
-        wq, ws = fr.quantize_fp8_ref(torch.randn(n, k, device="cuda") / k ** 0.5, None)
+        wb = (torch.randn(n, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+        wq, ws = fr.quantize_fp8_ref(wb.float(), None)
         ws = ws.contiguous()
-        wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = fq.quantize_fp8(x, None)
-            ref = fg.fp8_gemm_channel_ref(xq, xs, wq, ws)
+            if fp8:
+                ref = fg.fp8_gemm_channel_ref(xq, xs, wq, ws)
+                ours = lambda cfg=None: fs.fp8_gemm_splitk(xq, xs, wq, ws, config=cfg)  # noqa: E731
+                t_cublas = us(lambda: fg.fp8_gemm_channel(xq, xs, wq, ws))
+            else:
+                ref = x.float() @ wb.float().T
+                ours = lambda cfg=None: fs.gemm_splitk(x, wb, config=cfg)  # noqa: E731
+                t_cublas = us(lambda: x @ wb.T)
             tflops = lambda t: 2 * m * n * k / t / 1e6  # noqa: E731 (t in µs)
             t_bf16 = us(lambda: x @ wb.T)
-            t_cublas = us(lambda: fg.fp8_gemm_channel(xq, xs, wq, ws))
-            auto = fs.splitk_config(m, n, k, sms)
+            auto = fs.splitk_config(m, n, k, sms, 1 if fp8 else 2)
             timed: dict[fs.SplitKConfig, float] = {}
-            candidates = {auto} | {fs.SplitKConfig(bm, bn, s, num_warps=w, num_stages=st)
-                                   for bm, bn, w in TILES for s in SPLITS for st in stages
-                                   if not (bm == 128 and m <= 64)}
-            for cfg in sorted(candidates, key=label):
+            for cfg in sorted({auto} | candidates(m, 1 if fp8 else 2, stages), key=label):
                 try:
-                    out = fs.fp8_gemm_splitk(xq, xs, wq, ws, config=cfg)
+                    out = ours(cfg)
                     err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
                     if err > 1e-2:
                         print(f"{name} M={m} {label(cfg)}: error {err:.1e}, not timed", flush=True)
                         continue
-                    timed[cfg] = us(lambda: fs.fp8_gemm_splitk(xq, xs, wq, ws, config=cfg))
+                    timed[cfg] = us(lambda: ours(cfg))
                 except Exception as e:  # a config that does not fit (shared memory) is skipped, named
                     print(f"{name} M={m} {label(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best = min(timed, key=timed.get)
-            fast = fs.SplitKConfig(**{**best.__dict__, "fast_accum": True})  # what the float32 promotion costs
-            timed_fast = us(lambda: fs.fp8_gemm_splitk(xq, xs, wq, ws, config=fast))
+            note = ""
+            if fp8:  # what the float32 promotion costs
+                fast = fs.SplitKConfig(**{**best.__dict__, "fast_accum": True})
+                note = f"; best fast-accum {us(lambda: ours(fast)):.1f}"
             ranked = sorted(timed.items(), key=lambda kv: kv[1])
-            grid.append(f"{name} M={m}: cuBLAS {t_cublas:.1f}; best fast-accum {timed_fast:.1f}; "
+            grid.append(f"{name} M={m}: cuBLAS {t_cublas:.1f}{note}; "
                         + ", ".join(f"{c.block_m}x{c.block_n}w{c.num_warps}/{c.split} {t:.1f}" for c, t in ranked))
             t_auto, t_best = timed.get(auto, float("nan")), timed[best]
             layer[m] = [a + b for a, b in zip(layer[m], (t_bf16, t_cublas, t_auto, t_best))]
@@ -91,7 +106,7 @@ def main() -> None:
             lines.append(f"| {name} | {m} | {cell(t_bf16)} | {cell(t_cublas)} | {cell(t_auto)} | {label(auto)} "
                          f"| {cell(t_best)} | {label(best)} | {t_cublas / t_auto:.2f}× | {t_cublas / t_best:.2f}× |")
             print(lines[-1], flush=True)
-    lines += ["", "| M | layer: bf16 | cuBLAS fp8 | split-K auto | best per projection | cuBLAS / auto |",
+    lines += ["", f"| M | layer: bf16 mm | {base} | split-K auto | best per projection | cuBLAS / auto |",
               "|---|---|---|---|---|---|"]
     for m, (b, c, a, best) in layer.items():
         lines.append(f"| {m} | {b:.1f} | {c:.1f} | {a:.1f} | {best:.1f} | {c / a:.2f}× |")
