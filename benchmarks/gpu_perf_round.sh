@@ -5,7 +5,8 @@
 #
 # base:     the targets' engine runs with weights drawn on the GPU (--load-format dummy), one process each:
 #           workload A on qwen3-0.6b and llama-3.2-1b, batch 1 on llama-3.2-1b, workload A on llama-3.1-8b bf16 /
-#           FP8 / FP8 + int8 KV, batch 1 on llama-3.1-8b FP8 and qwen3-30b-a3b; decode attention B=1 x 32k
+#           FP8 / FP8 + int8 KV, batch 1 on llama-3.1-8b FP8 and qwen3-30b-a3b, a batch of 16 on llama-3.1-8b FP8
+#           (16 x 128 in, 512 out); decode attention B=1 x 32k
 #           (benchmarks/sweep_decode_sm90.py, graph-timed)                          -> $OUT/base.md, $OUT/decode32k.md
 # profile:  where the small models' steps go (dev/step_timeline.py on qwen3-0.6b and llama-3.2-1b, dev/profile_steps.py)
 #           and a batch-1 profile of qwen3-30b-a3b                 -> $OUT/timeline_*.md, $OUT/profile_*.txt
@@ -48,6 +49,7 @@ case " $PARTS " in *" base "*)
   bench A_8b_fp8 --shape llama-3.1-8b --quantization fp8
   bench A_8b_fp8_int8kv --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8
   bench b1_8b_fp8 --shape llama-3.1-8b --quantization fp8 --batch1
+  bench b16_8b_fp8 --shape llama-3.1-8b --quantization fp8 --num-prompts 16 --input-len 128 --output-len 512
   bench b1_qwen3-30b-a3b --shape qwen3-30b-a3b --batch1
   bench_table base.md
   echo "== decode attention B=1 x 32k ($(left) s left)"

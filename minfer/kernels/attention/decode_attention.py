@@ -261,12 +261,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
                       per_sm: int = SPLIT_TARGET_PER_SM) -> int:
     """Splits per sequence for ``batch * num_kv_heads`` (sequence, KV head) programs.
 
-    With two or more programs per SM every SM streams K/V already and a split only adds the
-    merge (batch 64 x 4k: 1 split 256 us, 2 splits 266 us). Below that, split as far as the grid
-    still fits ``per_sm`` programs an SM: enough resident programs to keep HBM busy, while each split
-    still streams ~1k tokens so its fixed costs (q load, partial write, merge) stay small. The count
-    rounds down: a grid a few programs past the SMs runs them as a tail after the rest, and the
-    Hopper kernel gives its deeper ring only to grids of at most one program an SM.
+    With two or more programs per SM every SM streams K/V already and a split only adds the merge (batch 64 x 4k:
+    1 split 256 us, 2 splits 266 us). Below that, split as far as the grid fits ``per_sm`` programs an SM (rounding
+    down: a few programs past it run as a tail, and the Hopper kernel keeps its deeper ring only for at most one an
+    SM), each split still streaming ~1k tokens so its fixed costs (q load, partial write, merge) stay small.
     No split gets under ``MIN_SPLIT_TOKENS`` of the widest context (``max_context``, from the
     block table width so the host never reads the lengths), where the merge would cost more.
     8-bit caches measured best with the same rule (1 split at B=64 x 4k; 32 at B=1 x 32k). ``per_sm``: the
