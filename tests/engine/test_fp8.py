@@ -135,14 +135,15 @@ def test_bad_quantization_argument_names_the_field(float_ckpts):
         LLM(str(float_ckpts["llama3"]), quantization="int4")
 
 
-@pytest.mark.parametrize("fmt", ["online", "online-splitk", "block", "static"])
+@pytest.mark.parametrize("fmt", ["online", "online-cublas", "block", "static"])
 def test_triton_fp8_path_matches_the_reference(float_ckpts, tmp_path, monkeypatch, fmt):
-    """The Triton ops in the interpreter: the norms and SwiGLU emit e4m3 themselves, the products run
-    through ``_scaled_mm`` / the block-scaled GEMM (or, ``online-splitk``, every product of these short prompts
-    through the split-K Triton GEMM), batch 1 through the e4m3 matrix-vector kernels; the same distributions as
-    the reference ops (``assert_same_distributions``: e4m3 rounding aside)."""
-    monkeypatch.setattr(triton_ops, "FP8_SPLITK", fmt == "online-splitk")
-    fmt = fmt.removesuffix("-splitk")
+    """The Triton ops in the interpreter: the norms and SwiGLU emit e4m3 themselves, the channel and per-tensor
+    products of these short prompts run through the split-K Triton GEMM (``online-cublas``: through
+    ``_scaled_mm``, as past 64 rows), block ones through the block-scaled GEMM, batch 1 through the e4m3
+    matrix-vector kernels; the same distributions as the reference ops (``assert_same_distributions``: e4m3
+    rounding aside)."""
+    monkeypatch.setattr(triton_ops, "FP8_SPLITK", not fmt.endswith("-cublas"))
+    fmt = fmt.removesuffix("-cublas")
     kwargs = {"quantization": "fp8"} if fmt == "online" else {}
     ckpt = float_ckpts["qwen3"] if fmt == "online" else (
         write_block_fp8(float_ckpts["qwen3"], tmp_path / "fp8") if fmt == "block" else

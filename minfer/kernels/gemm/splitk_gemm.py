@@ -50,7 +50,7 @@ class SplitKConfig:
 
 MAX_SPLIT = 8
 PROGRAMS_PER_SM = 2  # a 64 x 64 tile's four stages take 64 KB of shared memory, a 64 x 128 one's 96 KB
-MIN_STRETCH_STEPS = 10  # k-steps of 128 a split program streams at least: below that its fixed costs show
+MIN_STRETCH_STEPS = 10  # k-steps (128 bytes of a row each) a split program streams at least: fewer, its fixed costs show
 
 
 def splitk_config(m: int, n: int, k: int, sms: int, elem_bytes: int = 1) -> SplitKConfig:
@@ -185,6 +185,7 @@ def gemm_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
             scales: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype, config: SplitKConfig | None,
             promote: bool, upcast: bool = False) -> torch.Tensor:
+    """Both products' launch: the split from the config or the rule, the workspace when split, the tickets."""
     m, k = x.shape
     n = w.shape[0]
     if x.stride(1) != 1 or w.stride(1) != 1:
