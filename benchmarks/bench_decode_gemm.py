@@ -28,7 +28,8 @@ from minfer.kernels.quant import fp8_quant as fq  # noqa: E402
 from minfer.kernels.quant import fp8_ref as fr  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TILES = [(64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8)]  # block_m, block_n, warps
+# block_m, block_n, warps; 16- and 32-row tiles (mma.sync, no rows wasted) only where M fits them
+TILES = [(16, 64, 4), (16, 128, 4), (32, 64, 4), (64, 32, 4), (64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8)]
 SPLITS = [1, 2, 3, 4, 6]
 
 
@@ -37,9 +38,11 @@ def us(fn) -> float:
 
 
 def candidates(m: int, elem_bytes: int, stages: list[int]) -> set[fs.SplitKConfig]:
-    """The grid: tiles x splits x pipeline depths, 128-row tiles only past 64 rows, k-steps of 128 bytes."""
+    """The grid: tiles x splits x pipeline depths, 128-row tiles only past 64 rows, tiles under 64 rows only for M
+    within them, k-steps of 128 bytes."""
     return {fs.SplitKConfig(bm, bn, s, 128 // elem_bytes, num_warps=w, num_stages=st)
-            for bm, bn, w in TILES for s in SPLITS for st in stages if not (bm == 128 and m <= 64)}
+            for bm, bn, w in TILES for s in SPLITS for st in stages
+            if not (bm == 128 and m <= 64) and not (bm < 64 and m > bm)}
 
 
 def label(c: fs.SplitKConfig) -> str:
