@@ -50,7 +50,7 @@ class SplitKConfig:
 
 MAX_SPLIT = 8
 PROGRAMS_PER_SM = 2  # a 64 x 64 tile's four stages take 64 KB of shared memory, a 64 x 128 one's 96 KB
-MIN_STRETCH_STEPS = 10  # k-steps (128 bytes of a row each) a split program streams at least: fewer, its fixed costs show
+MIN_STRETCH_STEPS = 10  # k-steps (128 bytes of a row each) a split program streams at least: fewer, fixed costs show
 
 
 def splitk_config(m: int, n: int, k: int, sms: int, elem_bytes: int = 1) -> SplitKConfig:
