@@ -18,6 +18,8 @@
 #           pick and a candidate grid; not with SPLITK_NO_BENCH=1), llama-3.1-8b at a batch of 16 and workload A (KV
 #           formats: SPLITK_KV) with MINFER_FP8_SPLITK / MINFER_SPLITK_16BIT 1 and 0
 #                                                        -> $OUT/decode_gemm_<dtype>.md, $OUT/splitk_<dtype>.md
+# overlap:  whether two half batches on two streams beat the whole batch on llama-3.1-8b's FP8 layers at 256
+#           sequences (dev/overlap_probe.py; bf16 and int8 caches)                       -> $OUT/overlap.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
 #           timed (dev/moe_decode_sweep.py; MOE_ARGS="--tokens 1,8" as measured)   -> moe_decode.md
 # onetoken: the one-token MoE layout (router launch keeping the normed row, decode kernels under PDL): its gpu tests,
@@ -134,6 +136,14 @@ case " $PARTS " in *" splitk "*)
   done
   unset "$flag"
   bench_table "splitk_$dt.md" ;;
+esac
+case " $PARTS " in *" overlap "*)
+  for kv in auto int8; do  # dev/overlap_probe.py: two half batches on two streams against the whole batch
+    echo "== nano-batch overlap probe, KV $kv ($(left) s left)"
+    timeout "$(cap 120)" "$PY" dev/overlap_probe.py --batch 256 --ctx 1024 --kv-dtype "$kv" \
+      > "$OUT/overlap_$kv.log" 2>&1 || echo "   exit $?"
+    grep "^|\|Error" "$OUT/overlap_$kv.log" | tee -a "$OUT/overlap.md"
+  done ;;
 esac
 case " $PARTS " in *" moe "*)
   echo "== MoE decode gpu tests ($(left) s left)"
