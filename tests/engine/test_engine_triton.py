@@ -1,10 +1,13 @@
-"""The whole engine on the Triton kernels (interpreter on CPU) gives HF's greedy tokens."""
+"""The whole engine on the Triton kernels (interpreter on CPU) gives HF's greedy tokens; its 16-bit split-K products
+agree with `F.linear`'s."""
 from __future__ import annotations
 
 import pytest
 
+from compare import run_differences
 from conftest import assert_greedy_match, hf_greedy
 from minfer import LLM, SamplingParams
+from minfer.ops import triton_ops
 
 PROMPTS = [[5], list(range(2, 18)), list(range(3, 20)), [(i * 7) % 300 + 2 for i in range(40)]]
 NEW = 6
@@ -61,9 +64,6 @@ def test_16bit_splitk_products_agree_with_cublas_path(checkpoints, monkeypatch):
     interpreter also rounds float32 to bf16 toward zero), so the scale is the Triton run's distance from the torch
     ops' run: the split-K run must sit no further from its reference than that (measured: mean logprob gap 0.055
     against 0.092), and part from it only where no token or a near tie decides."""
-    from compare import run_differences
-    from minfer.ops import triton_ops
-
     calls: list[int] = []
     splitk = triton_ops.gemm_splitk
     monkeypatch.setattr(triton_ops, "gemm_splitk", lambda x, *a, **k: (calls.append(x.shape[0]), splitk(x, *a, **k))[1])
