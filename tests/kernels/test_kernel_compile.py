@@ -4,6 +4,7 @@ global, say): such a kernel passed every CPU test and failed at its first launch
 in a child process without TRITON_INTERPRET (the interpreter, once on, replaces the compiler's helpers)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -147,7 +148,8 @@ BUILDS = {
 
 
 def build(name: str) -> dict:
-    """Compile one of BUILDS for sm_90 and return the size of its cubin (the child process's work)."""
+    """Compile one of BUILDS for sm_90 and return the size of its cubin, its shared memory and what its PTX holds
+    (the child process's work)."""
     import importlib
 
     import triton
@@ -162,19 +164,32 @@ def build(name: str) -> dict:
     signature = {n: sig.get(n, "constexpr") for n in fn.arg_names}
     compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 4, **(options[0] if options else {})})
-    return {"cubin_bytes": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+    ptx = compiled.asm["ptx"]
+    return {"cubin_bytes": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
+            "wgmma": "wgmma.mma_async" in ptx, "local": ".local" in ptx, "pdl_wait": "griddepcontrol.wait" in ptx}
 
 
-@pytest.mark.parametrize("name", list(BUILDS))
-def test_kernel_compiles_for_sm90(name: str) -> None:
+@functools.lru_cache(maxsize=None)  # a build the module's tests share compiles once
+def _built(name: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, __file__, name], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_kernel_compiles_for_sm90(name: str) -> None:
+    built = _built(name)
     assert built["cubin_bytes"] > 0
     assert built["shared"] <= SM90_SHARED, f"{built['shared']} bytes of shared memory: the launch would fail"
+
+
+def test_the_split_k_gemm_runs_on_warpgroup_mma() -> None:
+    """The decode-batch FP8 GEMM's 64-row tiles on warpgroup MMA, no spills to local memory, the PDL wait in it."""
+    built = _built("fp8_splitk")
+    assert built["wgmma"] and not built["local"] and built["pdl_wait"], built
 
 
 if __name__ == "__main__":
