@@ -1,13 +1,12 @@
-"""GEMMs at decode batch sizes: cuBLAS against the split-K Triton kernels (``kernels/gemm/splitk_gemm.py``: their rule's
-pick and the best of a candidate grid), at llama-3.1-8b's four projections and M = 4..256 rows (workload A's
-decode steps, small batches). ``--dtype fp8``: the channel FP8 product (cuBLASLt's row-wise ``_scaled_mm`` against
-``fp8_gemm_splitk``), with bf16 ``torch.mm`` for scale; ``--dtype bf16``: ``torch.mm`` against ``gemm_splitk``.
+"""Channel FP8 GEMMs at decode batch sizes: cuBLASLt's row-wise ``_scaled_mm`` against the split-K Triton kernel
+(``kernels/gemm/splitk_gemm.py``: its rule's pick and the best of a candidate grid), with bf16 ``torch.mm`` for
+scale, at llama-3.1-8b's four projections and M = 4..256 rows (workload A's decode steps, small batches).
 
 Each variant is checked against its reference before it is timed; times are medians of CUDA-graph replays with L2
 flushed before each (``bench_kernels.bench_graph``: the weights come from HBM, as in a step). The last tables sum a
 layer's four projections per M and list every candidate, fastest first.
 
-    python benchmarks/bench_decode_gemm.py [--dtype fp8|bf16] [--ms 4,16,64] [--out decode_gemm.md]
+    python benchmarks/bench_decode_gemm.py [--ms 4,16,64] [--out decode_gemm.md]
 """
 from __future__ import annotations
 
@@ -37,10 +36,10 @@ def us(fn) -> float:
     return bench_graph(fn) * 1e3
 
 
-def candidates(m: int, elem_bytes: int, stages: list[int]) -> set[fs.SplitKConfig]:
+def candidates(m: int, stages: list[int]) -> set[fs.SplitKConfig]:
     """The grid: tiles x splits x pipeline depths, 128-row tiles only past 64 rows, tiles under 64 rows only for M
-    within them, k-steps of 128 bytes."""
-    return {fs.SplitKConfig(bm, bn, s, 128 // elem_bytes, num_warps=w, num_stages=st)
+    within them."""
+    return {fs.SplitKConfig(bm, bn, s, num_warps=w, num_stages=st)
             for bm, bn, w in TILES for s in SPLITS for st in stages
             if not (bm == 128 and m <= 64) and not (bm < 64 and m > bm)}
 
@@ -51,17 +50,15 @@ def label(c: fs.SplitKConfig) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="fp8", choices=["fp8", "bf16"])
     ap.add_argument("--ms", default="4,16,32,64,96,128,256")
     ap.add_argument("--stages", default="4", help="pipeline depths of the candidate grid, comma list")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     ms = [int(m) for m in args.ms.split(",")]
     stages = [int(s) for s in args.stages.split(",")]
-    fp8 = args.dtype == "fp8"
     sms = num_sms(torch.device("cuda"))
-    base = "cuBLAS fp8" if fp8 else "cuBLAS bf16"
-    lines = [f"{torch.cuda.get_device_name()}, {sms} SMs, {args.dtype}; µs (TFLOP/s)",
+    base = "cuBLAS fp8"
+    lines = [f"{torch.cuda.get_device_name()}, {sms} SMs; µs (TFLOP/s)",
              f"| proj | M | bf16 mm | {base} | split-K auto | auto config | best candidate | best config "
              "| cuBLAS / auto | cuBLAS / best |", "|---|---|---|---|---|---|---|---|---|---|"]
     layer: dict[int, list[float]] = {m: [0.0, 0.0, 0.0, 0.0] for m in ms}
@@ -73,19 +70,14 @@ def main() -> None:
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             xq, xs = fq.quantize_fp8(x, None)
-            if fp8:
-                ref = fg.fp8_gemm_channel_ref(xq, xs, wq, ws)
-                ours = lambda cfg=None: fs.fp8_gemm_splitk(xq, xs, wq, ws, config=cfg)  # noqa: E731
-                t_cublas = us(lambda: fg.fp8_gemm_channel(xq, xs, wq, ws))
-            else:
-                ref = x.float() @ wb.float().T
-                ours = lambda cfg=None: fs.gemm_splitk(x, wb, config=cfg)  # noqa: E731
-                t_cublas = us(lambda: x @ wb.T)
+            ref = fg.fp8_gemm_channel_ref(xq, xs, wq, ws)
+            ours = lambda cfg=None: fs.fp8_gemm_splitk(xq, xs, wq, ws, config=cfg)  # noqa: E731
+            t_cublas = us(lambda: fg.fp8_gemm_channel(xq, xs, wq, ws))
             tflops = lambda t: 2 * m * n * k / t / 1e6  # noqa: E731 (t in µs)
             t_bf16 = us(lambda: x @ wb.T)
-            auto = fs.splitk_config(m, n, k, sms, 1 if fp8 else 2)
+            auto = fs.splitk_config(m, n, k, sms)
             timed: dict[fs.SplitKConfig, float] = {}
-            for cfg in sorted({auto} | candidates(m, 1 if fp8 else 2, stages), key=label):
+            for cfg in sorted({auto} | candidates(m, stages), key=label):
                 try:
                     out = ours(cfg)
                     err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
@@ -96,10 +88,8 @@ def main() -> None:
                 except Exception as e:  # a config that does not fit (shared memory) is skipped, named
                     print(f"{name} M={m} {label(cfg)}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             best = min(timed, key=timed.get)
-            note = ""
-            if fp8:  # what the float32 promotion costs
-                fast = fs.SplitKConfig(**{**best.__dict__, "fast_accum": True})
-                note = f"; best fast-accum {us(lambda: ours(fast)):.1f}"
+            fast = fs.SplitKConfig(**{**best.__dict__, "fast_accum": True})  # what the float32 promotion costs
+            note = f"; best fast-accum {us(lambda: ours(fast)):.1f}"
             ranked = sorted(timed.items(), key=lambda kv: kv[1])
             grid.append(f"{name} M={m}: cuBLAS {t_cublas:.1f}{note}; "
                         + ", ".join(f"{c.block_m}x{c.block_n}w{c.num_warps}/{c.split} {t:.1f}" for c, t in ranked))

@@ -55,6 +55,7 @@ from minfer.kernels.attention import prefill_attention_sm90 as sm90_prefill  # n
 from minfer.kernels.attention.decode_attention_sm90 import paged_decode_attention_sm90  # noqa: E402
 from minfer.kernels.attention.gluon_sm90 import sm90_available  # noqa: E402
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90  # noqa: E402
+from minfer.kernels.attention.kv_stage import plan_stage, stage_kv, staged_prefill_attention  # noqa: E402
 from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS, KV_SCALE_DTYPE, quantize_ref  # noqa: E402
 
 PEAK_BW = HBM_BYTES_PER_S  # BENCHMARKS.md's measured copy bandwidth
@@ -320,6 +321,14 @@ def prefill_case(t: int, hq: int, hkv: int, d: int, sweep: bool, kv_dtype: str =
         rows = [Row("prefill attn", shape, f"triton paged {kv_dtype}", bench_graph(fn), nbytes, flops, note)]
         rows += sm90_rows("prefill", shape, f" {kv_dtype}", page, nbytes, flops, out, qref, ref,
                                   lambda: paged_prefill_attention_sm90(q, kq, vq, table, qsl, lens, t, scale, out, **sc))
+        # Staged (kv_stage.py, the engine's default on Hopper): the pages dequantized once, then the 16-bit kernel.
+        plan = plan_stage(lens.tolist(), [t], page, table.shape[1], 0, q.device)
+        stage_bytes = kv_bytes(t, hkv, d, kv_dtype) + kv_bytes(t, hkv, d, "auto")
+        rows.append(Row("stage kv", f"T={t} Hkv={hkv} D={d}", f"triton {kv_dtype} -> bf16",
+                        bench_graph(lambda: stage_kv(kq, vq, ks, vs, table, plan, q.dtype)), stage_bytes, 0.0))
+        rows += sm90_rows("prefill", shape, f" {kv_dtype} staged", page, nbytes, flops, out, qref, None,
+                          lambda: staged_prefill_attention(paged_prefill_attention_sm90, q, kq, vq, table, qsl, lens,
+                                                           t, scale, out, plan=plan, **sc))
         return rows
     rows: list[Row] = []
     if sweep:

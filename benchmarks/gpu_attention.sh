@@ -30,7 +30,7 @@ case " $PARTS " in *" kernels "*)
   echo "== kernels ($(left) s left)"
   OUT="$OUT" timeout "$(cap ${KERNELS_CAP:-300})" python3 benchmarks/bench_kernels.py --only "${ONLY:-prefill,decode}" \
     --kv-dtypes "${KV_DTYPES:-auto,int8,fp8_e4m3}" > "$OUT/kernels.log" 2>&1 || echo "   exit $? (124: cut by the time limit)"
-  grep -E "^\| (prefill|decode)|check|FAIL|Error" "$OUT/kernels.log" | head -60 ;;
+  grep -E "^\| (prefill|decode|stage)|check|FAIL|Error" "$OUT/kernels.log" | head -60 ;;
 esac
 case " $PARTS " in *" sweep "*)
   for kd in ${SWEEP_KV:-int8 fp8_e4m3}; do

@@ -13,11 +13,14 @@
 # profile8b: where llama-3.1-8b's workload A goes in bf16, FP8 and FP8 + int8 KV (dev/step_timeline.py), the decode and
 #           prompt steps' kernels (dev/profile_steps.py), and the decode split heuristic against its neighbours
 #           -> $OUT/timelines_8b.md, $OUT/profile_8b_*.md, $OUT/decode_splits.md
-# splitk:   the split-K GEMMs of decode-sized batches (SPLITK_DTYPE=fp8, the default, or bf16): their gpu tests
-#           (SPLITK_ENGINE_TESTS=1: the FP8 engine's too), benchmarks/bench_decode_gemm.py (cuBLAS against the rule's
-#           pick and a candidate grid; not with SPLITK_NO_BENCH=1), llama-3.1-8b at a batch of 16 and workload A (KV
-#           formats: SPLITK_KV) with MINFER_FP8_SPLITK / MINFER_SPLITK_16BIT 1 and 0
-#                                                        -> $OUT/decode_gemm_<dtype>.md, $OUT/splitk_<dtype>.md
+# splitk:   the split-K FP8 GEMM of decode-sized batches: its gpu tests (SPLITK_ENGINE_TESTS=1: the FP8 engine's
+#           too), benchmarks/bench_decode_gemm.py (cuBLAS against the rule's pick and a candidate grid; not with
+#           SPLITK_NO_BENCH=1), llama-3.1-8b FP8 at a batch of 16 and workload A (KV formats: SPLITK_KV) with
+#           MINFER_FP8_SPLITK 1 and 0                              -> $OUT/decode_gemm.md, $OUT/splitk.md
+# stage:    staged 8-bit prefill (kv_stage.py): its gpu tests and the Hopper prefill kernel's, the 8k prefill kernels
+#           over bf16 / int8 / fp8 caches with the staged rows (bench_kernels.py --only prefill), and workload A on
+#           llama-3.1-8b FP8 + int8 KV and qwen3-0.6b int8 KV with MINFER_STAGE_8BIT_PREFILL 1 and 0
+#                                                        -> $OUT/stage_kernels.md, $OUT/stage.md
 # overlap:  whether two half batches on two streams beat the whole batch on llama-3.1-8b's FP8 layers at 256
 #           sequences (dev/overlap_probe.py; bf16 and int8 caches)                       -> $OUT/overlap.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
@@ -107,9 +110,6 @@ case " $PARTS " in *" profile8b "*)
   done ;;
 esac
 case " $PARTS " in *" splitk "*)
-  # SPLITK_DTYPE=fp8 (default): the channel FP8 GEMM (MINFER_FP8_SPLITK); bf16: the 16-bit one (MINFER_SPLITK_16BIT)
-  dt="${SPLITK_DTYPE:-fp8}"
-  if [ "$dt" = fp8 ]; then flag=MINFER_FP8_SPLITK; quant=(--quantization fp8); else flag=MINFER_SPLITK_16BIT; quant=(); fi
   echo "== split-K GEMM gpu tests ($(left) s left)"
   timeout "$(cap 120)" "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/kernels/test_kernel_splitk_gemm.py \
     > "$OUT/splitk_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/splitk_tests.log")"
@@ -119,23 +119,40 @@ case " $PARTS " in *" splitk "*)
       > "$OUT/fp8_engine_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/fp8_engine_tests.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/fp8_engine_tests.log" | head -5; }
   [ -n "${SPLITK_NO_BENCH:-}" ] || {
-  echo "== the decode-sized $dt GEMMs: cuBLAS against split-K ($(left) s left)"
-  timeout "$(cap 240)" "$PY" benchmarks/bench_decode_gemm.py --dtype "$dt" --ms "${SPLITK_MS:-4,16,32,64,96,128,256}" \
-    --out "$OUT/decode_gemm_$dt.md" > "$OUT/decode_gemm_$dt.log" 2>&1 || echo "   exit $?"
-  grep -A10 "^| M | layer" "$OUT/decode_gemm_$dt.md" 2>/dev/null; grep -E "Error|error" "$OUT/decode_gemm_$dt.log" | head -5
-  grep -E "M=[0-9]+: cuBLAS" "$OUT/decode_gemm_$dt.md" | cut -c1-260; }
+  echo "== the decode-sized FP8 GEMMs: cuBLAS against split-K ($(left) s left)"
+  timeout "$(cap 240)" "$PY" benchmarks/bench_decode_gemm.py --ms "${SPLITK_MS:-4,16,32,64,96,128,256}" \
+    --out "$OUT/decode_gemm.md" > "$OUT/decode_gemm.log" 2>&1 || echo "   exit $?"
+  grep -A10 "^| M | layer" "$OUT/decode_gemm.md" 2>/dev/null; grep -E "Error|error" "$OUT/decode_gemm.log" | head -5
+  grep -E "M=[0-9]+: cuBLAS" "$OUT/decode_gemm.md" | cut -c1-260; }
   [ -n "${SPLITK_BENCH_ONLY:-}" ] || for f in 1 0; do  # a batch of 16 (decode at M = 16), then workload A
-    export "$flag=$f"
-    bench "b16_8b_${dt}_splitk$f" --shape llama-3.1-8b "${quant[@]}" --num-prompts 16 --input-len 128 --output-len 512
+    export MINFER_FP8_SPLITK=$f
+    bench "b16_8b_fp8_splitk$f" --shape llama-3.1-8b --quantization fp8 --num-prompts 16 --input-len 128 --output-len 512
   done
   [ -n "${SPLITK_BENCH_ONLY:-}" ] || for kv in ${SPLITK_KV:-auto int8}; do
     for f in 1 0; do
-      export "$flag=$f"
-      bench "A_8b_${dt}_kv${kv}_splitk$f" --shape llama-3.1-8b "${quant[@]}" --kv-cache-dtype "$kv"
+      export MINFER_FP8_SPLITK=$f
+      bench "A_8b_fp8_kv${kv}_splitk$f" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype "$kv"
     done
   done
-  unset "$flag"
-  bench_table "splitk_$dt.md" ;;
+  unset MINFER_FP8_SPLITK
+  bench_table splitk.md ;;
+esac
+case " $PARTS " in *" stage "*)
+  echo "== staged 8-bit prefill gpu tests ($(left) s left)"
+  timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_kv_stage.py tests/engine/test_kv_quant.py \
+    tests/kernels/test_kernel_prefill_sm90_gpu.py > "$OUT/stage_tests.log" 2>&1
+  echo "   exit $?; $(tail -1 "$OUT/stage_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/stage_tests.log" | head -8
+  echo "== 8k prefill kernels ($(left) s left)"
+  timeout "$(cap 150)" "$PY" benchmarks/bench_kernels.py --only prefill --kv-dtypes auto,int8,fp8_e4m3 \
+    > "$OUT/stage_kernels.log" 2>&1 || echo "   exit $?"
+  grep -E "^\| (prefill|stage)|Error" "$OUT/stage_kernels.log" | tee "$OUT/stage_kernels.md"
+  for f in 1 0; do
+    export MINFER_STAGE_8BIT_PREFILL=$f
+    bench "A_8b_fp8_int8kv_stage$f" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8
+    bench "A_qwen3-0.6b_int8kv_stage$f" --shape qwen3-0.6b --kv-cache-dtype int8
+  done
+  unset MINFER_STAGE_8BIT_PREFILL
+  bench_table stage.md ;;
 esac
 case " $PARTS " in *" overlap "*)
   for kv in auto int8; do  # dev/overlap_probe.py: two half batches on two streams against the whole batch

@@ -70,15 +70,15 @@ class ModelRunner:
         """``tp``, ``channel`` and ``device``: this rank's group, the step channel and its GPU under tensor
         parallelism (every rank constructs its runner at once: start-up runs collectives). ``draft``: speculative
         decoding's drafter, loaded already: its cache takes as many blocks as the target's."""
-        self.model_config = model_config
-        self.config = config
+        self.model_config, self.config = model_config, config
         self.tp, self.channel = tp, channel
         self.draft = draft
         self.device = device or config.resolved_device()
         self.dtype = config.resolved_dtype(model_config)
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.max_head_dim)
+        self.ops = select_ops(config.attention_backend, self.device, self.block_size, model_config.max_head_dim,
+                              config.max_num_batched_tokens)
         started = time.perf_counter()
         self.model = build_model(model_dir, model_config, self.dtype, self.device, max_model_len, self.ops, tp,
                                  config.quantization, config.load_format)

@@ -20,9 +20,11 @@ __all__ = ["AttentionMetadata", "Fp8Activation", "ModelForward", "MoeExperts", "
            "TorchOps", "select_ops"]
 
 
-def select_ops(attention_backend: str, device: torch.device, block_size: int, head_dim: int) -> Ops:
+def select_ops(attention_backend: str, device: torch.device, block_size: int, head_dim: int,
+               max_step_tokens: int = 0) -> Ops:
     """'auto' takes the Triton kernels on CUDA where they apply, the torch ops otherwise; 'triton'
-    on the CPU runs the kernels in Triton's interpreter (tests)."""
+    on the CPU runs the kernels in Triton's interpreter (tests). ``max_step_tokens``: the engine's token
+    budget, which bounds what the Triton ops stage for 8-bit prefill (``TritonOps``)."""
     fits = block_size >= 16 and head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256
     if attention_backend == "triton" and not fits:
         raise ValueError(f"attention_backend='triton' needs block_size >= 16 (got {block_size}) and a "
@@ -37,7 +39,7 @@ def select_ops(attention_backend: str, device: torch.device, block_size: int, he
     if attention_backend == "triton":
         from minfer.ops.triton_ops import TritonOps
 
-        return TritonOps(device, block_size, head_dim)
+        return TritonOps(device, block_size, head_dim, max_step_tokens)
     return TorchOps()
 
 

@@ -113,10 +113,6 @@ class Ops(ABC):
         """``silu_and_mul`` emitting the down projection's FP8 input."""
         return self.quantize_activation(self.silu_and_mul(x), None, block)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weightᵀ (+ bias)`` of a layer in the model dtype."""
-        return torch.nn.functional.linear(x, weight, bias)
-
     def fp8_linear(self, x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:
         """``x @ dequantize(weight)ᵀ (+ bias)`` for an e4m3 ``weight`` [N, K] with float32 scales per row

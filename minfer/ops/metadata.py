@@ -44,6 +44,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor | None = None
     # torch ops: the decodes' cache slots and key positions, once per step for each block table and window
     _decode_slots: dict = field(default_factory=dict)
+    # Triton ops on Hopper: the 8-bit caches' staging plans, once per step for each block table and window
+    _stage_plans: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -9,16 +9,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from minfer.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from minfer.kernels.attention.decode_attention import paged_decode_attention
 from minfer.kernels.attention.decode_attention_sm90 import paged_decode_attention_sm90
 from minfer.kernels.attention.gluon_sm90 import sm90_available
+from minfer.kernels.attention.kv_stage import StagePlan, plan_stage, staged_prefill_attention
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.gemm.fp8_gemm import fp8_gemm_block, fp8_gemm_channel
-from minfer.kernels.gemm.splitk_gemm import fp8_gemm_splitk, gemm_splitk
+from minfer.kernels.gemm.splitk_gemm import fp8_gemm_splitk
 from minfer.kernels.linear_attention.causal_conv import causal_conv1d
 from minfer.kernels.linear_attention.gated_delta import gated_delta_rule
 from minfer.kernels.linear_attention.gated_norm import gated_rms_norm
@@ -42,20 +42,26 @@ from minfer.ops.one_token import OneTokenFusedForward
 # cuBLAS is as fast or faster (benchmarks/RESULTS.md), so larger products stay on it.
 FP8_SPLITK = os.environ.get("MINFER_FP8_SPLITK", "1") == "1"
 FP8_SPLITK_MAX_ROWS = 64
-# The same kernel on 16-bit weights (``gemm_splitk``), off until a GPU times it against cuBLAS: MINFER_SPLITK_16BIT=1.
-SPLITK_16BIT = os.environ.get("MINFER_SPLITK_16BIT", "0") == "1"
-SPLITK_16BIT_MAX_ROWS = 64
+# Prompt chunks over an 8-bit cache on Hopper: the pages they see dequantized once into a 16-bit scratch cache for
+# the 16-bit kernel (``kv_stage.py``), where converting in the kernel held it at 0.78-0.84x of the 16-bit one;
+# MINFER_STAGE_8BIT_PREFILL=0 keeps the converting kernel.
+STAGE_8BIT_PREFILL = os.environ.get("MINFER_STAGE_8BIT_PREFILL", "1") == "1"
 
 
 class TritonOps(Ops):
     name = "triton"
     cuda_graphs = True
 
-    def __init__(self, device: torch.device, block_size: int, head_dim: int) -> None:
+    def __init__(self, device: torch.device, block_size: int, head_dim: int, max_step_tokens: int = 0) -> None:
+        """``max_step_tokens``: the token budget of the start-up memory profile, which stages that many tokens'
+        pages: a step stages at most that many (and one page a chunk for their partial pages), else the 8-bit
+        prefill converts in the kernel."""
         # Attention: the warp-specialized TMA/wgmma kernels on Hopper, the Triton kernels elsewhere.
         hopper = sm90_available(device, head_dim, block_size)
         self.prefill_attention = paged_prefill_attention_sm90 if hopper else paged_prefill_attention
         self.decode_attention = paged_decode_attention_sm90 if hopper else paged_decode_attention
+        self.stage_8bit = hopper and STAGE_8BIT_PREFILL
+        self.max_step_tokens = max_step_tokens
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x if x.dim() == 3 else x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
@@ -95,10 +101,27 @@ class TritonOps(Ops):
             qp = q[nd:]
             if qp.stride(1) != qp.shape[2]:  # heads apart (Qwen3.5's q beside its gate): the Hopper kernel's TMA
                 qp = qp.contiguous()         # reads whole rows of heads
-            self.prefill_attention(qp, kc, vc, meta.prefill_block_tables[g], meta.prefill_query_start_loc,
-                                   meta.prefill_context_lens, meta.max_prefill_query_len, scale, out=out[nd:],
-                                   **how)
+            args = (qp, kc, vc, meta.prefill_block_tables[g], meta.prefill_query_start_loc,
+                    meta.prefill_context_lens, meta.max_prefill_query_len, scale)
+            plan = self._stage_plan(meta, g, cache.window) if cache.k_scale is not None and self.stage_8bit else None
+            if plan is not None:
+                staged_prefill_attention(self.prefill_attention, *args, out=out[nd:], plan=plan, **how)
+            else:
+                self.prefill_attention(*args, out=out[nd:], **how)
         return out
+
+    def _stage_plan(self, meta: AttentionMetadata, group: int, window: int) -> StagePlan | None:
+        """The step's staging plan for a KV group's table and window, made once a step (None: too many pages,
+        or no host lengths to plan from)."""
+        key = (group, window)
+        if key not in meta._stage_plans:
+            nd, page = meta.num_decodes, meta.block_size
+            ctx, q_lens = meta.context_lens_host[nd:], meta.query_lens_host[nd:]
+            table = meta.prefill_block_tables[group]
+            budget = self.max_step_tokens or sum(meta.query_lens_host)
+            meta._stage_plans[key] = plan_stage(ctx, q_lens, page, table.shape[1], window, table.device,
+                                                max_pages=-(-budget // page) + len(ctx)) if ctx else None
+        return meta._stage_plans[key]
 
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:
         return greedy_argmax(logits)
@@ -125,12 +148,6 @@ class TritonOps(Ops):
 
     def silu_and_mul_fp8(self, x: torch.Tensor, block: bool) -> Fp8Activation:
         return Fp8Activation(*silu_and_mul_fp8(x, FP8_GROUP if block else None), x.dtype)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if (SPLITK_16BIT and x.dim() == 2 and x.shape[0] <= SPLITK_16BIT_MAX_ROWS and x.dtype == weight.dtype
-                and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1 and weight.stride(1) == 1):
-            return gemm_splitk(x, weight, bias)
-        return F.linear(x, weight, bias)
 
     def fp8_linear(self, x: torch.Tensor | Fp8Activation, weight: torch.Tensor, weight_scale: torch.Tensor,
                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, block: bool) -> torch.Tensor:

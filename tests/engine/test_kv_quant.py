@@ -100,6 +100,60 @@ def test_triton_kernels_match_torch_path(checkpoints) -> None:
         assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), **kw), prompts, params)
 
 
+def test_staged_prefill_matches_torch_path(checkpoints, monkeypatch) -> None:
+    """Staged 8-bit prefill (``kv_stage.py``, the Hopper default), taken here over the Triton prefill kernel: the
+    torch path's greedy tokens. With a 16-token budget the first step's chunks (3 pages for 2 chunks) are staged and
+    the second chunk's 40 tokens of context (3 pages for 1) are not: that step converts in the kernel. The plan is
+    made once a step, not once a layer."""
+    from minfer.ops import triton_ops
+
+    calls = {"plan": 0, "staged": 0, "planned": []}
+    plan_stage, staged = triton_ops.plan_stage, triton_ops.staged_prefill_attention
+
+    def counting_plan(*a, **k):
+        calls["plan"] += 1
+        plan = plan_stage(*a, **k)
+        calls["planned"].append(plan is not None)
+        return plan
+
+    def counting_staged(*a, **k):
+        calls["staged"] += 1
+        return staged(*a, **k)
+
+    monkeypatch.setattr(triton_ops, "plan_stage", counting_plan)
+    monkeypatch.setattr(triton_ops, "staged_prefill_attention", counting_staged)
+    prompts = [{"prompt_token_ids": p} for p in ([5], [(i * 7) % 300 + 2 for i in range(40)])]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    kw = dict(num_kv_blocks=64, kv_cache_dtype="int8", max_num_batched_tokens=24, max_num_seqs=2)
+    triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", **kw)
+    ops = triton.llm_engine.runner.ops
+    ops.stage_8bit, ops.max_step_tokens = True, 16
+    assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), **kw), prompts, params)
+    layers = triton.llm_engine.runner.model_config.num_hidden_layers
+    assert calls["planned"] == [True, False] and calls["staged"] == layers, calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_staged_prefill_gpu_matches_torch_path(checkpoints, monkeypatch, fmt: str) -> None:
+    """On the GPU in float32 (so that greedy tokens compare across paths): prompt chunks staged under the engine's
+    own budget, against the torch path's tokens."""
+    from minfer.ops import triton_ops
+
+    staged = []
+    real = triton_ops.staged_prefill_attention
+    monkeypatch.setattr(triton_ops, "staged_prefill_attention", lambda *a, **k: (staged.append(1), real(*a, **k))[1])
+    prompts = [{"prompt_token_ids": p} for p in ([5], [(i * 7) % 300 + 2 for i in range(40)])]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    kw = dict(num_kv_blocks=64, kv_cache_dtype=fmt, max_num_batched_tokens=24, max_num_seqs=2, dtype="float32",
+              device="cuda")
+    triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", **kw)
+    triton.llm_engine.runner.ops.stage_8bit = True
+    assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), attention_backend="torch", **kw),
+                                                       prompts, params)
+    assert staged
+
+
 def test_cache_sizing_counts_scales(checkpoints) -> None:
     budget = 1 << 20
     auto = LLM(str(checkpoints["llama3"]), dtype="bfloat16", kv_cache_memory_bytes=budget)

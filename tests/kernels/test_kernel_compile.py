@@ -135,15 +135,14 @@ BUILDS = {
                                     dict(N_SHARDS=2, TILE_STARTS=(0, 224, 448), B_ROWS=(0, 14336),
                                          OUT_COLS=(0, 14336), SIZES=(14336, 14336), RANK=16, SPLIT_K=1,
                                          BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, L_PAD=8, PRECISION="tf32x3")),
-    # the split-K GEMMs of decode batches (splitk_gemm.py): an FP8 split launch (partials, the ticket, the last
-    # program's sum, the scales) at 64 x 64 promoting each k-step, and an unsplit bf16 one with bias and ragged K
+    # the split-K FP8 GEMM of decode batches (splitk_gemm.py): a split launch (partials, the ticket, the last
+    # program's sum, the scales) at 64 x 64 promoting each k-step, and an unsplit one with bias and ragged K
     "fp8_splitk": ("minfer.kernels.gemm.splitk_gemm", "_splitk_kernel", _SPLITK_SIG,
-                   dict(HAS_SCALES=True, HAS_BIAS=False, SPLIT=3, EVEN_K=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
-                        PROMOTE=True, PDL=True)),
-    "bf16_splitk_unsplit": ("minfer.kernels.gemm.splitk_gemm", "_splitk_kernel",
-                            dict(_SPLITK_SIG, A="*bf16", B="*bf16", AS="*bf16", BS="*bf16"),
-                            dict(HAS_SCALES=False, HAS_BIAS=True, SPLIT=1, EVEN_K=False, BLOCK_M=64, BLOCK_N=128,
-                                 BLOCK_K=64, PROMOTE=False, PDL=False)),
+                   dict(HAS_BIAS=False, SPLIT=3, EVEN_K=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PROMOTE=True,
+                        PDL=True)),
+    "fp8_splitk_unsplit": ("minfer.kernels.gemm.splitk_gemm", "_splitk_kernel", _SPLITK_SIG,
+                           dict(HAS_BIAS=True, SPLIT=1, EVEN_K=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128,
+                                PROMOTE=True, PDL=False)),
 }
 
 

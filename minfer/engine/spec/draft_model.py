@@ -75,7 +75,8 @@ class DraftModel:
         self.device = device
         self.dtype = config.resolved_dtype(mc)
         self.block_size = config.block_size
-        self.ops = select_ops(config.attention_backend, device, config.block_size, mc.max_head_dim)
+        self.ops = select_ops(config.attention_backend, device, config.block_size, mc.max_head_dim,
+                              config.max_num_batched_tokens)
         started = time.perf_counter()
         self.model = build_model(path, mc, self.dtype, device, max_model_len, self.ops, tp, None, config.load_format)
         if getattr(self.model, "state_layers", None):

@@ -71,7 +71,8 @@ class Eagle3Drafter:
         self.device = device
         self.dtype = config.resolved_dtype(target)  # the target's: the head reads its hidden states
         self.block_size = config.block_size
-        self.ops = select_ops(config.attention_backend, device, config.block_size, mc.max_head_dim)
+        self.ops = select_ops(config.attention_backend, device, config.block_size, mc.max_head_dim,
+                              config.max_num_batched_tokens)
         started = time.perf_counter()
         self.model = build_model(path, mc, self.dtype, device, max_model_len, self.ops, tp, None, config.load_format)
         logger.info("start-up: load the EAGLE-3 head took %.2f s", time.perf_counter() - started)

@@ -1,5 +1,5 @@
-"""GEMMs of decode-sized batches (``M`` up to a few dozen rows), split along K: the channel-scaled FP8 product
-(:func:`fp8_gemm_splitk`) and the 16-bit one (:func:`gemm_splitk`).
+"""The channel-scaled FP8 GEMM of decode-sized batches (``M`` up to a few dozen rows), split along K
+(:func:`fp8_gemm_splitk`).
 
 Such a product streams its weight, and a GEMM that gives each output tile one program leaves SMs idle while the
 others stream: at 16 rows cuBLASLt's row-wise ``_scaled_mm`` tiles llama-3.1-8b's o and down projections 128 x 128,
@@ -14,7 +14,9 @@ with ``.cg`` (from L2, past its own L1) and puts the ticket back to zero, so the
 launch without a memset. Two launches on one device must not overlap: under PDL the next kernel waits for this
 one's grid to finish before it reads anything, and the engine runs its GEMMs on one stream.
 
-The split count and tile come from :func:`splitk_config`, a rule measured on the GPU, not from autotuning.
+The split count and tile come from :func:`splitk_config`, a rule measured on the GPU, not from autotuning. The
+same kernel on 16-bit weights was measured and dropped: cuBLAS's bf16 GEMM is as fast at these sizes
+(benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import dot_mode, num_sms
+from .._utils import num_sms
 from ..pdl import launch_options, use_pdl, wait_for_previous
 from .fp8_gemm import _check_fp8_operands
 
@@ -34,7 +36,7 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 @dataclass(frozen=True)
 class SplitKConfig:
-    """Tile ``block_m`` x ``block_n`` (``block_k`` deep: 128 bytes of a row, 128 FP8 or 64 16-bit values), ``split``
+    """Tile ``block_m`` x ``block_n`` (``block_k`` deep: 128 FP8 values, 128 bytes of a row), ``split``
     stretches of K, warps and pipeline depth. ``fast_accum`` (FP8): let the tensor cores accumulate a whole stretch
     in their reduced-precision adder (sm_90's FP8 MMA keeps ~14 bits of mantissa); by default each ``block_k``-deep
     product is added to a float32 accumulator, as cuBLAS does by default (sweeps only)."""
@@ -53,7 +55,7 @@ PROGRAMS_PER_SM = 2  # a 64 x 64 tile's four stages take 64 KB of shared memory,
 MIN_STRETCH_STEPS = 10  # k-steps (128 bytes of a row each) a split program streams at least: fewer, fixed costs show
 
 
-def splitk_config(m: int, n: int, k: int, sms: int, elem_bytes: int = 1) -> SplitKConfig:
+def splitk_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     """The tile and split of an ``[m, k] x [k, n]`` GEMM on ``sms`` multiprocessors, for decode-sized ``m``.
 
     Such a GEMM streams its weight: what counts is that every SM has about two programs loading at once. Tiles are
@@ -61,9 +63,8 @@ def splitk_config(m: int, n: int, k: int, sms: int, elem_bytes: int = 1) -> Spli
     gate_up); K is then split into as many stretches as keep the grid within two programs an SM and each stretch at
     least ``MIN_STRETCH_STEPS`` k-steps (128 bytes of a row each) long. On an H100 at M = 4..64 this picked the
     fastest of 15 FP8 candidates or one within 6% at llama-3.1-8b's four projections
-    (``benchmarks/bench_decode_gemm.py``; qkv split 2, o 3, down 4, gate_up 1). ``elem_bytes``: 2 for 16-bit
-    operands, whose k-steps are 64 deep."""
-    block_m, block_k = 64, 128 // elem_bytes
+    (``benchmarks/bench_decode_gemm.py``; qkv split 2, o 3, down 4, gate_up 1)."""
+    block_m, block_k = 64, 128
     slots = PROGRAMS_PER_SM * sms
     block_n = 64 if triton.cdiv(m, block_m) * triton.cdiv(n, 64) <= slots else 128
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -75,12 +76,11 @@ def splitk_config(m: int, n: int, k: int, sms: int, elem_bytes: int = 1) -> Spli
 
 @triton.jit
 def _splitk_kernel(A, AS, B, BS, BIAS, C, WS, TICKETS, M, N, K, K_STRETCH, stride_am, stride_bn, stride_cm,
-                   HAS_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr = False,
-                   UPCAST: tl.constexpr = False, PDL: tl.constexpr = False):
-    """C[M, N] = (A · Bᵀ) (* AS[:, None] * BS[None, :]) (+ BIAS), K summed in SPLIT stretches of K_STRETCH.
-    PROMOTE (FP8 operands): each BLOCK_K-deep product is added to the float32 accumulator. UPCAST: the operands
-    multiplied in float32 (bfloat16 under the CPU interpreter, whose bfloat16 dot is wrong: ``dot_mode``)."""
+                   PDL: tl.constexpr = False):
+    """C[M, N] = (A · Bᵀ) * AS[:, None] * BS[None, :] (+ BIAS), K summed in SPLIT stretches of K_STRETCH.
+    PROMOTE: each BLOCK_K-deep product is added to the float32 accumulator."""
     pid = tl.program_id(0)
     stretch = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -105,9 +105,6 @@ def _splitk_kernel(A, AS, B, BS, BIAS, C, WS, TICKETS, M, N, K, K_STRETCH, strid
             k_left = K - k0 - j * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < k_left, other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
         if PROMOTE:  # each k-step's product promoted to the float32 accumulator (sm_90: fast accumulation by default)
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
@@ -128,17 +125,15 @@ def _splitk_kernel(A, AS, B, BS, BIAS, C, WS, TICKETS, M, N, K, K_STRETCH, strid
             for s in range(1, SPLIT):
                 acc += tl.load(WS + (s * M).to(tl.int64) * N + tile, mask=inside, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(TICKETS + pid, 0, sem="relaxed", scope="gpu")
-            _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_SCALES, HAS_BIAS)
+            _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_BIAS)
     else:
-        _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_SCALES, HAS_BIAS)
+        _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_BIAS)
 
 
 @triton.jit
-def _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_SCALES: tl.constexpr,
-                  HAS_BIAS: tl.constexpr):
-    """The float32 product (FP8: times the token and channel scales) plus bias, rounded once into C."""
-    if HAS_SCALES:
-        acc = acc * tl.load(AS + rm)[:, None] * tl.load(BS + rn)[None, :]
+def _store_scaled(acc, AS, BS, BIAS, C, om, on, rm, rn, stride_cm, inside, HAS_BIAS: tl.constexpr):
+    """The float32 product times the token and channel scales, plus bias, rounded once into C."""
+    acc = acc * tl.load(AS + rm)[:, None] * tl.load(BS + rn)[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + rn).to(tl.float32)[None, :]
     tl.store(C + om.to(tl.int64)[:, None] * stride_cm + on[None, :], acc.to(C.dtype.element_ty), mask=inside)
@@ -163,54 +158,32 @@ def fp8_gemm_splitk(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_
     scales, ``bias [N]`` added in float32), both operands with a contiguous last dim. ``config`` overrides
     :func:`splitk_config` (sweeps and tests)."""
     m, k = xq.shape
-    _check_fp8_operands(xq, x_scale, w, w_scale, bias, ((m,), (w.shape[0],)))
+    n = w.shape[0]
+    _check_fp8_operands(xq, x_scale, w, w_scale, bias, ((m,), (n,)))
     if not x_scale.is_contiguous() or not w_scale.is_contiguous():
         raise ValueError("x_scale and w_scale must be contiguous")
-    return _launch(xq, w, bias, (x_scale, w_scale), out_dtype, config, promote=not (config and config.fast_accum))
-
-
-def gemm_splitk(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                config: SplitKConfig | None = None) -> torch.Tensor:
-    """``x [M, K] · w [N, K]ᵀ (+ bias [N])`` for 16-bit ``x`` and ``w`` of one dtype (the output's), float32 sums,
-    bias added in float32, one rounding; both with a contiguous last dim. ``config`` overrides :func:`splitk_config`."""
-    if x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
-        raise TypeError(f"x and w must both be bfloat16 or float16, got {x.dtype} and {w.dtype}")
-    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"expected x [M, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if bias is not None and bias.shape != (w.shape[0],):
-        raise ValueError(f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
-    return _launch(x, w, bias, None, x.dtype, config, promote=False, upcast=dot_mode(x.dtype)[0])
-
-
-def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-            scales: tuple[torch.Tensor, torch.Tensor] | None, out_dtype: torch.dtype, config: SplitKConfig | None,
-            promote: bool, upcast: bool = False) -> torch.Tensor:
-    """Both products' launch: the split from the config or the rule, the workspace when split, the tickets."""
-    m, k = x.shape
-    n = w.shape[0]
-    if x.stride(1) != 1 or w.stride(1) != 1:
+    if xq.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("both operands need a contiguous last dim")
     if bias is not None and not bias.is_contiguous():
         raise ValueError("bias must be contiguous")
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    cfg = config or splitk_config(m, n, k, num_sms(x.device), x.element_size())
+    cfg = config or splitk_config(m, n, k, num_sms(xq.device))
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    tickets = _tickets_for(x.device) if cfg.split > 1 and tiles <= MAX_TILES else None
+    tickets = _tickets_for(xq.device) if cfg.split > 1 and tiles <= MAX_TILES else None
     split = cfg.split if tickets is not None else 1
     stretch = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, stretch)  # no empty stretch
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    x_scale, w_scale = scales if scales is not None else (out, out)  # unread without scales
-    pdl = use_pdl(x.device)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=xq.device) if split > 1 else out
+    pdl = use_pdl(xq.device)
     _splitk_kernel[(tiles, split)](
-        x, x_scale, w, w_scale, bias if bias is not None else out, out, ws,
-        tickets if tickets is not None else out, m, n, k, stretch, x.stride(0), w.stride(0), out.stride(0),
-        HAS_SCALES=scales is not None, HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=k % cfg.block_k == 0,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=promote, UPCAST=upcast, PDL=pdl,
+        xq, x_scale, w, w_scale, bias if bias is not None else out, out, ws,
+        tickets if tickets is not None else out, m, n, k, stretch, xq.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=split, EVEN_K=k % cfg.block_k == 0, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=not cfg.fast_accum, PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

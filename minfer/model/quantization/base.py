@@ -75,7 +75,7 @@ class UnquantizedLinear(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(rows, in_features, dtype=dtype), requires_grad=False)
 
     def apply(self, layer: nn.Module, x: Activation, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias) if layer.ops is None else layer.ops.linear(x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
 
 
 UNQUANTIZED = UnquantizedLinear()
