@@ -135,6 +135,13 @@ BUILDS = {
                                     dict(N_SHARDS=2, TILE_STARTS=(0, 224, 448), B_ROWS=(0, 14336),
                                          OUT_COLS=(0, 14336), SIZES=(14336, 14336), RANK=16, SPLIT_K=1,
                                          BLOCK_M=64, BLOCK_N=64, BLOCK_R=16, L_PAD=8, PRECISION="tf32x3")),
+    # staged 8-bit prefill (kv_stage.py): int8 and e4m3 pages (as bytes) to bf16 through the inline-PTX conversion
+    **{f"kv_stage_{fmt}": ("minfer.kernels.attention.kv_stage", "_stage_kernel",
+                           dict(k_codes=codes, v_codes=codes, k_scales="*fp16", v_scales="*fp16", k_out="*bf16",
+                                v_out="*bf16", block_tables="*i32", seq_of="*i32", col_of="*i32", bt_stride="i32"),
+                           dict(PAGE=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK=4096, KIND=kind, ASM=True, EXACT=False,
+                                MANT=7, EMIN=-126, SATURATE=False))
+       for fmt, codes, kind in (("int8", "*i8", 0), ("e4m3", "*u8", 1))},
     # the split-K FP8 GEMM of decode batches (splitk_gemm.py): a split launch (partials, the ticket, the last
     # program's sum, the scales) at 64 x 64 promoting each k-step, and an unsplit one with bias and ragged K
     "fp8_splitk": ("minfer.kernels.gemm.splitk_gemm", "_splitk_kernel", _SPLITK_SIG,

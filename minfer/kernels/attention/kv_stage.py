@@ -68,18 +68,38 @@ def plan_stage(context_lens: Sequence[int], query_lens: Sequence[int], page: int
     seq = np.repeat(np.arange(len(ctx)), counts)
     col = first[seq] + np.arange(pages) - starts[seq]
     table = starts[:, None] + np.clip(np.arange(width)[None, :] - first[:, None], 0, counts[:, None] - 1)
-    flat = torch.from_numpy(np.concatenate((table.ravel(), seq, col)).astype(np.int32)).to(device)
+    # One upload a step, from pinned memory and asynchronous: a pageable copy would wait for the device's queue.
+    host = torch.from_numpy(np.concatenate((table.ravel(), seq, col)).astype(np.int32))
+    flat = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
     n = table.size
     return StagePlan(flat[:n].view(len(ctx), width), flat[n:n + pages], flat[n + pages:], pages)
 
 
 @triton.jit
-def _stage_kernel(codes, scales, out, block_tables, seq_of, col_of, bt_stride,
+def _stage_page(codes, scales, out, blk, i, e, inside, PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, KIND: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr,
+                MANT: tl.constexpr, EMIN: tl.constexpr, SATURATE: tl.constexpr):
+    """Values ``e`` of cache page ``blk`` (contiguous ``[PAGE, Hkv, D]``, scales ``[Hkv, PAGE]``) into scratch page
+    ``i``, which has the cache page's layout."""
+    PAGE_VALUES: tl.constexpr = PAGE * NUM_KV_HEADS * HEAD_DIM
+    token = e // (NUM_KV_HEADS * HEAD_DIM)
+    head = (e // HEAD_DIM) % NUM_KV_HEADS
+    x = codes_to_f16(tl.load(codes + blk * PAGE_VALUES + e, mask=inside), KIND, ASM, True)
+    s = tl.load(scales + (blk * NUM_KV_HEADS + head) * PAGE + token, mask=inside, other=0.0)
+    y = x.to(tl.float32) * s.to(tl.float32)
+    if SATURATE:
+        y = tl.minimum(tl.maximum(y, -65504.0), 65504.0)
+    if EXACT:  # the interpreter's conversion rounds ties away and can drop a carry (kv_quant.py)
+        y = round_to_float_grid(y, MANT, EMIN)
+    tl.store(out + i * PAGE_VALUES + e, y.to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _stage_kernel(k_codes, v_codes, k_scales, v_scales, k_out, v_out, block_tables, seq_of, col_of, bt_stride,
                   PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                   KIND: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr, MANT: tl.constexpr,
                   EMIN: tl.constexpr, SATURATE: tl.constexpr):
-    """One scratch page (every KV head) of K or V: a page of the cache is contiguous ``[PAGE, Hkv, D]``, its scales
-    ``[Hkv, PAGE]``; the scratch page has the cache page's layout."""
+    """One scratch page, K and V, every KV head."""
     i = tl.program_id(0).to(tl.int64)
     seq = tl.load(seq_of + i).to(tl.int64)
     blk = tl.load(block_tables + seq * bt_stride + tl.load(col_of + i)).to(tl.int64)
@@ -87,16 +107,10 @@ def _stage_kernel(codes, scales, out, block_tables, seq_of, col_of, bt_stride,
     for start in tl.static_range(0, PAGE_VALUES, BLOCK):
         e = start + tl.arange(0, BLOCK)
         inside = e < PAGE_VALUES
-        token = e // (NUM_KV_HEADS * HEAD_DIM)
-        head = (e // HEAD_DIM) % NUM_KV_HEADS
-        x = codes_to_f16(tl.load(codes + blk * PAGE_VALUES + e, mask=inside), KIND, ASM, True)
-        s = tl.load(scales + (blk * NUM_KV_HEADS + head) * PAGE + token, mask=inside, other=0.0)
-        y = x.to(tl.float32) * s.to(tl.float32)
-        if SATURATE:
-            y = tl.minimum(tl.maximum(y, -65504.0), 65504.0)
-        if EXACT:  # the interpreter's conversion rounds ties away and can drop a carry (kv_quant.py)
-            y = round_to_float_grid(y, MANT, EMIN)
-        tl.store(out + i * PAGE_VALUES + e, y.to(out.dtype.element_ty), mask=inside)
+        _stage_page(k_codes, k_scales, k_out, blk, i, e, inside, PAGE, NUM_KV_HEADS, HEAD_DIM, KIND, ASM, EXACT,
+                    MANT, EMIN, SATURATE)
+        _stage_page(v_codes, v_scales, v_out, blk, i, e, inside, PAGE, NUM_KV_HEADS, HEAD_DIM, KIND, ASM, EXACT,
+                    MANT, EMIN, SATURATE)
 
 
 def stage_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
@@ -126,9 +140,8 @@ def stage_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor
                   BLOCK=min(STAGE_BLOCK, triton.next_power_of_2(page * num_kv_heads * head_dim)),
                   KIND=fmt.f16_kind, ASM=asm, EXACT=interpreting() and mant > 0, MANT=mant, EMIN=emin,
                   SATURATE=dtype == torch.float16, num_warps=4)
-    for codes, scales, out in ((k_codes, k_scale, k_out), (v_codes, v_scale, v_out)):
-        _stage_kernel[(plan.pages,)](codes, scales, out, block_tables, plan.seq, plan.col, block_tables.stride(0),
-                                     **params)
+    _stage_kernel[(plan.pages,)](k_codes, v_codes, k_scale, v_scale, k_out, v_out, block_tables, plan.seq, plan.col,
+                                 block_tables.stride(0), **params)
     return k_out, v_out
 
 
