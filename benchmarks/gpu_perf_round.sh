@@ -152,7 +152,11 @@ case " $PARTS " in *" stage "*)
     bench "A_qwen3-0.6b_int8kv_stage$f" --shape qwen3-0.6b --kv-cache-dtype int8
   done
   unset MINFER_STAGE_8BIT_PREFILL
-  bench_table stage.md ;;
+  bench_table stage.md
+  echo "== step timeline qwen3-0.6b, int8 KV, staged ($(left) s left)"
+  timeout "$(cap 100)" "$PY" dev/step_timeline.py --shape qwen3-0.6b --kv-cache-dtype int8 \
+    --out "$OUT/timeline_stage.md" > "$OUT/timeline_stage.log" 2>&1 || echo "   exit $?"
+  cat "$OUT/timeline_stage.md" 2>/dev/null ;;
 esac
 case " $PARTS " in *" overlap "*)
   for kv in auto int8; do  # dev/overlap_probe.py: two half batches on two streams against the whole batch

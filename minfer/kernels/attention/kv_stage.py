@@ -68,11 +68,16 @@ def plan_stage(context_lens: Sequence[int], query_lens: Sequence[int], page: int
     seq = np.repeat(np.arange(len(ctx)), counts)
     col = first[seq] + np.arange(pages) - starts[seq]
     table = starts[:, None] + np.clip(np.arange(width)[None, :] - first[:, None], 0, counts[:, None] - 1)
-    # One upload a step, from pinned memory and asynchronous: a pageable copy would wait for the device's queue.
-    host = torch.from_numpy(np.concatenate((table.ravel(), seq, col)).astype(np.int32))
-    flat = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-    n = table.size
-    return StagePlan(flat[:n].view(len(ctx), width), flat[n:n + pages], flat[n + pages:], pages)
+    # One upload a step, from pinned memory and asynchronous (a pageable copy would wait for the device's queue),
+    # each array on a 64-byte boundary: Triton specialises on pointer alignment, and a new variant compiles mid-run.
+    parts = (table.ravel(), seq, col)
+    starts = np.cumsum([0] + [-(-len(a) // 16) * 16 for a in parts])
+    host = torch.zeros(int(starts[-1]), dtype=torch.int32, pin_memory=device.type == "cuda")
+    for a, at in zip(parts, starts):
+        host[at:at + len(a)] = torch.from_numpy(a.astype(np.int32))
+    flat = host.to(device, non_blocking=True)
+    t, sq, cl = (flat[at:at + len(a)] for a, at in zip(parts, starts))
+    return StagePlan(t.view(len(ctx), width), sq, cl, pages)
 
 
 @triton.jit
@@ -94,7 +99,7 @@ def _stage_page(codes, scales, out, blk, i, e, inside, PAGE: tl.constexpr, NUM_K
     tl.store(out + i * PAGE_VALUES + e, y.to(out.dtype.element_ty), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])
 def _stage_kernel(k_codes, v_codes, k_scales, v_scales, k_out, v_out, block_tables, seq_of, col_of, bt_stride,
                   PAGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                   KIND: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr, MANT: tl.constexpr,
