@@ -5,6 +5,7 @@ layers call these names and never ask which backend runs them.
 """
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
@@ -108,6 +109,11 @@ class Ops(ABC):
         """``add_rms_norm`` emitting the next FP8 layer's input, and the new residual."""
         normed, residual = self.add_rms_norm(x, residual, weight, eps)
         return self.quantize_activation(normed, None, block), residual
+
+    def converting_8bit_prefill(self, on: bool) -> contextlib.AbstractContextManager:
+        """While ``on``, 8-bit prefill converts codes in the kernel where it would stage them (``TritonOps``): the
+        start-up warm-up compiles both kernels. Nothing here."""
+        return contextlib.nullcontext()
 
     def silu_and_mul_fp8(self, x: torch.Tensor, block: bool) -> Fp8Activation:
         """``silu_and_mul`` emitting the down projection's FP8 input."""

@@ -4,8 +4,9 @@ Imported only when the Triton ops are chosen (``select_ops``), so the torch path
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -109,6 +110,15 @@ class TritonOps(Ops):
             else:
                 self.prefill_attention(*args, out=out[nd:], **how)
         return out
+
+    @contextlib.contextmanager
+    def converting_8bit_prefill(self, on: bool) -> Iterator[None]:
+        staged = self.stage_8bit
+        self.stage_8bit = staged and not on
+        try:
+            yield
+        finally:
+            self.stage_8bit = staged
 
     def _stage_plan(self, meta: AttentionMetadata, group: int, window: int) -> StagePlan | None:
         """The step's staging plan for a KV group's table and window, made once a step (None: too many pages,

@@ -133,6 +133,26 @@ def test_staged_prefill_matches_torch_path(checkpoints, monkeypatch) -> None:
     assert calls["planned"] == [True, False] and calls["staged"] == layers, calls
 
 
+def test_warm_up_runs_both_8bit_prefill_kernels(checkpoints, monkeypatch) -> None:
+    """The start-up warm-up's chunks take the staged path and, once, the converting kernel that steps past the
+    staging budget take: on a GPU neither compiles mid-run (a Gluon build costs seconds)."""
+    from minfer.ops import triton_ops
+
+    staged = []
+    real = triton_ops.staged_prefill_attention
+    monkeypatch.setattr(triton_ops, "staged_prefill_attention", lambda *a, **k: (staged.append(1), real(*a, **k))[1])
+    llm = LLM(str(checkpoints["qwen3"]), attention_backend="triton", num_kv_blocks=16, kv_cache_dtype="int8")
+    runner = llm.llm_engine.runner
+    runner.ops.stage_8bit = True
+    converting = []
+    kernel = runner.ops.prefill_attention
+    runner.ops.prefill_attention = lambda *a, **k: (converting.append(k.get("k_scale") is not None), kernel(*a, **k))[1]
+    runner.warm_up_kernels(runner.model, runner.forward, width=2)
+    layers = runner.model_config.num_hidden_layers
+    assert len(staged) == 3 * layers and converting.count(True) == layers, (len(staged), converting)
+    assert runner.ops.stage_8bit
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_staged_prefill_gpu_matches_torch_path(checkpoints, monkeypatch, fmt: str) -> None:
