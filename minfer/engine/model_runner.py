@@ -172,17 +172,17 @@ class ModelRunner:
     @torch.no_grad()
     def warm_up_kernels(self, model: torch.nn.Module, forward: Any, width: int = 64) -> None:
         """Compile the Triton variants eager (mixed prefill + decode) steps use before the first request, not while
-        serving (on a GPU each costs seconds). Steps of 1, 7, 16 and 49 tokens (the last again with 8-bit prefill
-        converting in the kernel, as steps past the staging budget do) cover decodes with and without split-K, prompt
-        chunks and every integer specialisation class; they write garbage into block 0, which no sequence holds
-        yet. ``model``, ``forward``: the target's or a drafter's; ``width``: each row's blocks."""
+        serving (on a GPU each costs seconds). Steps of 1, 7, 16 and 49 tokens (8-bit prefill staged, the last again
+        converting in the kernel, as steps the staging rules refuse do) cover decodes with and without split-K,
+        prompt chunks and every integer specialisation class; they write garbage into block 0, which no sequence
+        holds yet. ``model``, ``forward``: the target's or a drafter's; ``width``: each row's blocks."""
         for i, (num_decodes, chunk) in enumerate(((1, 0), (3, 4), (1, 15), (40, 9), (40, 9))):
             q_lens = [1] * num_decodes + ([chunk] if chunk else [])
             ctx = [width * self.block_size - 8] * num_decodes + ([chunk] if chunk else [])
             a = synthetic_step(q_lens, ctx, np.zeros((len(q_lens), width), dtype=np.int32), self.num_kv_groups)
             a.positions[:] = a.slots[:] = 0  # positions in any rotary table; all writes into block 0
             ids, positions, rows, *slots = self._upload(torch.int64, a.ids, a.positions, a.logit_rows, *a.slots)
-            with self.ops.converting_8bit_prefill(i == 4):
+            with self.ops.forcing_8bit_prefill(staged=i < 4):
                 hidden = forward(ids, positions, self._metadata(a, slots[:1] if model is not self.model else slots))
             logits = model.compute_logits(hidden[rows], float32=False)
         self.ops.gumbel_argmax(logits, torch.zeros(len(logits), dtype=torch.int64, device=self.device),

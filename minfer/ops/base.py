@@ -110,9 +110,9 @@ class Ops(ABC):
         normed, residual = self.add_rms_norm(x, residual, weight, eps)
         return self.quantize_activation(normed, None, block), residual
 
-    def converting_8bit_prefill(self, on: bool) -> contextlib.AbstractContextManager:
-        """While ``on``, 8-bit prefill converts codes in the kernel where it would stage them (``TritonOps``): the
-        start-up warm-up compiles both kernels. Nothing here."""
+    def forcing_8bit_prefill(self, staged: bool) -> contextlib.AbstractContextManager:
+        """Within it, 8-bit prefill is staged (``staged``, where staging is on) or converts codes in the kernel,
+        whatever the step (``TritonOps``): the start-up warm-up compiles both kernels. Nothing here."""
         return contextlib.nullcontext()
 
     def silu_and_mul_fp8(self, x: torch.Tensor, block: bool) -> Fp8Activation:

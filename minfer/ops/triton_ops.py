@@ -47,6 +47,11 @@ FP8_SPLITK_MAX_ROWS = 64
 # the 16-bit kernel (``kv_stage.py``), where converting in the kernel held it at 0.78-0.84x of the 16-bit one;
 # MINFER_STAGE_8BIT_PREFILL=0 keeps the converting kernel.
 STAGE_8BIT_PREFILL = os.environ.get("MINFER_STAGE_8BIT_PREFILL", "1") == "1"
+# A step is staged only where the converting kernel would convert each staged key this many times or more (one
+# conversion per 128-row query block that sees it; ``kv_stage.conversions``): on an H100 at llama-3.1-8b's heads,
+# staging costs 3.2 ns a key (8k keys in 26 us) and converting ~1.0 ns a key and query block (263 us more than
+# the 16-bit kernel over 8k causal rows' 266k key-block pairs). Speculative verification and short chunks convert.
+STAGE_MIN_REUSE = 3.0
 
 
 class TritonOps(Ops):
@@ -63,6 +68,7 @@ class TritonOps(Ops):
         self.decode_attention = paged_decode_attention_sm90 if hopper else paged_decode_attention
         self.stage_8bit = hopper and STAGE_8BIT_PREFILL
         self.max_step_tokens = max_step_tokens
+        self.stage_min_reuse = STAGE_MIN_REUSE
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x if x.dim() == 3 else x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
@@ -112,17 +118,17 @@ class TritonOps(Ops):
         return out
 
     @contextlib.contextmanager
-    def converting_8bit_prefill(self, on: bool) -> Iterator[None]:
-        staged = self.stage_8bit
-        self.stage_8bit = staged and not on
+    def forcing_8bit_prefill(self, staged: bool) -> Iterator[None]:
+        saved = self.stage_8bit, self.stage_min_reuse
+        self.stage_8bit, self.stage_min_reuse = saved[0] and staged, 0.0
         try:
             yield
         finally:
-            self.stage_8bit = staged
+            self.stage_8bit, self.stage_min_reuse = saved
 
     def _stage_plan(self, meta: AttentionMetadata, group: int, window: int) -> StagePlan | None:
         """The step's staging plan for a KV group's table and window, made once a step (None: too many pages,
-        or no host lengths to plan from)."""
+        too little reuse, or no host lengths to plan from)."""
         key = (group, window)
         if key not in meta._stage_plans:
             nd, page = meta.num_decodes, meta.block_size
@@ -130,7 +136,8 @@ class TritonOps(Ops):
             table = meta.prefill_block_tables[group]
             budget = self.max_step_tokens or sum(meta.query_lens_host)
             meta._stage_plans[key] = plan_stage(ctx, q_lens, page, table.shape[1], window, table.device,
-                                                max_pages=-(-budget // page) + len(ctx)) if ctx else None
+                                                max_pages=-(-budget // page) + len(ctx),
+                                                min_reuse=self.stage_min_reuse) if ctx else None
         return meta._stage_plans[key]
 
     def greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -127,15 +127,16 @@ def test_staged_prefill_matches_torch_path(checkpoints, monkeypatch) -> None:
     kw = dict(num_kv_blocks=64, kv_cache_dtype="int8", max_num_batched_tokens=24, max_num_seqs=2)
     triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", **kw)
     ops = triton.llm_engine.runner.ops
-    ops.stage_8bit, ops.max_step_tokens = True, 16
+    ops.stage_8bit, ops.max_step_tokens, ops.stage_min_reuse = True, 16, 0.0  # these chunks: one query block
     assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), **kw), prompts, params)
     layers = triton.llm_engine.runner.model_config.num_hidden_layers
     assert calls["planned"] == [True, False] and calls["staged"] == layers, calls
 
 
 def test_warm_up_runs_both_8bit_prefill_kernels(checkpoints, monkeypatch) -> None:
-    """The start-up warm-up's chunks take the staged path and, once, the converting kernel that steps past the
-    staging budget take: on a GPU neither compiles mid-run (a Gluon build costs seconds)."""
+    """The start-up warm-up's chunks take the staged path (one query block each, which the reuse rule alone would
+    not stage) and, once, the converting kernel that steps the staging rules refuse take: on a GPU neither compiles
+    mid-run (a Gluon build costs seconds)."""
     from minfer.ops import triton_ops
 
     staged = []
@@ -150,7 +151,7 @@ def test_warm_up_runs_both_8bit_prefill_kernels(checkpoints, monkeypatch) -> Non
     runner.warm_up_kernels(runner.model, runner.forward, width=2)
     layers = runner.model_config.num_hidden_layers
     assert len(staged) == 3 * layers and converting.count(True) == layers, (len(staged), converting)
-    assert runner.ops.stage_8bit
+    assert runner.ops.stage_8bit and runner.ops.stage_min_reuse == triton_ops.STAGE_MIN_REUSE
 
 
 @pytest.mark.gpu
@@ -168,7 +169,8 @@ def test_staged_prefill_gpu_matches_torch_path(checkpoints, monkeypatch, fmt: st
     kw = dict(num_kv_blocks=64, kv_cache_dtype=fmt, max_num_batched_tokens=24, max_num_seqs=2, dtype="float32",
               device="cuda")
     triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", **kw)
-    triton.llm_engine.runner.ops.stage_8bit = True
+    ops = triton.llm_engine.runner.ops
+    ops.stage_8bit, ops.stage_min_reuse = True, 0.0
     assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), attention_backend="torch", **kw),
                                                        prompts, params)
     assert staged

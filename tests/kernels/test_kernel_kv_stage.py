@@ -5,6 +5,7 @@ interpreter in CI; ``-m gpu`` runs the same on a GPU, the Hopper kernel included
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,7 @@ from kernel_testlib import (  # noqa: F401 (seed_per_case: autouse fixture)
     check_prefill_quant, check_prefill_window, make_paged_kv, quantize_paged_kv, seed_per_case,
 )
 from minfer.kernels.attention.gluon_sm90 import sm90_available
-from minfer.kernels.attention.kv_stage import plan_stage, stage_kv, staged_prefill_attention
+from minfer.kernels.attention.kv_stage import conversions, plan_stage, stage_kv, staged_prefill_attention
 from minfer.kernels.attention.prefill_attention import paged_prefill_attention
 from minfer.kernels.attention.prefill_attention_sm90 import paged_prefill_attention_sm90
 from minfer.kernels.quant.kv_quant import KV_QUANT_FORMATS, dequantize_ref
@@ -33,6 +34,21 @@ def test_plan_stages_each_chunks_visible_pages() -> None:
     assert plan.table.tolist() == [[0, 1, 2, 2, 2, 2], [3, 3, 3, 4, 5, 5], [6, 6, 6, 6, 6, 6]]
     no_window = plan_stage([40, 70], [40, 5], PAGE, 5, 0, torch.device("cpu"))
     assert no_window.pages == 3 + 5 and no_window.col.tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+
+
+def test_plan_stages_only_what_the_converting_kernel_would_convert_often() -> None:
+    """Staging pays where the prefill kernel would convert each key several times (once per 128-row query block):
+    an 8k prompt yes, speculative verification (4 rows over a long context) and a short prompt no."""
+    cpu = torch.device("cpu")
+    assert conversions(np.array([8192]), np.array([8192])) == 8192 * 65 / 2
+    assert conversions(np.array([2000]), np.array([4])) == 2000  # one block sees every key
+    assert conversions(np.array([1000]), np.array([200])) == 2 * 800 + 200 * 3 / 2
+    assert plan_stage([8192], [8192], PAGE, 512, 0, cpu, min_reuse=3) is not None
+    assert plan_stage([2000, 1500], [4, 4], PAGE, 125, 0, cpu, min_reuse=3) is None
+    assert plan_stage([300], [300], PAGE, 19, 0, cpu, min_reuse=3) is None  # 3 blocks: 2 conversions a key
+    assert plan_stage([300], [300], PAGE, 19, 0, cpu, min_reuse=2) is not None
+    # A window bounds the keys: 4 rows at the end of a 2000-token context with a 64-key window see 67 keys.
+    assert plan_stage([2000], [4], PAGE, 125, 64, cpu, min_reuse=1).pages == 5
 
 
 @pytest.mark.parametrize("ctx,q_lens,width", [([10], [11], 2), ([10], [0], 2), ([40], [1], 2)])

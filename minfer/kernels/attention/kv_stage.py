@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .._utils import interpreting
+from .prefill_attention_sm90 import BLOCK_M
 from ..quant.quant import check_cache_scales, codes_to_f16, product_mode, round_to_float_grid
 
 STAGE_BLOCK = 4096  # values a program converts per loop iteration
@@ -47,11 +48,12 @@ class StagePlan:
 
 
 def plan_stage(context_lens: Sequence[int], query_lens: Sequence[int], page: int, width: int, window: int,
-               device: torch.device, max_pages: int | None = None) -> StagePlan | None:
+               device: torch.device, max_pages: int | None = None, min_reuse: float = 0.0) -> StagePlan | None:
     """The pages chunks of ``query_lens`` rows ending at ``context_lens`` tokens see (host ints, one per chunk),
     in a cache of ``page``-token pages whose block table is ``width`` columns wide; ``window`` > 0: the last
     ``window`` keys of each row (the first row's window start bounds the chunk's first page). None when they
-    are more than ``max_pages``."""
+    are more than ``max_pages``, or when the converting kernel would convert a staged key fewer than
+    ``min_reuse`` times on average (``conversions``): then staging costs more than it saves."""
     ctx = np.asarray(context_lens, dtype=np.int64)
     q_lens = np.asarray(query_lens, dtype=np.int64)
     if ctx.shape != q_lens.shape or (q_lens < 1).any() or (q_lens > ctx).any():
@@ -65,19 +67,29 @@ def plan_stage(context_lens: Sequence[int], query_lens: Sequence[int], page: int
     pages = int(counts.sum())
     if max_pages is not None and pages > max_pages:
         return None
+    if min_reuse > 0 and conversions(ctx - first * page, q_lens) < min_reuse * (ctx - first * page).sum():
+        return None
     seq = np.repeat(np.arange(len(ctx)), counts)
     col = first[seq] + np.arange(pages) - starts[seq]
     table = starts[:, None] + np.clip(np.arange(width)[None, :] - first[:, None], 0, counts[:, None] - 1)
     # One upload a step, from pinned memory and asynchronous (a pageable copy would wait for the device's queue),
     # each array on a 64-byte boundary: Triton specialises on pointer alignment, and a new variant compiles mid-run.
     parts = (table.ravel(), seq, col)
-    starts = np.cumsum([0] + [-(-len(a) // 16) * 16 for a in parts])
-    host = torch.zeros(int(starts[-1]), dtype=torch.int32, pin_memory=device.type == "cuda")
-    for a, at in zip(parts, starts):
+    offsets = np.cumsum([0] + [-(-len(a) // 16) * 16 for a in parts])
+    host = torch.zeros(int(offsets[-1]), dtype=torch.int32, pin_memory=device.type == "cuda")
+    for a, at in zip(parts, offsets):
         host[at:at + len(a)] = torch.from_numpy(a.astype(np.int32))
     flat = host.to(device, non_blocking=True)
-    t, sq, cl = (flat[at:at + len(a)] for a, at in zip(parts, starts))
+    t, sq, cl = (flat[at:at + len(a)] for a, at in zip(parts, offsets))
     return StagePlan(t.view(len(ctx), width), sq, cl, pages)
+
+
+def conversions(keys: np.ndarray, query_lens: np.ndarray) -> float:
+    """How many times a converting prefill kernel converts the staged keys of chunks that see ``keys`` keys each
+    (the last ``query_lens`` of them the chunk's own): once per ``BLOCK_M``-row query block that sees a key, so all
+    of a chunk's blocks for the keys before it and, causal, half of them on average for its own."""
+    blocks = -(-query_lens // BLOCK_M)
+    return float((blocks * np.maximum(keys - query_lens, 0) + np.minimum(keys, query_lens) * (blocks + 1) / 2).sum())
 
 
 @triton.jit
