@@ -17,12 +17,12 @@
 #           too), benchmarks/bench_decode_gemm.py (cuBLAS against the rule's pick and a candidate grid; not with
 #           SPLITK_NO_BENCH=1), llama-3.1-8b FP8 at a batch of 16 and workload A (KV formats: SPLITK_KV) with
 #           MINFER_FP8_SPLITK 1 and 0                              -> $OUT/decode_gemm.md, $OUT/splitk.md
-# stage:    staged 8-bit prefill (kv_stage.py): its gpu tests and the 8-bit engine's, the 8k prefill kernels
-#           over bf16 / int8 / fp8 caches with the staged rows (bench_kernels.py --only prefill), and workload A on
-#           llama-3.1-8b FP8 + int8 KV and qwen3-0.6b int8 KV with MINFER_STAGE_8BIT_PREFILL 0 and 1 in turn,
-#           twice (STAGE_ORDER; STAGE_NO_TESTS / STAGE_NO_KERNELS=1: without the tests / the kernel table), then
-#           qwen3-0.6b's step timeline with it
-#                                                        -> $OUT/stage_kernels.md, $OUT/stage.md
+# stage:    staged 8-bit prefill (kv_stage.py): first the JIT misses after start-up of a staged run on a cold cache
+#           (dev/compile_events.py: none should be left), its gpu tests and the 8-bit engine's, the 8k prefill kernels
+#           over bf16 / int8 / fp8 caches with the staged rows (bench_kernels.py --only prefill), then workload A on
+#           llama-3.1-8b FP8 + int8 KV and qwen3-0.6b int8 KV and 32 x 8k prompts on the 8B with
+#           MINFER_STAGE_8BIT_PREFILL 0 and 1 in turn (STAGE_ORDER; STAGE_NO_TESTS / STAGE_NO_KERNELS=1: without the
+#           tests / the kernel table)            -> $OUT/stage_compiles.md, $OUT/stage_kernels.md, $OUT/stage.md
 # overlap:  whether two half batches on two streams beat the whole batch on llama-3.1-8b's FP8 layers at 256
 #           sequences (dev/overlap_probe.py; bf16 and int8 caches)                       -> $OUT/overlap.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
@@ -140,6 +140,12 @@ case " $PARTS " in *" splitk "*)
   bench_table splitk.md ;;
 esac
 case " $PARTS " in *" stage "*)
+  # first, on a cold Triton cache: no kernel may build after start-up (dev/compile_events.py lists each JIT miss)
+  echo "== JIT misses after start-up, qwen3-0.6b int8 KV, staging on ($(left) s left)"
+  MINFER_STAGE_8BIT_PREFILL=1 timeout "$(cap 120)" "$PY" dev/compile_events.py --shape qwen3-0.6b \
+    --kv-cache-dtype int8 --load-format dummy --quiet > "$OUT/stage_compiles.log" 2>&1 || echo "   exit $?"
+  sed -n '/kernel warm-up took/,$p' "$OUT/stage_compiles.log" | grep "JIT miss" | cut -c1-80 | sort | uniq -c \
+    | tee "$OUT/stage_compiles.md"; grep -c "JIT miss" "$OUT/stage_compiles.log" | sed 's/^/   misses in all: /'
   [ -n "${STAGE_NO_TESTS:-}" ] || { echo "== staged 8-bit prefill gpu tests ($(left) s left)"
   timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_kernel_kv_stage.py tests/engine/test_kv_quant.py \
     > "$OUT/stage_tests.log" 2>&1
@@ -149,17 +155,16 @@ case " $PARTS " in *" stage "*)
     > "$OUT/stage_kernels.log" 2>&1 || echo "   exit $?"
   grep -E "^\| (prefill|stage)|Error" "$OUT/stage_kernels.log" | tee "$OUT/stage_kernels.md"; }
   r=0
-  for f in ${STAGE_ORDER:-0 1 0 1}; do  # alternating: the first run of a call also fills Triton's disk cache
+  for f in ${STAGE_ORDER:-0 1}; do
     export MINFER_STAGE_8BIT_PREFILL=$f; r=$((r + 1))
     bench "A_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8
     bench "A_qwen3-0.6b_int8kv_stage${f}_$r" --shape qwen3-0.6b --kv-cache-dtype int8
+    # long prompts, which stage: 32 x 8k in, 64 out
+    bench "long_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 \
+      --num-prompts 32 --input-len 8192 --output-len 64
   done
   unset MINFER_STAGE_8BIT_PREFILL
-  bench_table stage.md
-  echo "== step timeline qwen3-0.6b, int8 KV, staged ($(left) s left)"
-  timeout "$(cap 100)" "$PY" dev/step_timeline.py --shape qwen3-0.6b --kv-cache-dtype int8 \
-    --out "$OUT/timeline_stage.md" > "$OUT/timeline_stage.log" 2>&1 || echo "   exit $?"
-  cat "$OUT/timeline_stage.md" 2>/dev/null ;;
+  bench_table stage.md ;;
 esac
 case " $PARTS " in *" overlap "*)
   for kv in auto int8; do  # dev/overlap_probe.py: two half batches on two streams against the whole batch
