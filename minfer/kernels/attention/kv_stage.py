@@ -5,7 +5,9 @@ Why not convert in the attention kernel: prefill attention is compute-bound (a c
 tile once per 128 rows), so every conversion there is paid T / 128 times and sits on the tensor cores' path; the
 Hopper kernel's converter partition held the 8-bit prefill at 0.78x (int8) / 0.84x (fp8) of the 16-bit kernel
 (benchmarks/RESULTS.md, issue 25). Converting each page once costs a pass over the context's bytes (read 1 byte,
-write 2 per value): for an 8k causal prompt on llama-3.1-8b's heads ~50 MB, about 1% of the attention's time.
+write 2 per value): for an 8k causal prompt on llama-3.1-8b's heads ~50 MB, 26 us against the attention's ~970 us
+on an H100. It pays where the kernel would convert a key several times (``conversions``), not for a few rows
+over a long context (speculative verification), which stays with the converting kernel.
 
 A plan (``plan_stage``, once per step for each block table and window) lists the pages the chunks can see: each
 chunk's pages from its first row's window start (from page 0 without a window) to its context's end, laid out
@@ -13,10 +15,10 @@ chunk after chunk in the scratch, and a block table over the scratch in the cach
 chunk's first staged page or past its last point at its first / last staged page: the kernels may read them
 (whole tiles) but mask them by position, so they only need finite values.
 
-Each value is ``code * scale`` rounded once to the scratch dtype (bf16 keeps 8 significant bits, more than an
-int8 code's 7 and an e4m3 code's 4; float16 scratch saturates at ±65504, as the 8-bit kernels' q does). The
-scratch lives for one layer's attention; the engine stages only while its pages hold no more tokens than its
-start-up memory profile staged (``TritonOps``).
+Each value is ``code * scale`` rounded once to the scratch dtype: bf16's 8 significant bits move it by less than
+half an int8 step (|code| <= 127) and far less than an e4m3 step; float16 scratch saturates at ±65504, as the 8-bit
+kernels' q does. The scratch lives for one layer's attention; the engine stages only while its pages hold no more
+tokens than its start-up memory profile staged (``TritonOps``).
 """
 
 from __future__ import annotations
