@@ -151,8 +151,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def _profile_peak(self) -> int:
-        """Peak bytes of a forward at the full token budget (and the LM head at max_num_seqs rows), beside
-        the weights and the temporary cache it needs (``kv_sizing.count_kv_blocks`` sizes the cache by it)."""
+        """Peak bytes of a forward at the full token budget (8-bit prefill staged, as a step's may be) and the LM
+        head at max_num_seqs rows, beside the weights and the temporary cache (``kv_sizing.count_kv_blocks``)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.config.max_num_batched_tokens
@@ -162,10 +162,10 @@ class ModelRunner:
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, blocks, self.device, zero=False)
         a = synthetic_step(lens, lens, np.arange(blocks, dtype=np.int32).reshape(len(lens), width), self.num_kv_groups)
         ids, positions, *slots = self._upload(torch.int64, a.ids, a.positions, *a.slots)
-        hidden = self.model(ids, positions, self._metadata(a, slots))
+        with self.ops.forcing_8bit_prefill(staged=True):
+            hidden = self.model(ids, positions, self._metadata(a, slots))
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         release_kv_cache(self.model.attention_layers())
-        del hidden
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - blocks * self.block_bytes
 
