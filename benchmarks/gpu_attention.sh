@@ -4,7 +4,7 @@
 #   PARTS="tests kernels" bash benchmarks/gpu_attention.sh
 #   PARTS="sweep e2e serve" bash benchmarks/gpu_attention.sh     # serve needs .whl carried (fetch_server_wheels.sh)
 #
-# tests:   the Hopper kernels against the float64 reference and the Triton kernels (pytest -m gpu)
+# tests:   the Hopper kernels against the float64 reference and the Triton kernels, staged 8-bit prefill (pytest -m gpu)
 #                                                                        -> $OUT/attention_tests.log
 # kernels: benchmarks/bench_kernels.py --only prefill,decode over bf16 / int8 / fp8 caches, with SDPA on
 #          contiguous K/V as the peer in the same run                    -> $OUT/kernels.md
@@ -22,7 +22,7 @@ PARTS="${PARTS:-tests kernels}"
 
 case " $PARTS " in *" tests "*)
   echo "== tests ($(left) s left)"
-  timeout "$(cap ${TESTS_CAP:-200})" python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -x ${TESTS:-tests/kernels/test_kernel_prefill_sm90_gpu.py tests/kernels/test_kernel_decode_sm90_gpu.py} \
+  timeout "$(cap ${TESTS_CAP:-200})" python3 -m pytest -q -p no:cacheprovider -m gpu -rfs -x ${TESTS:-tests/kernels/test_kernel_prefill_sm90_gpu.py tests/kernels/test_kernel_decode_sm90_gpu.py tests/kernels/test_kernel_kv_stage.py} \
     > "$OUT/attention_tests.log" 2>&1; echo "   exit $?; $(tail -1 "$OUT/attention_tests.log")"
   grep -E "^FAILED|^E " "$OUT/attention_tests.log" | cut -c1-240 | head -30 ;;
 esac
