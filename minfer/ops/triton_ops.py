@@ -44,7 +44,7 @@ from minfer.ops.one_token import OneTokenFusedForward
 FP8_SPLITK = os.environ.get("MINFER_FP8_SPLITK", "1") == "1"
 FP8_SPLITK_MAX_ROWS = 64
 # Prompt chunks over an 8-bit cache on Hopper: the pages they see dequantized once into a 16-bit scratch cache for
-# the 16-bit kernel (``kv_stage.py``), where converting in the kernel held it at 0.78-0.84x of the 16-bit one;
+# the 16-bit kernel (``kv_stage.py``), rather than converted inside its compute-bound loop;
 # MINFER_STAGE_8BIT_PREFILL=0 keeps the converting kernel.
 STAGE_8BIT_PREFILL = os.environ.get("MINFER_STAGE_8BIT_PREFILL", "1") == "1"
 # A step is staged only where the converting kernel would convert each staged key this many times or more (one

@@ -3,11 +3,11 @@ over which the 16-bit prefill kernel runs.
 
 Why not convert in the attention kernel: prefill attention is compute-bound (a chunk of T rows reads each key
 tile once per 128 rows), so every conversion there is paid T / 128 times and sits on the tensor cores' path; the
-Hopper kernel's converter partition held the 8-bit prefill at 0.78x (int8) / 0.84x (fp8) of the 16-bit kernel
-(benchmarks/RESULTS.md, issue 25). Converting each page once costs a pass over the context's bytes (read 1 byte,
-write 2 per value): for an 8k causal prompt on llama-3.1-8b's heads ~50 MB, 26 us against the attention's ~970 us
-on an H100. It pays where the kernel would convert a key several times (``conversions``), not for a few rows
-over a long context (speculative verification), which stays with the converting kernel.
+Hopper kernel's converter partition holds the 8-bit prefill well under the 16-bit kernel (benchmarks/RESULTS.md).
+Converting each page once costs a pass over the context's bytes (read 1 byte, write 2 per value): for an 8k causal
+prompt on llama-3.1-8b's heads ~50 MB, 26 us against the attention's ~970 us on an H100. It pays where the kernel
+would convert a key several times (``conversions``), not for a few rows over a long context (speculative
+verification), which stays with the converting kernel.
 
 A plan (``plan_stage``, once per step for each block table and window) lists the pages the chunks can see: each
 chunk's pages from its first row's window start (from page 0 without a window) to its context's end, laid out

@@ -14,9 +14,7 @@ with ``.cg`` (from L2, past its own L1) and puts the ticket back to zero, so the
 launch without a memset. Two launches on one device must not overlap: under PDL the next kernel waits for this
 one's grid to finish before it reads anything, and the engine runs its GEMMs on one stream.
 
-The split count and tile come from :func:`splitk_config`, a rule measured on the GPU, not from autotuning. The
-same kernel on 16-bit weights was measured and dropped: cuBLAS's bf16 GEMM is as fast at these sizes
-(benchmarks/RESULTS.md).
+The split count and tile come from :func:`splitk_config`, a rule measured on the GPU, not from autotuning.
 """
 from __future__ import annotations
 
