@@ -217,7 +217,7 @@ def gemv_rows(shapes: dict[str, tuple[int, int]], sweep: bool) -> list[str]:
             rows.append(f"| {name} {n}x{k} (+{p}) | {impl} | {us:.1f} | {100 * nbytes / (us * 1e-6) / PEAK_BW:.0f}% | "
                         f"{err:.1e} |")
             print(rows[-1], flush=True)
-            if sweep and ws is not None:
+            if sweep:
                 best = None
                 for c in GEMV_SWEEP:
                     cfg = GemvConfig(c.block_n, min(c.block_k, 1 << (k - 1).bit_length()), c.num_warps, c.num_stages)
@@ -240,11 +240,12 @@ GEMM_SWEEP = [fg.Fp8GemmConfig(bm, bn, group_m=gmm, num_warps=w, num_stages=s) f
     (64, 32, 8, 4, 4), (64, 64, 8, 4, 4), (64, 64, 8, 4, 5), (64, 128, 8, 4, 3), (64, 128, 8, 4, 4),
     (128, 64, 8, 4, 4), (128, 128, 8, 8, 3), (128, 128, 8, 8, 4), (128, 128, 8, 4, 3), (128, 256, 8, 8, 3),
     (64, 256, 8, 4, 3)]]
-# (rows, columns, warps, pipeline stages); the last five hold more bytes in flight a program (deeper pipelines, wider
-# chunks)
+# (rows, columns, warps, K-loop pipelining depth): the default shapes at depths 1-4 (above 1 Triton copies the
+# chunks ahead into shared memory, gemv_config.STREAM_STAGES), then other shapes pipelined
 GEMV_SWEEP = [GemvConfig(bn, bk, w, s) for bn, bk, w, s in [
-    (4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 4, 3), (16, 256, 4, 3), (16, 512, 4, 3), (8, 2048, 8, 3),
-    (16, 256, 8, 3), (8, 512, 4, 5), (8, 1024, 4, 4), (16, 512, 4, 4), (4, 2048, 4, 3), (16, 1024, 8, 3)]]
+    (8, 512, 4, 1), (8, 512, 4, 2), (8, 512, 4, 3), (8, 512, 4, 4), (8, 1024, 4, 1), (8, 1024, 4, 2),
+    (8, 1024, 4, 3), (4, 1024, 4, 1), (4, 1024, 4, 3), (4, 2048, 4, 1), (4, 2048, 4, 2), (16, 256, 4, 3),
+    (16, 512, 4, 3), (8, 2048, 8, 2), (16, 256, 8, 4), (4, 512, 4, 4)]]
 
 
 def sweep_gemm(shapes: dict[str, tuple[int, int]], ms: tuple[int, ...]) -> None:

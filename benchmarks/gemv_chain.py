@@ -81,9 +81,11 @@ class Chain:
 
 
 def candidates(k: int) -> list[GemvConfig]:
+    """Rows x columns x warps x the K loop's pipelining depth (above 1 Triton copies the chunks ahead into shared
+    memory: gemv_config.STREAM_STAGES)."""
     widths = sorted({min(w, next_pow2(k)) for w in (512, 1024, 2048)})
     return [GemvConfig(bn, bk, warps, stages) for bn, bk, warps, stages in
-            itertools.product((2, 4, 8), widths, (2, 4, 8), (2, 3))]
+            itertools.product((2, 4, 8), widths, (4, 8), (1, 2, 3))]
 
 
 def main() -> None:

@@ -38,6 +38,14 @@
 #           which the serving runs compared but the offline workload never did                 -> $OUT/policyA.md
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
 #           as measured)                                                              -> $OUT/policies.md
+# streams:  the batch-1 weight streams' K loops pipelined (gemv_config.STREAM_STAGES: cp.async copies ahead): the gemv,
+#           FP8 and MoE decode gpu tests with MINFER_STREAM_STAGES=3 (the default configs pipelined), the gemv at
+#           llama-3.1-8b's projections at depth 1 then 3 (bench_fp8.py --only gemv: bf16 and e4m3), then batch 1 on
+#           llama-3.2-1b, llama-3.1-8b FP8 and qwen3-30b-a3b at each depth of STREAM_DEPTHS (default "1 3")
+#           -> $OUT/streams_gemv.md, $OUT/streams.md
+# streamsweep: the same loops' configs swept over depths 1-4: bench_fp8.py --sweep --only gemv (bf16 and e4m3), the
+#           llama-3.2-1b chain (gemv_chain.py, one projection at a time) and the MoE decode kernels at T=1
+#           (dev/moe_decode_sweep.py)              -> $OUT/streams_sweep.md, $OUT/streams_chain.md, $OUT/moe_decode.md
 # extras:   decode attention B=1 x 32k over split counts, and the FP8 / bf16 gemv at gate_up under ncu
 #           (dev/ncu_gemv.py)                                                -> $OUT/decode32k.md, $OUT/ncu_gemv.txt
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
@@ -202,6 +210,40 @@ case " $PARTS " in *" policyA "*)
     for policy in fcfs prefill-first; do bench "A_${shape}_$policy" --shape "$shape" --scheduling-policy "$policy"; done
   done
   bench_table policyA.md ;;
+esac
+case " $PARTS " in *" streams "*)
+  echo "== gemv / FP8 / MoE decode gpu tests, K loops 3 deep ($(left) s left)"
+  MINFER_STREAM_STAGES=3 timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_fp8.py tests/kernels/test_kernel_moe_decode_gpu.py \
+    > "$OUT/streams_tests.log" 2>&1
+  echo "   exit $?; $(tail -1 "$OUT/streams_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/streams_tests.log" | head -8
+  for d in 1 3; do
+    echo "== gemv at llama-3.1-8b's projections, depth $d ($(left) s left)"
+    MINFER_STREAM_STAGES=$d timeout "$(cap 90)" "$PY" benchmarks/bench_fp8.py --only gemv > "$OUT/streams_gemv$d.log" 2>&1 \
+      || echo "   exit $?"
+    grep "^| \(qkv\|o\|gate_up\|down\)" "$OUT/streams_gemv$d.log" | sed "s/^/| $d /" | tee -a "$OUT/streams_gemv.md"
+  done
+  r=0
+  for d in ${STREAM_DEPTHS:-1 3}; do
+    export MINFER_STREAM_STAGES=$d; r=$((r + 1))
+    bench "b1_llama-3.2-1b_depth${d}_$r" --shape llama-3.2-1b --batch1
+    bench "b1_8b_fp8_depth${d}_$r" --shape llama-3.1-8b --quantization fp8 --batch1
+    bench "b1_qwen3-30b-a3b_depth${d}_$r" --shape qwen3-30b-a3b --batch1
+  done
+  unset MINFER_STREAM_STAGES
+  bench_table streams.md ;;
+esac
+case " $PARTS " in *" streamsweep "*)
+  echo "== gemv configs over pipelining depths ($(left) s left)"
+  timeout "$(cap 240)" "$PY" benchmarks/bench_fp8.py --sweep --only gemv > "$OUT/streams_sweep.log" 2>&1 || echo "   exit $?"
+  grep -E "^\||BEST" "$OUT/streams_sweep.log" | tee "$OUT/streams_sweep.md"
+  echo "== llama-3.2-1b gemv chain ($(left) s left)"
+  timeout "$(cap 200)" "$PY" benchmarks/gemv_chain.py --shape llama-3.2-1b > "$OUT/streams_chain.log" 2>&1 || echo "   exit $?"
+  grep -E "BEST|all best|defaults" "$OUT/streams_chain.log" | tee "$OUT/streams_chain.md"
+  echo "== MoE decode kernels at T=1 ($(left) s left)"
+  PYTHONPATH="$PYTHONPATH:$PWD" timeout "$(cap 120)" "$PY" dev/moe_decode_sweep.py --tokens 1 > "$OUT/moe_decode.md" 2>&1 \
+    || echo "   exit $?"
+  head -40 "$OUT/moe_decode.md" ;;
 esac
 case " $PARTS " in *" extras "*)
   echo "== decode attention B=1 x 32k, split counts ($(left) s left)"

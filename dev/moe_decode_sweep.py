@@ -24,10 +24,13 @@ from minfer.kernels.quant.mxfp4_ref import quantize_mxfp4
 LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8, False), "qwen3.5-35b-a3b": (2048, 512, 256, 8, False),
           "gpt-oss-20b": (2880, 2880, 32, 4, True), "mixtral-8x7b": (4096, 14336, 8, 2, False)}
 # (gate/up rows, down rows, tile, warps, stages, the down kernel's expert loop)
-CANDIDATES = [(8, 4, 8192, 4, 3, False), (8, 8, 8192, 8, 1, False), (8, 4, 2048, 2, 1, False),
-              (8, 4, 8192, 4, 3, True), (8, 4, 8192, 4, 1, True), (8, 4, 4096, 4, 2, True), (8, 8, 8192, 4, 2, True),
-              (8, 8, 8192, 8, 2, True), (8, 2, 4096, 4, 2, True), (8, 4, 2048, 2, 2, True), (8, 16, 16384, 8, 2, True),
-              (8, 1, 2048, 2, 2, True), (16, 4, 8192, 8, 2, True), (4, 4, 4096, 4, 2, True)]
+# (gate/up rows, down rows, tile, warps, K-loop pipelining depth, experts in turn); a depth above 1 has Triton copy
+# the weight chunks ahead into shared memory (gemm/gemv_config.STREAM_STAGES)
+CANDIDATES = [(8, 4, 8192, 4, 1, False), (8, 4, 8192, 4, 3, False), (8, 8, 8192, 8, 1, False),
+              (8, 4, 2048, 2, 1, False), (8, 4, 4096, 4, 1, True), (8, 4, 4096, 4, 2, True), (8, 4, 4096, 4, 3, True),
+              (8, 4, 4096, 4, 4, True), (8, 4, 8192, 4, 1, True), (8, 4, 8192, 4, 3, True), (8, 8, 8192, 4, 3, True),
+              (8, 2, 4096, 4, 3, True), (8, 4, 2048, 2, 3, True), (8, 1, 2048, 2, 3, True), (16, 4, 8192, 8, 3, True),
+              (4, 4, 4096, 4, 3, True), (4, 4, 2048, 4, 4, True)]
 
 
 def graph_us(fn, iters: int = 100) -> float:

@@ -40,6 +40,11 @@ _LORA_SHRINK_SIG = dict(X="*bf16", A="*bf16", BUF="*fp32", SORTED="*i32", COUNTS
                         stride_bk="i32", stride_bs="i32", stride_bt="i32")
 _LORA_EXPAND_SIG = dict(BUF="*fp32", B="*bf16", OUT="*bf16", SORTED="*i32", COUNTS="*i32", L="i32", stride_bk="i32",
                         stride_bs="i32", stride_bt="i32", stride_wl="i32", stride_wn="i32", stride_ot="i32")
+# the batch-1 matrix-vector kernel (gemm/gemv.py): bf16 activations, e4m3 or bf16 weights, per-row scales
+_GEMV_SIG = dict(X="*bf16", B="*bf16", Y="*bf16", R="*bf16", NW="*bf16", R_OUT="*bf16", N_OUT="*bf16", N="i32",
+                 K="i32", stride_wn="i32", eps="fp32", WS="*fp32", stride_ws="i32", n_groups="i32")
+_GEMV_RMS = dict(HAS_BIAS=False, EVEN_N=True, EVEN_K=True, PROLOGUE=2, HAS_RESIDUAL=True, RMS_BLOCK=4096,
+                 EVEN_R=True, ONE_BLOCK=True, PDL=True)
 _SPLITK_SIG = dict(A="*fp8e4nv", AS="*fp32", B="*fp8e4nv", BS="*fp32", BIAS="*bf16", C="*bf16", WS="*fp32",
                    TICKETS="*i32", M="i32", N="i32", K="i32", K_STRETCH="i32", stride_am="i32", stride_bn="i32",
                    stride_cm="i32")
@@ -144,6 +149,17 @@ BUILDS = {
        for fmt, codes, kind in (("int8", "*i8", 0), ("e4m3", "*u8", 1))},
     # the split-K FP8 GEMM of decode batches (splitk_gemm.py): a split launch (partials, the ticket, the last
     # program's sum, the scales) at 64 x 64 promoting each k-step, and an unsplit one with bias and ragged K
+    # the weight streams pipelined (gemv_config.STREAM_STAGES): llama-3.1-8b's gate_up at batch 1 under the RMS
+    # prologue, e4m3 (8 x 512) and bf16 (4 x 1024), three stages, and at the default depth (one); qwen3-30b-a3b's
+    # decode gate/up kernel at three. Pointers aligned as a real launch specializes them (cp.async needs it).
+    **{f"gemv_{w}_stages{stages}": ("minfer.kernels.gemm.gemv", "_gemv_kernel", dict(_GEMV_SIG, W=sig),
+                                    dict(_GEMV_RMS, BLOCK_N=rows, BLOCK_K=cols, SCALE=scale, NSUB=cols // 128,
+                                         SUB=128, STAGES=stages), dict(aligned=True))
+       for w, sig, rows, cols, scale in (("e4m3", "*fp8e4nv", 8, 512, 1), ("bf16", "*bf16", 4, 1024, 0))
+       for stages in (1, 3)},
+    "moe_decode_gate_up_bf16_stages3": ("minfer.kernels.moe.moe_decode", "_moe_decode_gate_up_kernel", _BF16_SIG,
+                                        dict(_QWEN3_DECODE, BLOCK_N=8, BLOCK_K=256, LIMIT=0.0, ALPHA=1.0, PDL=True,
+                                             STAGES=3), dict(aligned=True)),
     "fp8_splitk": ("minfer.kernels.gemm.splitk_gemm", "_splitk_kernel", _SPLITK_SIG,
                    dict(HAS_BIAS=False, SPLIT=3, EVEN_K=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PROMOTE=True,
                         PDL=True)),
@@ -164,15 +180,20 @@ def build(name: str) -> dict:
     from triton.compiler import ASTSource
 
     module, kernel, sig, consts, *options = BUILDS[name]  # options: the launcher's num_warps / num_stages
+    options = dict(options[0]) if options else {}
+    aligned = options.pop("aligned", False)  # pointers and integers divisible by 16, as a launch specializes them
     # a dtype constexpr (``*_DTYPE``) is named by Triton's short name ("bf16"): this module does not import triton
     consts = {k: tl.str_to_ty(v, None) if k.endswith("_DTYPE") else v for k, v in consts.items()}
     fn = getattr(importlib.import_module(module), kernel)
     signature = {n: sig.get(n, "constexpr") for n in fn.arg_names}
-    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, **(options[0] if options else {})})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if aligned and n in sig and not sig[n].startswith("fp")}
+    compiled = triton.compile(ASTSource(fn, signature, consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, **options})
     ptx = compiled.asm["ptx"]
     return {"cubin_bytes": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared,
-            "wgmma": "wgmma.mma_async" in ptx, "local": ".local" in ptx, "pdl_wait": "griddepcontrol.wait" in ptx}
+            "wgmma": "wgmma.mma_async" in ptx, "local": ".local" in ptx, "pdl_wait": "griddepcontrol.wait" in ptx,
+            "cp_async": "cp.async.cg" in ptx or "cp.async.ca" in ptx}
 
 
 @functools.lru_cache(maxsize=None)  # a build the module's tests share compiles once
@@ -196,6 +217,18 @@ def test_the_split_k_gemm_runs_on_warpgroup_mma() -> None:
     """The decode-batch FP8 GEMM's 64-row tiles on warpgroup MMA, no spills to local memory, the PDL wait in it."""
     built = _built("fp8_splitk")
     assert built["wgmma"] and not built["local"] and built["pdl_wait"], built
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "bf16"])
+def test_the_weight_streams_pipeline_when_asked(kind: str) -> None:
+    """Triton pipelines a loop without a dot product only when the loop asks: at three stages the batch-1 gemv's K
+    loop copies its chunks ahead into shared memory (cp.async), inside sm_90's shared memory, without spills; at
+    the default depth of one it loads them as the step needs them (no cp.async: the kernel as it was built)."""
+    deep, default = _built(f"gemv_{kind}_stages3"), _built(f"gemv_{kind}_stages1")
+    assert deep["cp_async"] and not deep["local"] and deep["pdl_wait"], deep
+    assert not default["cp_async"] and default["shared"] < deep["shared"], (default, deep)
+    moe = _built("moe_decode_gate_up_bf16_stages3")
+    assert moe["cp_async"] and not moe["local"], moe
 
 
 if __name__ == "__main__":

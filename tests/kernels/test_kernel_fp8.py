@@ -5,6 +5,8 @@ included); the ``gpu`` tests repeat the checks at llama-3.1-8b shapes on a CUDA 
 hardware conversion rather than the interpreter's hand rounding."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_testlib import EXACT_BF16, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse fixture)
@@ -392,3 +394,34 @@ def test_gpu_gemv_fp8(n, k, fmt):
     res, nw = torch.randn(1, k, device="cuda", dtype=dt), torch.ones(k, device="cuda", dtype=dt)
     y, _ = gemv_rms_norm(x, res, nw, 1e-5, wq, weight_scale=ws)
     assert rel_err(y, gemv_rms_norm_ref(x, res, nw, 1e-5, wq, weight_scale=ws)[0]) <= 1e-2
+
+
+def _check_pipelined_loop(n: int, k: int, fmt: str, config: GemvConfig, device: str) -> None:
+    """The K loop pipelined three deep (``gemv_config.STREAM_STAGES``: cp.async copies ahead on a GPU) gives the
+    very bits of the unpipelined loop: the same chunks in the same order, for every prologue (the RMS one's residual
+    included); ``fmt``: a bf16 weight or e4m3 with per-row or per-block scales."""
+    dt = torch.bfloat16
+    wq, ws = (torch.randn(n, k, device=device, dtype=dt) / k ** 0.5, None) if fmt == "bf16" else \
+        _fp8_weight(n, k, fmt, device)
+    one, deep = replace(config, num_stages=1), replace(config, num_stages=3)
+    x, xgu = torch.randn(1, k, device=device, dtype=dt), torch.randn(1, 2 * k, device=device, dtype=dt)
+    res, nw = torch.randn(1, k, device=device, dtype=dt), 1 + 0.1 * torch.randn(k, device=device, dtype=dt)
+    assert torch.equal(gemv(x, wq, None, deep, weight_scale=ws), gemv(x, wq, None, one, weight_scale=ws))
+    assert torch.equal(gemv_silu_mul(xgu, wq, deep, weight_scale=ws), gemv_silu_mul(xgu, wq, one, weight_scale=ws))
+    y1, r1 = gemv_rms_norm(x, res.clone(), nw, 1e-5, wq, None, one, weight_scale=ws)
+    y3, r3 = gemv_rms_norm(x, res.clone(), nw, 1e-5, wq, None, deep, weight_scale=ws)
+    assert torch.equal(y3, y1) and torch.equal(r3, r1)
+    assert rel_err(y3, gemv_rms_norm_ref(x, res, nw, 1e-5, wq, weight_scale=ws)[0]) <= 3e-2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "channel", "block"])
+def test_gemv_pipelined_k_loop_is_bit_equal(fmt):
+    _check_pipelined_loop(24, 400, fmt, GemvConfig(8, 128, 4), "cpu")  # 3 whole chunks and a masked one
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (1000, 1000)])
+@pytest.mark.parametrize("fmt", ["bf16", "channel", "block"])
+def test_gpu_gemv_pipelined_k_loop_is_bit_equal(n, k, fmt):
+    for config in (GemvConfig(8, 512, 4), GemvConfig(4, 1024, 4), GemvConfig(16, 256, 8)):
+        _check_pipelined_loop(n, k, fmt, config, "cuda")

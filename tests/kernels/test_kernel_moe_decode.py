@@ -15,10 +15,13 @@ tiles and K loops with tails, as the GPU's configs do at real shapes.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from kernel_testlib import EXACT_BF16, distinct_logits, rel_err, seed_per_case  # noqa: F401 (seed_per_case: autouse)
 
+from minfer.kernels.gemm.gemv_config import STREAM_STAGES
 from minfer.kernels.moe.moe_args import (DECODE_MAX_TOKENS, MoeDecodeConfig, decode_block_k, moe_decode_config,
                                         use_moe_decode)
 from minfer.kernels.moe.moe_decode import fused_moe_decode
@@ -132,6 +135,18 @@ def test_down_expert_loop_equals_one_tile(gpt_oss, mxfp4):
 
 
 @pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
+def test_pipelined_k_loops_are_bit_equal(mxfp4):
+    """The K loops pipelined three deep (``gemm/gemv_config.STREAM_STAGES``; on a GPU cp.async copies ahead) add the
+    same steps in the same order as the default depth: bit-identical, whole steps and a masked tail in both kernels
+    (test_kernel_moe_decode_gpu.py repeats it at real shapes)."""
+    h, i, cfg = (96, 96, MoeDecodeConfig(64, 64, tile=2048)) if mxfp4 else (56, 40, MoeDecodeConfig(16, 32, tile=512))
+    x, logits, kw = make_layer(2, 4, h, i, torch.float32, gpt_oss=True, mxfp4=mxfp4)
+    outs = [fused_moe_decode(x, logits, top_k=2, config=replace(cfg, num_stages=s), **ROUTERS["topk_softmax"], **kw)
+            for s in (1, 3)]
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["float", "mxfp4"])
 def test_tiles_wrap_and_k_tails(mxfp4):
     """Row tiles that do not divide the layer (the last one's rows wrap around and are not stored) and K loops of
     whole steps then a masked tail, in both kernels: float H 56 = 3 x 16 + 8, I 40 = 2 x 16 + 8; MXFP4 (K a
@@ -181,11 +196,12 @@ def test_the_op_takes_the_decode_kernels_up_to_the_threshold(monkeypatch):
 
 def test_configs():
     """On a GPU: 8 gate/up rows and 4 down rows a program; MXFP4 8192-value tiles in one down tile, hence 512-deep K
-    steps at gpt-oss's layer; bfloat16 4096-value tiles (2048 of float32), two stages, the down kernel's experts in
-    turn; on the CPU one program a pair and one a token, each a single K step."""
+    steps at gpt-oss's layer; bfloat16 4096-value tiles (2048 of float32), the down kernel's experts in turn; the
+    pipelining depth of ``STREAM_STAGES``; on the CPU one program a pair and one a token, each a single K step."""
     gpu = torch.device("cuda")
-    assert moe_decode_config(0.5, 2880, 2880, gpu) == MoeDecodeConfig()
-    assert moe_decode_config(2, 2048, 768, gpu) == MoeDecodeConfig(tile=4096, num_stages=2, expert_loop=True)
+    assert moe_decode_config(0.5, 2880, 2880, gpu) == MoeDecodeConfig(num_stages=STREAM_STAGES)
+    assert moe_decode_config(2, 2048, 768, gpu) == MoeDecodeConfig(tile=4096, num_stages=STREAM_STAGES,
+                                                                   expert_loop=True)
     assert moe_decode_config(4, 2048, 768, gpu).tile == 2048
     # (K, rows: gate/up 2 x 8, down top_k x 4)
     assert [decode_block_k(2880, 2 * 8, 8192, True), decode_block_k(2880, 4 * 4, 8192, True)] == [512, 512]

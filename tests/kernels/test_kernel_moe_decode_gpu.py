@@ -137,3 +137,22 @@ def test_cuda_graph_replays_with_new_inputs(experts, name, t):
         logits.copy_(new_logits)
         graph.replay()
         check(name, out, x, logits, kw, f"T={t} graph {case}")
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+@pytest.mark.parametrize("t", [1, 8])
+def test_pipelined_k_loops_are_bit_equal(experts, name, t):
+    """Both kernels' K loops pipelined three deep (cp.async copies ahead) give the very bits of the default depth
+    (``gemm/gemv_config.STREAM_STAGES``), at the default configs' tiles and the one-tile down layout."""
+    from dataclasses import replace
+
+    from minfer.kernels.moe.moe_args import moe_decode_config
+
+    h, i, _, top_k, gpt_oss = LAYERS[name]
+    kw = experts(name)
+    x, logits = inputs(name, t)
+    base = moe_decode_config(0.5 if gpt_oss else 2, h, i, x.device)
+    for cfg in (base, replace(base, expert_loop=not base.expert_loop)):
+        one = fused_moe_decode(x, logits, top_k=top_k, config=replace(cfg, num_stages=1), **kw)
+        deep = fused_moe_decode(x, logits, top_k=top_k, config=replace(cfg, num_stages=3), **kw)
+        assert torch.equal(deep, one), f"{name} T={t} {cfg}"

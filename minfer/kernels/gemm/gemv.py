@@ -21,8 +21,7 @@ per output row ("channel") or row-expanded ``[N, ceil(K/128)]`` per 128x128 bloc
 dequantized in registers: fp8 loads, converted to float32 for the products with the (unquantized) input
 vector; a channel scale multiplies each row's sum once at the end, a block scale each 128-column piece's
 products before they join the row's accumulator. The input keeps its precision, unlike the batched path,
-which quantizes it. Half the weight bytes do not halve the time: the fp8 -> float32 conversions bound these
-kernels (``benchmarks/bench_fp8.py``).
+which quantizes it. Half the weight bytes do not halve the time (``benchmarks/bench_fp8.py``; ``gemv_config.py``).
 
 The launch configs and the rules that choose them per shape are in ``gemv_config.py``.
 """
@@ -96,7 +95,7 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N_OUT, N, K, stride_wn, eps, HAS_BIAS
                  LORA_RP: tl.constexpr = 1, LORA_SPLIT: tl.constexpr = 1, LORA_SPLIT_P: tl.constexpr = 1,
                  WRITE_NORMED: tl.constexpr = False, POS=None, CS=None, stride_c=0, KC=None, VC=None, SLOTS=None,
                  ROPE_STORE: tl.constexpr = False, ROT_HEAD: tl.constexpr = 2, ROPE_Q_HEADS: tl.constexpr = 1,
-                 ROPE_KV_HEADS: tl.constexpr = 1):
+                 ROPE_KV_HEADS: tl.constexpr = 1, STAGES: tl.constexpr = 1):
     pid = tl.program_id(0)
     k_lo = 0
     k_hi = K
@@ -137,7 +136,7 @@ def _gemv_kernel(X, W, B, Y, R, NW, R_OUT, N_OUT, N, K, stride_wn, eps, HAS_BIAS
         acc += _products(w_first, x, WS, rows, k_lo, N, stride_ws, n_groups, SCALE, EVEN_N, EVEN_K, BLOCK_N, BLOCK_K,
                          NSUB, SUB, GROUP)
         first = k_lo + BLOCK_K
-    for k0 in range(first, k_hi, BLOCK_K):
+    for k0 in tl.range(first, k_hi, BLOCK_K, num_stages=STAGES):  # gemv_config.STREAM_STAGES
         x = input_chunk(X, R, NW, R_OUT, N_OUT, k0 + cols, K, inv_rms, write_residual, eps, stride_r, PROLOGUE,
                         HAS_RESIDUAL, not EVEN_K, F32_NORM, HEAD, BLOCK_K, WRITE_NORMED)
         w = _weight_tile(w_ptrs, k0, rows, cols, N, K, EVEN_N, EVEN_K)
@@ -238,7 +237,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | Non
         n_groups=num_groups(k), SCALE=scale, NSUB=cfg.block_k // sub, SUB=sub, GROUP=FP8_GROUP,
         F32_NORM=norm_weight is not None and norm_weight.dtype == torch.float32,
         stride_r=gate.stride(1) if gate is not None else 0, HEAD=gate.shape[2] if gate is not None else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **extra, **launch_options(pdl),
     )
 

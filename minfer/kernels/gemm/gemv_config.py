@@ -7,6 +7,7 @@ when the hardware or Triton changes, while the kernel is held to its reference b
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .._utils import next_pow2
@@ -15,14 +16,22 @@ from ..quant.fp8_ref import FP8_GROUP
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Rows per program, columns per step, warps. Four rows won on every layer shape of the 0.6B and 1B
-    models on an H200 (sweep of 4/8/16 rows x 512/1024/2048 columns x 4/8 warps; the column width
-    moved results by under 5%)."""
+    """Rows per program, columns per step, warps, the K loop's pipelining depth. Four rows won on every layer
+    shape of the 0.6B and 1B models on an H200 (sweep of 4/8/16 rows x 512/1024/2048 columns x 4/8 warps; the
+    column width moved results by under 5%)."""
 
     block_n: int = 4
     block_k: int = 1024
     num_warps: int = 4
-    num_stages: int = 3  # software-pipelining depth of the K loop (Triton's default)
+    num_stages: int = 1  # the K loop's software pipelining: see STREAM_STAGES
+
+
+# The K loop's pipelining depth in the default configs (this kernel's and the MoE decode kernels'). Triton pipelines
+# a loop without a dot product only when the loop asks for it (``tl.range(num_stages=)``): at 1 each step loads its
+# chunk when it needs it, so a warp has one step's loads in flight and waits for them; at N > 1 Triton copies the
+# chunks N - 1 steps ahead into shared memory (cp.async) while the warps convert and multiply the current one.
+# ``MINFER_STREAM_STAGES`` sets it until a GPU run times the deeper pipelines (benchmarks/RESULTS.md).
+STREAM_STAGES = int(os.environ.get("MINFER_STREAM_STAGES", "1"))
 
 
 # What feeds the dot product (the kernel's PROLOGUE, gemv_prologue.py): x itself, silu(gate) * up,
@@ -42,18 +51,20 @@ def default_config(n: int, k: int, prologue: int = PLAIN) -> GemvConfig:
     would take it. Qwen3.5's two gated prologues (an exp and a division per element, like SwiGLU's) take SwiGLU's
     config, not tuned apart."""
     if prologue in (SILU_MUL, GELU_MUL, SIGMOID_GATE, GATED_RMS_NORM):  # (GeGLU: SwiGLU's config, not tuned apart)
-        return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8)
-    return GemvConfig(block_k=min(1024 if prologue == RMS_NORM else 2048, next_pow2(k)))
+        return GemvConfig(block_n=8, block_k=min(2048, next_pow2(k)), num_warps=8, num_stages=STREAM_STAGES)
+    return GemvConfig(block_k=min(1024 if prologue == RMS_NORM else 2048, next_pow2(k)), num_stages=STREAM_STAGES)
 
 
 def default_fp8_config(n: int, k: int, prologue: int = PLAIN, scale: int = CHANNEL) -> GemvConfig:
     """The config for an e4m3 weight (``scale``: ``CHANNEL`` or ``BLOCK``, which share it): eight rows by 1024
     columns on four warps, 512 columns under the RMS prologue. The fastest of 7 candidates on llama-3.1-8b's
-    projections on an H200 (``bench_fp8.py --sweep``; within 5% of each shape's best). The fp8 -> float32
-    conversions, not the weight bytes, bound this kernel: ~35-60% of HBM bandwidth, against ~50-80% for bf16
-    weights. A block-scaled K chunk covers whole 128-column groups or lies inside one (any power of two does)."""
+    projections on an H200 (``bench_fp8.py --sweep``; within 5% of each shape's best). It reaches ~75% of DRAM
+    bandwidth on gate_up against ~89% for bf16 weights (H100, ``dev/ncu_gemv.py``); the conversions, the load width
+    and the layout conversion were each ruled out as the cause (benchmarks/RESULTS.md). A block-scaled K chunk
+    covers whole 128-column groups or lies inside one (any power of two does)."""
     block_k = 512 if prologue == RMS_NORM else 1024
-    return GemvConfig(block_n=8, block_k=min(block_k, max(next_pow2(k), FP8_GROUP)), num_warps=4)
+    return GemvConfig(block_n=8, block_k=min(block_k, max(next_pow2(k), FP8_GROUP)), num_warps=4,
+                      num_stages=STREAM_STAGES)
 
 
 def lora_shrink_config(rows: int, k: int, prologue: int = PLAIN) -> GemvConfig:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .._utils import check_dtype, next_pow2
+from ..gemm.gemv_config import STREAM_STAGES
 
 
 @dataclass(frozen=True)
@@ -71,14 +72,15 @@ class MoeDecodeConfig:
     """Launch config of the decode kernels: ``block_n_gate_up`` gate rows (and as many up rows) per program of
     the gate/up kernel, ``block_n_down`` output rows per program of the down kernel (each times top_k experts'
     rows), ``tile`` the weight elements one K step of a program loads (its K depth is ``tile`` over its rows, a
-    power of two), warps, pipelining depth; ``expert_loop``: the down kernel takes a token's experts one after
-    another (a ``[block_n_down, K step]`` tile each) rather than all in one ``[top_k, block_n_down, K step]`` tile."""
+    power of two), warps, the K loop's pipelining depth (``gemm/gemv_config.STREAM_STAGES``); ``expert_loop``: the
+    down kernel takes a token's experts one after another (a ``[block_n_down, K step]`` tile each) rather than all
+    in one ``[top_k, block_n_down, K step]`` tile."""
 
     block_n_gate_up: int = 8
     block_n_down: int = 4
     tile: int = 8192
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
     expert_loop: bool = False
 
 
@@ -90,14 +92,14 @@ def moe_decode_config(weight_bytes: float, h: int, i: int, device: torch.device)
     GEMV's (``gemm/gemv_config.py``: 4 rows x 2048); float32 weights take half. Elsewhere the kernels run in
     Triton's interpreter, where a program costs milliseconds of Python whatever its size: one program a pair and
     one a token, each a single K step, at the small layers that run there. Float experts: the down kernel takes a
-    token's experts one after another, 4096-value tiles, two stages (at top 8 one ``[top_k, rows, K step]`` tile
-    leaves too few bytes in flight per expert); MXFP4 keeps the one tile. The choices are the fastest measured by
+    token's experts one after another, 4096-value tiles (at top 8 one ``[top_k, rows, K step]`` tile leaves too few
+    bytes in flight per expert); MXFP4 keeps the one tile. The choices are the fastest measured by
     ``dev/moe_decode_sweep.py`` (benchmarks/RESULTS.md, "Performance round")."""
     if device.type != "cuda":
         return MoeDecodeConfig(min(next_pow2(i), 256), min(next_pow2(h), 256), tile=1 << 16)
     if weight_bytes < 1:
-        return MoeDecodeConfig()
-    return MoeDecodeConfig(tile=2048 if weight_bytes >= 4 else 4096, num_stages=2, expert_loop=True)
+        return MoeDecodeConfig(num_stages=STREAM_STAGES)
+    return MoeDecodeConfig(tile=2048 if weight_bytes >= 4 else 4096, num_stages=STREAM_STAGES, expert_loop=True)
 
 
 def decode_block_k(k: int, rows: int, tile: int, mxfp4: bool) -> int:

@@ -154,22 +154,22 @@ def _mxfp4_step(acc, w_rows, s_rows, x_rows, k0, K, rmask, MASK_K: tl.constexpr,
 
 @triton.jit
 def _rows_dot(w_rows, s_rows, x_rows, K, rmask, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr,
-              MASK_ROWS: tl.constexpr, X_DTYPE: tl.constexpr, ROUND_W: tl.constexpr):
+              MASK_ROWS: tl.constexpr, X_DTYPE: tl.constexpr, ROUND_W: tl.constexpr, STAGES: tl.constexpr):
     """``[R, BN]`` float32: each weight row (``w_rows``: pointers to row starts; MXFP4: bytes, and ``s_rows`` to
     their scales) dotted with its set's x row (``x_rows``: one pointer for all, or one per set) over K. Whole steps
-    unmasked, then one masked step for a tail."""
+    unmasked, pipelined ``STAGES`` deep (``gemm/gemv_config.STREAM_STAGES``), then one masked step for a tail."""
     R: tl.constexpr = w_rows.shape[0]
     BN: tl.constexpr = w_rows.shape[1]
     k_main = K - K % BLOCK_K
     if MXFP4:
         acc = tl.zeros([R, BN, BLOCK_K // 32, 16], tl.float32)
-        for k0 in range(0, k_main, BLOCK_K):
+        for k0 in tl.range(0, k_main, BLOCK_K, num_stages=STAGES):
             acc = _mxfp4_step(acc, w_rows, s_rows, x_rows, k0, K, rmask, False, MASK_ROWS, X_DTYPE, ROUND_W)
         if k_main < K:
             acc = _mxfp4_step(acc, w_rows, s_rows, x_rows, k_main, K, rmask, True, MASK_ROWS, X_DTYPE, ROUND_W)
         return tl.sum(tl.sum(acc, axis=3), axis=2)
     acc = tl.zeros([R, BN, BLOCK_K], tl.float32)
-    for k0 in range(0, k_main, BLOCK_K):
+    for k0 in tl.range(0, k_main, BLOCK_K, num_stages=STAGES):
         acc = _float_step(acc, w_rows, x_rows, k0, K, rmask, False, MASK_ROWS)
     if k_main < K:
         acc = _float_step(acc, w_rows, x_rows, k_main, K, rmask, True, MASK_ROWS)
@@ -182,7 +182,7 @@ def _moe_decode_gate_up_kernel(X, XW, L, W, S, B, OUT, E, H, I, stride_x, stride
                                TOPK_SOFTMAX: tl.constexpr, E_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                                BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ROUND_W: tl.constexpr,
                                HAS_BIAS: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
-                               PDL: tl.constexpr = False):
+                               PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """OUT[pair, c] = act(x[t] · W[e, c] (+ B[e, c]), x[t] · W[e, I + c] (+ B[e, I + c])) for pair = t * TOP_K + j,
     e the token's j-th expert."""
     wait_for_previous(PDL)  # which rows to stream depends on the router's logits: nothing to load before
@@ -200,7 +200,8 @@ def _moe_decode_gate_up_kernel(X, XW, L, W, S, B, OUT, E, H, I, stride_x, stride
         x_row = XW + t.to(tl.int64) * stride_xw
     else:
         x_row = X + t.to(tl.int64) * stride_x
-    acc = _rows_dot(w_rows, s_rows, x_row, H, part >= 0, BLOCK_K, MXFP4, False, X.dtype.element_ty, ROUND_W)
+    acc = _rows_dot(w_rows, s_rows, x_row, H, part >= 0, BLOCK_K, MXFP4, False, X.dtype.element_ty, ROUND_W,
+                    STAGES)
     acc_g = tl.sum(tl.where(part == 0, acc, 0.0), axis=0)
     acc_u = tl.sum(tl.where(part == 1, acc, 0.0), axis=0)
     bias_g = 0.0
@@ -218,7 +219,7 @@ def _moe_decode_down_kernel(A, AW, L, W, S, B, OUT, E, H, I, stride_a, stride_aw
                             RENORM: tl.constexpr, TOPK_SOFTMAX: tl.constexpr, E_PAD: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr, ROUND_W: tl.constexpr,
                             HAS_BIAS: tl.constexpr, W_DTYPE: tl.constexpr, C_DTYPE: tl.constexpr,
-                            EXPERT_LOOP: tl.constexpr, PDL: tl.constexpr = False):
+                            EXPERT_LOOP: tl.constexpr, PDL: tl.constexpr = False, STAGES: tl.constexpr = 1):
     """OUT[t, n] = sum over slots j, in order, of weight_j * (A[t * TOP_K + j] · W[e_j, n] (+ B[e_j, n])).
 
     EXPERT_LOOP: the slots one after another, each a ``[BLOCK_N, BLOCK_K]`` tile of one expert's rows against one
@@ -242,7 +243,7 @@ def _moe_decode_down_kernel(A, AW, L, W, S, B, OUT, E, H, I, stride_a, stride_aw
             else:
                 x_row = A + a_row * stride_a
             acc = _rows_dot(w_rows, s_rows, x_row, I, wcols[None, :] >= 0, BLOCK_K, MXFP4, False, A.dtype.element_ty,
-                            ROUND_W)
+                            ROUND_W, STAGES)
             bias = 0.0
             if HAS_BIAS:
                 bias = tl.load(B + expert * stride_be + wcols[None, :]).to(tl.float32)
@@ -262,7 +263,7 @@ def _moe_decode_down_kernel(A, AW, L, W, S, B, OUT, E, H, I, stride_a, stride_aw
             x_rows = A + a_rows * stride_a
         real = (jj < TOP_K)[:, None]
         acc = _rows_dot(w_rows, s_rows, x_rows, I, real, BLOCK_K, MXFP4, TOP_K_PAD != TOP_K, A.dtype.element_ty,
-                        ROUND_W)
+                        ROUND_W, STAGES)
         bias = 0.0
         if HAS_BIAS:
             bias = tl.load(B + experts[:, None] * stride_be + wcols[None, :], mask=real, other=0.0).to(tl.float32)
@@ -309,8 +310,8 @@ def fused_moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w_gate_up: to
     xw, aw = (_pair_words(x), _pair_words(inter)) if mxfp4 else (x, inter)
     pdl = use_pdl(x.device)
     common = dict(RENORM=renormalize, TOPK_SOFTMAX=topk_softmax, E_PAD=next_pow2(e), MXFP4=mxfp4,
-                  ROUND_W=mxfp4 and x.dtype == torch.float16, PDL=pdl, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **launch_options(pdl))
+                  ROUND_W=mxfp4 and x.dtype == torch.float16, PDL=pdl, STAGES=cfg.num_stages,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     bn = cfg.block_n_gate_up
     _moe_decode_gate_up_kernel[(t * top_k, triton.cdiv(i, bn))](
         x, xw, router_logits, w_gate_up, s_gu, b_gu, inter, e, h, i, x.stride(0), xw.stride(0),
