@@ -20,7 +20,7 @@
 # stage:    staged 8-bit prefill (kv_stage.py): first the JIT misses after start-up of a staged run on a cold cache
 #           (dev/compile_events.py: none should be left), its gpu tests and the 8-bit engine's, the 8k prefill kernels
 #           over bf16 / int8 / fp8 caches with the staged rows (bench_kernels.py --only prefill), then workload A on
-#           llama-3.1-8b FP8 + int8 KV and qwen3-0.6b int8 KV and 32 x 8k prompts on the 8B with
+#           llama-3.1-8b FP8 + int8 KV and qwen3-0.6b int8 KV, 32 x 8k and 8 x 40k prompts on the 8B with
 #           MINFER_STAGE_8BIT_PREFILL 0 and 1 in turn (STAGE_ORDER; STAGE_NO_TESTS / STAGE_NO_KERNELS=1: without the
 #           tests / the kernel table)            -> $OUT/stage_compiles.md, $OUT/stage_kernels.md, $OUT/stage.md
 # overlap:  whether two half batches on two streams beat the whole batch on llama-3.1-8b's FP8 layers at 256
@@ -170,6 +170,9 @@ case " $PARTS " in *" stage "*)
     # long prompts, which stage: 32 x 8k in, 64 out
     bench "long_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 \
       --num-prompts 32 --input-len 8192 --output-len 64
+    # prompts past the 16k token budget: their later chunks stage their whole context (8 x 40k in, 16 out)
+    bench "long40k_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 \
+      --num-prompts 8 --input-len 40000 --output-len 16 --max-model-len 40960
   done
   unset MINFER_STAGE_8BIT_PREFILL
   bench_table stage.md ;;

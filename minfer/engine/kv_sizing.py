@@ -24,6 +24,14 @@ def profile_lengths(budget: int, max_model_len: int) -> list[int]:
     return [min(max_model_len, budget - start) for start in range(0, budget, max_model_len)]
 
 
+def profile_context_lens(lens: list[int], staging_tokens: int, max_model_len: int) -> list[int]:
+    """Context lengths of the profile's chunks ``lens``: their own, but where 8-bit prefill stages up to
+    ``staging_tokens`` tokens' pages (``Ops.staging_tokens``), the last chunk continues a prompt with as much of
+    that reach as is left (at most max_model_len): the rest of a long prompt stages its whole context into a
+    16-bit scratch, which the profiled peak must hold."""
+    return lens[:-1] + [max(lens[-1], min(max_model_len, staging_tokens - sum(lens[:-1])))]
+
+
 def count_kv_blocks(config: EngineConfig, block_bytes: int, max_model_len: int, device: torch.device,
                     vocab_size: int, profile_peak: Callable[[], int]) -> int:
     """The blocks this rank can hold. ``profile_peak``: runs the profiling forward and returns the peak

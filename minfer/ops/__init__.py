@@ -21,10 +21,10 @@ __all__ = ["AttentionMetadata", "Fp8Activation", "ModelForward", "MoeExperts", "
 
 
 def select_ops(attention_backend: str, device: torch.device, block_size: int, head_dim: int,
-               max_step_tokens: int = 0) -> Ops:
+               stage_tokens: int = 0) -> Ops:
     """'auto' takes the Triton kernels on CUDA where they apply, the torch ops otherwise; 'triton'
-    on the CPU runs the kernels in Triton's interpreter (tests). ``max_step_tokens``: the engine's token
-    budget, which bounds what the Triton ops stage for 8-bit prefill (``TritonOps``)."""
+    on the CPU runs the kernels in Triton's interpreter (tests). ``stage_tokens``: the most tokens whose pages
+    the Triton ops stage for a prompt step's 8-bit prefill (``TritonOps``)."""
     fits = block_size >= 16 and head_dim & (head_dim - 1) == 0 and 16 <= head_dim <= 256
     if attention_backend == "triton" and not fits:
         raise ValueError(f"attention_backend='triton' needs block_size >= 16 (got {block_size}) and a "
@@ -39,7 +39,7 @@ def select_ops(attention_backend: str, device: torch.device, block_size: int, he
     if attention_backend == "triton":
         from minfer.ops.triton_ops import TritonOps
 
-        return TritonOps(device, block_size, head_dim, max_step_tokens)
+        return TritonOps(device, block_size, head_dim, stage_tokens)
     return TorchOps()
 
 

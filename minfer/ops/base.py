@@ -110,6 +110,12 @@ class Ops(ABC):
         normed, residual = self.add_rms_norm(x, residual, weight, eps)
         return self.quantize_activation(normed, None, block), residual
 
+    @property
+    def staging_tokens(self) -> int:
+        """The most tokens whose pages a prompt step stages for 8-bit prefill (``TritonOps``; 0: none staged): the
+        start-up memory profile stages as many (``kv_sizing.profile_context_lens``)."""
+        return 0
+
     def forcing_8bit_prefill(self, staged: bool) -> contextlib.AbstractContextManager:
         """Within it, 8-bit prefill is staged (``staged``, where staging is on) or converts codes in the kernel,
         whatever the step (``TritonOps``): the start-up warm-up compiles both kernels. Nothing here."""

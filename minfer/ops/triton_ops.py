@@ -58,16 +58,17 @@ class TritonOps(Ops):
     name = "triton"
     cuda_graphs = True
 
-    def __init__(self, device: torch.device, block_size: int, head_dim: int, max_step_tokens: int = 0) -> None:
-        """``max_step_tokens``: the token budget of the start-up memory profile, which stages that many tokens'
-        pages: a step stages at most that many (and one page a chunk for their partial pages), else the 8-bit
-        prefill converts in the kernel."""
+    def __init__(self, device: torch.device, block_size: int, head_dim: int, stage_tokens: int = 0) -> None:
+        """``stage_tokens``: a step stages at most that many tokens' pages (and one page a chunk for their partial
+        pages), else its 8-bit prefill converts in the kernel; 0: as many as the step's query tokens. The target's
+        runner passes the larger of its token budget and max_model_len, so that the rest of a long prompt, chunk
+        after chunk, stages its whole context; its start-up memory profile stages as many."""
         # Attention: the warp-specialized TMA/wgmma kernels on Hopper, the Triton kernels elsewhere.
         hopper = sm90_available(device, head_dim, block_size)
         self.prefill_attention = paged_prefill_attention_sm90 if hopper else paged_prefill_attention
         self.decode_attention = paged_decode_attention_sm90 if hopper else paged_decode_attention
         self.stage_8bit = hopper and STAGE_8BIT_PREFILL
-        self.max_step_tokens = max_step_tokens
+        self.stage_tokens = stage_tokens
         self.stage_min_reuse = STAGE_MIN_REUSE
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,6 +118,10 @@ class TritonOps(Ops):
                 self.prefill_attention(*args, out=out[nd:], **how)
         return out
 
+    @property
+    def staging_tokens(self) -> int:
+        return self.stage_tokens if self.stage_8bit else 0
+
     @contextlib.contextmanager
     def forcing_8bit_prefill(self, staged: bool) -> Iterator[None]:
         saved = self.stage_8bit, self.stage_min_reuse
@@ -134,7 +139,7 @@ class TritonOps(Ops):
             nd, page = meta.num_decodes, meta.block_size
             ctx, q_lens = meta.context_lens_host[nd:], meta.query_lens_host[nd:]
             table = meta.prefill_block_tables[group]
-            budget = self.max_step_tokens or sum(meta.query_lens_host)
+            budget = self.stage_tokens or sum(meta.query_lens_host)
             meta._stage_plans[key] = plan_stage(ctx, q_lens, page, table.shape[1], window, table.device,
                                                 max_pages=-(-budget // page) + len(ctx),
                                                 min_reuse=self.stage_min_reuse) if ctx else None

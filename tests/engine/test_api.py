@@ -261,6 +261,21 @@ def test_memory_profile_covers_the_whole_token_budget():
     assert sum(profile_lengths(12345, 678)) == 12345
 
 
+def test_memory_profile_stages_as_far_as_a_step_may():
+    """Where 8-bit prefill stages (``Ops.staging_tokens``: the larger of the token budget and max_model_len on the
+    target), the profile's last chunk continues a prompt over what is left of that reach, so that the staged
+    scratch of the rest of a long prompt is inside the profiled peak; a budget past max_model_len already reaches
+    it, and without staging the chunks are whole prompts."""
+    from minfer.engine.kv_sizing import profile_context_lens, profile_lengths
+
+    assert profile_context_lens([16384], 131072, 131072) == [131072]
+    assert profile_context_lens([16384], 0, 131072) == [16384]
+    assert profile_context_lens([4096] * 4, 16384, 4096) == [4096] * 4
+    lens = profile_lengths(16384, 5000)
+    assert profile_context_lens(lens, 16384, 5000) == lens
+    assert profile_context_lens([100], 4096, 4096) == [4096]
+
+
 def test_input_batch_rows_are_given_back(checkpoints):
     """Every sequence's runner row is freed once it finishes, also when the step that reports it launches
     nothing (the last steps of a batch): with two rows, leaked ones would soon leave no row to run in."""

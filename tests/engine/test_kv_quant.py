@@ -127,10 +127,32 @@ def test_staged_prefill_matches_torch_path(checkpoints, monkeypatch) -> None:
     kw = dict(num_kv_blocks=64, kv_cache_dtype="int8", max_num_batched_tokens=24, max_num_seqs=2)
     triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", **kw)
     ops = triton.llm_engine.runner.ops
-    ops.stage_8bit, ops.max_step_tokens, ops.stage_min_reuse = True, 16, 0.0  # these chunks: one query block
+    ops.stage_8bit, ops.stage_tokens, ops.stage_min_reuse = True, 16, 0.0  # these chunks: one query block
     assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), **kw), prompts, params)
     layers = triton.llm_engine.runner.model_config.num_hidden_layers
     assert calls["planned"] == [True, False] and calls["staged"] == layers, calls
+
+
+def test_the_rest_of_a_long_prompt_stages_its_whole_context(checkpoints, monkeypatch) -> None:
+    """The target's runner lets a step stage up to max(token budget, max_model_len) tokens' pages (its start-up
+    profile stages as many: ``kv_sizing.profile_context_lens``), so a prompt longer than a step stages every chunk
+    over its whole context: a 40-token prompt in 16-token steps stages all three chunks (a 16-token reach stages the
+    first two and converts the third, over 3 pages) and gives the torch path's greedy tokens."""
+    from minfer.ops import triton_ops
+
+    planned = []
+    plan_stage = triton_ops.plan_stage
+    monkeypatch.setattr(triton_ops, "plan_stage", lambda *a, **k: (p := plan_stage(*a, **k), planned.append(p))[0])
+    prompts = [{"prompt_token_ids": [(i * 7) % 300 + 2 for i in range(40)]}]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    kw = dict(num_kv_blocks=16, kv_cache_dtype="int8", max_num_batched_tokens=16, max_num_seqs=1, max_model_len=64)
+    triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", **kw)
+    ops = triton.llm_engine.runner.ops
+    assert ops.stage_tokens == 64 and ops.staging_tokens == 0  # the CPU does not stage unless told
+    ops.stage_8bit, ops.stage_min_reuse = True, 0.0
+    assert ops.staging_tokens == 64
+    assert _tokens(triton, prompts, params) == _tokens(LLM(str(checkpoints["qwen3"]), **kw), prompts, params)
+    assert [p is not None and p.pages for p in planned] == [1, 2, 3], planned
 
 
 def test_warm_up_runs_both_8bit_prefill_kernels(checkpoints, monkeypatch) -> None:
