@@ -198,6 +198,38 @@ def test_staged_prefill_gpu_matches_torch_path(checkpoints, monkeypatch, fmt: st
     assert staged
 
 
+@pytest.mark.gpu
+def test_memory_profile_stages_to_the_reach_on_gpu(checkpoints, monkeypatch) -> None:
+    """The start-up profile (a GPU's, sizing the cache from memory) with staging on and a 64-token budget under a
+    512-token max_model_len: its chunk continues a prompt to 512 tokens and stages all 32 pages, so the scratch of
+    the rest of a long prompt is in the peak; a 300-token prompt then stages its five chunks, with the torch path's
+    greedy tokens (float32)."""
+    from minfer.ops import triton_ops
+
+    pages = []
+    plan_stage = triton_ops.plan_stage
+    monkeypatch.setattr(triton_ops, "plan_stage", lambda *a, **k: (p := plan_stage(*a, **k), pages.append(p))[0])
+    init = triton_ops.TritonOps.__init__
+
+    def staging_init(self, *a, **k):  # staged over the Triton kernel: this checkpoint's heads are not Hopper's
+        init(self, *a, **k)
+        self.stage_8bit = True
+
+    kw = dict(kv_cache_dtype="int8", max_num_batched_tokens=64, max_num_seqs=2, max_model_len=512, dtype="float32",
+              device="cuda", gpu_memory_utilization=0.3)
+    monkeypatch.setattr(triton_ops.TritonOps, "__init__", staging_init)
+    triton = LLM(str(checkpoints["qwen3"]), attention_backend="triton", enforce_eager=True, **kw)
+    assert pages[0] is not None and pages[0].pages == 512 // 16, pages[:1]
+    pages.clear()
+    triton.llm_engine.runner.ops.stage_min_reuse = 0.0
+    prompts = [{"prompt_token_ids": [(i * 7) % 300 + 2 for i in range(300)]}]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    monkeypatch.setattr(triton_ops.TritonOps, "__init__", init)
+    torch_path = LLM(str(checkpoints["qwen3"]), attention_backend="torch", **kw)
+    assert _tokens(triton, prompts, params) == _tokens(torch_path, prompts, params)
+    assert len(pages) == 5 and all(p is not None for p in pages), pages
+
+
 def test_cache_sizing_counts_scales(checkpoints) -> None:
     budget = 1 << 20
     auto = LLM(str(checkpoints["llama3"]), dtype="bfloat16", kv_cache_memory_bytes=budget)
