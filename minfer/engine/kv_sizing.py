@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 from minfer.config import EngineConfig, cdiv
 from minfer.engine.kv_cache import host_available_bytes
+from minfer.engine.step_arrays import StepArrays, synthetic_step
 
 CPU_KV_MEMORY_SHARE = 0.5  # of the host's available memory, at most, for a CPU KV cache
 SAMPLER_BYTES_PER_LOGIT = 4 * 8  # float32 logits, noise and sort temporaries per row and vocabulary entry
@@ -30,6 +32,21 @@ def profile_context_lens(lens: list[int], staging_tokens: int, max_model_len: in
     that reach as is left (at most max_model_len): the rest of a long prompt stages its whole context into a
     16-bit scratch, which the profiled peak must hold."""
     return lens[:-1] + [max(lens[-1], min(max_model_len, staging_tokens - sum(lens[:-1])))]
+
+
+def profile_step(budget: int, max_model_len: int, staging_tokens: int, block_size: int,
+                 groups: int) -> tuple[StepArrays, int]:
+    """The start-up profile's made-up step (``profile_lengths``, ``profile_context_lens``) and the blocks of its
+    temporary cache: as many as the step's own tokens fill. The block tables and slots wrap around them, so a
+    context staged past them reads them again (the profile measures memory, not values) and the temporary cache
+    stays the budget's size however far max_model_len reaches."""
+    lens = profile_lengths(budget, max_model_len)
+    ctx = profile_context_lens(lens, staging_tokens, max_model_len)
+    blocks, width = cdiv(lens[0], block_size) * len(lens), cdiv(max(ctx), block_size)
+    tables = (np.arange(len(lens) * width, dtype=np.int32) % blocks).reshape(len(lens), width)
+    step = synthetic_step(lens, ctx, tables, groups)
+    step.slots %= blocks * block_size
+    return step, blocks
 
 
 def count_kv_blocks(config: EngineConfig, block_bytes: int, max_model_len: int, device: torch.device,

@@ -30,7 +30,7 @@ from minfer.distributed import SINGLE, Command, StepChannel, TensorParallel
 from minfer.engine.cuda_graphs import DecodeGraphs
 from minfer.engine.input_batch import InputBatch, SamplingMetadata
 from minfer.engine.kv_cache import KVCacheSpec, allocate_kv_cache, release_kv_cache
-from minfer.engine.kv_sizing import count_kv_blocks, profile_context_lens, profile_lengths
+from minfer.engine.kv_sizing import count_kv_blocks, profile_step
 from minfer.engine.lora_manager import LoRAManager
 from minfer.engine.sampler import DeviceSample, Sampler, SpecSample
 from minfer.engine.prompt_logprobs import prompt_logprob_chunks, prompt_logprobs
@@ -155,12 +155,10 @@ class ModelRunner:
         head at max_num_seqs rows, beside the weights and the temporary cache (``kv_sizing.count_kv_blocks``)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        n, staging = self.config.max_num_batched_tokens, self.kv_spec.scale_dtype is not None
-        lens = profile_lengths(n, self.max_model_len)
-        ctx = profile_context_lens(lens, self.ops.staging_tokens if staging else 0, self.max_model_len)
-        blocks = (width := cdiv(max(ctx), self.block_size)) * len(lens)
+        n = self.config.max_num_batched_tokens
+        staging = self.ops.staging_tokens if self.kv_spec.scale_dtype is not None else 0
+        a, blocks = profile_step(n, self.max_model_len, staging, self.block_size, self.num_kv_groups)
         allocate_kv_cache(self.model.attention_layers(), self.kv_spec, blocks, self.device, zero=False)
-        a = synthetic_step(lens, ctx, np.arange(blocks, dtype=np.int32).reshape(len(lens), width), self.num_kv_groups)
         ids, positions, *slots = self._upload(torch.int64, a.ids, a.positions, *a.slots)
         with self.ops.forcing_8bit_prefill(staged=True):
             hidden = self.model(ids, positions, self._metadata(a, slots))

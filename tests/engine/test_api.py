@@ -276,6 +276,22 @@ def test_memory_profile_stages_as_far_as_a_step_may():
     assert profile_context_lens([100], 4096, 4096) == [4096]
 
 
+def test_memory_profile_step_keeps_its_cache_to_the_budget():
+    """The profile's step continuing a prompt to a 128k max_model_len still fills (and allocates) only the budget's
+    blocks: its table and slots wrap around them; without staging the step is the whole prompts it always was."""
+    import numpy as np
+
+    from minfer.engine.kv_sizing import profile_step
+
+    a, blocks = profile_step(16384, 131072, 131072, 16, 2)
+    assert blocks == 1024 and a.tables.shape == (2, 1, 8192) and a.tables.max() == blocks - 1
+    assert a.ctx_lens.tolist() == [131072] and a.positions[0] == 131072 - 16384 and a.positions[-1] == 131071
+    assert a.slots.shape == (2, 16384) and a.slots.max() < blocks * 16 and len(np.unique(a.slots[0])) == 16384
+    a, blocks = profile_step(16384, 5000, 0, 16, 1)
+    assert blocks == 313 * 4 and a.ctx_lens.tolist() == a.q_lens.tolist() == [5000, 5000, 5000, 1384]
+    assert (a.tables[0].ravel() == np.arange(blocks)).all() and (a.slots[0] == a.positions).all()
+
+
 def test_input_batch_rows_are_given_back(checkpoints):
     """Every sequence's runner row is freed once it finishes, also when the step that reports it launches
     nothing (the last steps of a batch): with two rows, leaked ones would soon leave no row to run in."""
