@@ -21,8 +21,10 @@
 #           (dev/compile_events.py: none should be left), its gpu tests and the 8-bit engine's, the 8k prefill kernels
 #           over bf16 / int8 / fp8 caches with the staged rows (bench_kernels.py --only prefill), then workload A on
 #           llama-3.1-8b FP8 + int8 KV and qwen3-0.6b int8 KV, 32 x 8k and 8 x 40k prompts on the 8B with
-#           MINFER_STAGE_8BIT_PREFILL 0 and 1 in turn (STAGE_ORDER; STAGE_NO_TESTS / STAGE_NO_KERNELS=1: without the
-#           tests / the kernel table)            -> $OUT/stage_compiles.md, $OUT/stage_kernels.md, $OUT/stage.md
+#           MINFER_STAGE_8BIT_PREFILL 0 and 1 in turn (STAGE_ORDER; STAGE_RUNS: which of "A8b Aqwen long8k long40k";
+#           STAGE_NO_TESTS / STAGE_NO_KERNELS=1: without the tests / the kernel table). All of it passes one call's
+#           ten minutes: e.g. STAGE_RUNS="A8b Aqwen" first, then STAGE_NO_TESTS=1 STAGE_NO_KERNELS=1
+#           STAGE_RUNS="long8k long40k"     -> $OUT/stage_compiles.md, $OUT/stage_kernels.md, $OUT/stage.md
 # overlap:  whether two half batches on two streams beat the whole batch on llama-3.1-8b's FP8 layers at 256
 #           sequences (dev/overlap_probe.py; bf16 and int8 caches)                       -> $OUT/overlap.md
 # moe:      the MoE decode kernels' gpu tests, and the kernels at the MoE shapes against candidate configs, each kernel
@@ -163,16 +165,18 @@ case " $PARTS " in *" stage "*)
     > "$OUT/stage_kernels.log" 2>&1 || echo "   exit $?"
   grep -E "^\| (prefill|stage)|Error" "$OUT/stage_kernels.log" | tee "$OUT/stage_kernels.md"; }
   r=0
+  runs=" ${STAGE_RUNS:-A8b Aqwen long8k long40k} "
   for f in ${STAGE_ORDER:-0 1}; do
     export MINFER_STAGE_8BIT_PREFILL=$f; r=$((r + 1))
-    bench "A_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8
-    bench "A_qwen3-0.6b_int8kv_stage${f}_$r" --shape qwen3-0.6b --kv-cache-dtype int8
-    # long prompts, which stage: 32 x 8k in, 64 out
-    bench "long_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 \
-      --num-prompts 32 --input-len 8192 --output-len 64
-    # prompts past the 16k token budget: their later chunks stage their whole context (8 x 40k in, 16 out)
-    bench "long40k_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 \
-      --num-prompts 8 --input-len 40000 --output-len 16 --max-model-len 40960
+    case $runs in *" A8b "*)
+      bench "A_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 ;; esac
+    case $runs in *" Aqwen "*) bench "A_qwen3-0.6b_int8kv_stage${f}_$r" --shape qwen3-0.6b --kv-cache-dtype int8 ;; esac
+    case $runs in *" long8k "*)  # long prompts, which stage: 32 x 8k in, 64 out
+      bench "long_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 \
+        --num-prompts 32 --input-len 8192 --output-len 64 ;; esac
+    case $runs in *" long40k "*)  # past the 16k token budget: later chunks stage their whole context
+      bench "long40k_8b_fp8_int8kv_stage${f}_$r" --shape llama-3.1-8b --quantization fp8 --kv-cache-dtype int8 \
+        --num-prompts 8 --input-len 40000 --output-len 16 --max-model-len 40960 ;; esac
   done
   unset MINFER_STAGE_8BIT_PREFILL
   bench_table stage.md ;;
