@@ -147,8 +147,6 @@ BUILDS = {
                            dict(PAGE=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK=4096, KIND=kind, ASM=True, EXACT=False,
                                 MANT=7, EMIN=-126, SATURATE=False))
        for fmt, codes, kind in (("int8", "*i8", 0), ("e4m3", "*u8", 1))},
-    # the split-K FP8 GEMM of decode batches (splitk_gemm.py): a split launch (partials, the ticket, the last
-    # program's sum, the scales) at 64 x 64 promoting each k-step, and an unsplit one with bias and ragged K
     # the weight streams pipelined (gemv_config.STREAM_STAGES): llama-3.1-8b's gate_up at batch 1 under the RMS
     # prologue, e4m3 (8 x 512) and bf16 (4 x 1024), three stages, and at the default depth (one); qwen3-30b-a3b's
     # decode gate/up kernel at three. Pointers aligned as a real launch specializes them (cp.async needs it).
@@ -160,6 +158,8 @@ BUILDS = {
     "moe_decode_gate_up_bf16_stages3": ("minfer.kernels.moe.moe_decode", "_moe_decode_gate_up_kernel", _BF16_SIG,
                                         dict(_QWEN3_DECODE, BLOCK_N=8, BLOCK_K=256, LIMIT=0.0, ALPHA=1.0, PDL=True,
                                              STAGES=3), dict(aligned=True)),
+    # the split-K FP8 GEMM of decode batches (splitk_gemm.py): a split launch (partials, the ticket, the last
+    # program's sum, the scales) at 64 x 64 promoting each k-step, and an unsplit one with bias and ragged K
     "fp8_splitk": ("minfer.kernels.gemm.splitk_gemm", "_splitk_kernel", _SPLITK_SIG,
                    dict(HAS_BIAS=False, SPLIT=3, EVEN_K=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PROMOTE=True,
                         PDL=True)),
