@@ -49,7 +49,7 @@
 #           llama-3.2-1b chain (gemv_chain.py, one projection at a time) and the MoE decode kernels at T=1
 #           (dev/moe_decode_sweep.py)              -> $OUT/streams_sweep.md, $OUT/streams_chain.md, $OUT/moe_decode.md
 # extras:   decode attention B=1 x 32k over split counts, and the FP8 / bf16 gemv at gate_up under ncu
-#           (dev/ncu_gemv.py)                                                -> $OUT/decode32k.md, $OUT/ncu_gemv.txt
+#           (dev/ncu_gemv.py; NCU_DEPTHS="1 3": at each K-loop depth)      -> $OUT/decode32k.md, $OUT/ncu_gemv*.txt
 # The figures and their commands go to benchmarks/RESULTS.md ("Performance round (issue 42)").
 DEADLINE_DEFAULT=570
 source "$(dirname "$0")/device_call.sh"
@@ -257,12 +257,15 @@ case " $PARTS " in *" extras "*)
   timeout "$(cap 90)" "$PY" benchmarks/sweep_decode_sm90.py --batch 1 --ctx 32768 --splits "${SPLITS:-16,24,33,48,64,96,132}" \
     > "$OUT/decode32k.md" 2>&1 || echo "   exit $?"
   grep "^|\|^B=\|Error" "$OUT/decode32k.md" | head -24
-  echo "== ncu: the FP8 and bf16 gemv at gate_up ($(left) s left)"
-  timeout "$(cap 150)" ncu --clock-control none --kernel-name regex:_gemv_kernel --launch-skip 2 --launch-count 4 \
-    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-    "$PY" dev/ncu_gemv.py > "$OUT/ncu_gemv.txt" 2>&1 || echo "   exit $?"
-  grep -E "_gemv_kernel|Duration|Memory Throughput|DRAM Throughput|Stall|Issued Warp|Eligible|Active Warps|L2 Hit|L1/TEX Hit|Warp Cycles" \
-    "$OUT/ncu_gemv.txt" | head -60 ;;
+  for d in ${NCU_DEPTHS:-1}; do  # the K loop's pipelining depth (MINFER_STREAM_STAGES; NCU_DEPTHS="1 3" compares)
+    echo "== ncu: the FP8 and bf16 gemv at gate_up, depth $d ($(left) s left)"
+    MINFER_STREAM_STAGES=$d timeout "$(cap 150)" ncu --clock-control none --kernel-name regex:_gemv_kernel \
+      --launch-skip 2 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats "$PY" dev/ncu_gemv.py > "$OUT/ncu_gemv$d.txt" 2>&1 \
+      || echo "   exit $?"
+    grep -E "_gemv_kernel|Duration|Memory Throughput|DRAM Throughput|Stall|Issued Warp|Eligible|Active Warps|L2 Hit|L1/TEX Hit|Warp Cycles" \
+      "$OUT/ncu_gemv$d.txt" | head -60
+  done ;;
 esac
 case " $PARTS " in *" serve "*)
   bash benchmarks/serve_policies.sh ;;
