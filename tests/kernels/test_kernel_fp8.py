@@ -414,6 +414,15 @@ def _check_pipelined_loop(n: int, k: int, fmt: str, config: GemvConfig, device: 
     assert rel_err(y3, gemv_rms_norm_ref(x, res, nw, 1e-5, wq, weight_scale=ws)[0]) <= 3e-2
 
 
+def test_stream_stages_knob_names_itself():
+    from minfer.kernels.gemm.gemv_config import MAX_STREAM_STAGES, stream_stages
+
+    assert stream_stages("3") == 3 and stream_stages(str(MAX_STREAM_STAGES)) == MAX_STREAM_STAGES
+    for bad in ("0", "x", "-2", "2.5", str(MAX_STREAM_STAGES + 1)):
+        with pytest.raises(ValueError, match=r"MINFER_STREAM_STAGES must be an integer in \[1, 8\]"):
+            stream_stages(bad)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "channel", "block"])
 def test_gemv_pipelined_k_loop_is_bit_equal(fmt):
     _check_pipelined_loop(24, 400, fmt, GemvConfig(8, 128, 4), "cpu")  # 3 whole chunks and a masked one

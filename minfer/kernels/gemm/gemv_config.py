@@ -31,7 +31,17 @@ class GemvConfig:
 # chunk when it needs it, so a warp has one step's loads in flight and waits for them; at N > 1 Triton copies the
 # chunks N - 1 steps ahead into shared memory (cp.async) while the warps convert and multiply the current one.
 # ``MINFER_STREAM_STAGES`` sets it until a GPU run times the deeper pipelines (benchmarks/RESULTS.md).
-STREAM_STAGES = int(os.environ.get("MINFER_STREAM_STAGES", "1"))
+MAX_STREAM_STAGES = 8
+
+
+def stream_stages(value: str) -> int:
+    """``MINFER_STREAM_STAGES``'s depth, or a clear error naming it and the allowed range."""
+    if not value.strip().isdigit() or not 1 <= int(value) <= MAX_STREAM_STAGES:
+        raise ValueError(f"MINFER_STREAM_STAGES must be an integer in [1, {MAX_STREAM_STAGES}], got {value!r}")
+    return int(value)
+
+
+STREAM_STAGES = stream_stages(os.environ.get("MINFER_STREAM_STAGES", "1"))
 
 
 # What feeds the dot product (the kernel's PROLOGUE, gemv_prologue.py): x itself, silu(gate) * up,
