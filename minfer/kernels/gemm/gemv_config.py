@@ -26,7 +26,8 @@ class GemvConfig:
     num_stages: int = 1  # the K loop's software pipelining: see STREAM_STAGES
 
 
-# The K loop's pipelining depth in the default configs (this kernel's and the MoE decode kernels'). Triton pipelines
+# The K loop's pipelining depth in the projections' default configs (this kernel's and the MoE decode kernels'; a
+# LoRA shrink, a few rows over a split K, keeps 1). Triton pipelines
 # a loop without a dot product only when the loop asks for it (``tl.range(num_stages=)``): at 1 each step loads its
 # chunk when it needs it, so a warp has one step's loads in flight and waits for them; at N > 1 Triton copies the
 # chunks N - 1 steps ahead into shared memory (cp.async) while the warps convert and multiply the current one.
