@@ -41,9 +41,9 @@
 # serve:    the scheduler policies (benchmarks/serve_policies.sh) at 64 and 256 clients (POLICIES="fcfs prefill-first"
 #           as measured)                                                              -> $OUT/policies.md
 # streams:  the batch-1 weight streams' K loops pipelined (gemv_config.STREAM_STAGES: cp.async copies ahead): the gemv,
-#           FP8 and MoE decode gpu tests with MINFER_STREAM_STAGES=3 (the default configs pipelined), the gemv at
-#           llama-3.1-8b's projections at depth 1 then 3 (bench_fp8.py --only gemv: bf16 and e4m3), then batch 1 on
-#           llama-3.2-1b, llama-3.1-8b FP8 and qwen3-30b-a3b at each depth of STREAM_DEPTHS (default "1 3")
+#           FP8 and MoE decode gpu tests with MINFER_STREAM_STAGES=3 (the default configs pipelined), batch 1 on
+#           llama-3.2-1b, llama-3.1-8b FP8 and qwen3-30b-a3b at each depth of STREAM_DEPTHS (default "1 3"), then the
+#           gemv at llama-3.1-8b's projections at depth 1 and 3 (bench_fp8.py --only gemv: bf16 and e4m3)
 #           -> $OUT/streams_gemv.md, $OUT/streams.md
 # streamsweep: the same loops' configs swept over depths 1-4: bench_fp8.py --sweep --only gemv (bf16 and e4m3), the
 #           llama-3.2-1b chain (gemv_chain.py, one projection at a time) and the MoE decode kernels at T=1
@@ -220,16 +220,10 @@ case " $PARTS " in *" policyA "*)
 esac
 case " $PARTS " in *" streams "*)
   echo "== gemv / FP8 / MoE decode gpu tests, K loops 3 deep ($(left) s left)"
-  MINFER_STREAM_STAGES=3 timeout "$(cap 150)" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+  MINFER_STREAM_STAGES=3 timeout "$(cap 200)" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_fp8.py tests/kernels/test_kernel_moe_decode_gpu.py \
     > "$OUT/streams_tests.log" 2>&1
   echo "   exit $?; $(tail -1 "$OUT/streams_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/streams_tests.log" | head -8
-  for d in 1 3; do
-    echo "== gemv at llama-3.1-8b's projections, depth $d ($(left) s left)"
-    MINFER_STREAM_STAGES=$d timeout "$(cap 90)" "$PY" benchmarks/bench_fp8.py --only gemv > "$OUT/streams_gemv$d.log" 2>&1 \
-      || echo "   exit $?"
-    grep "^| \(qkv\|o\|gate_up\|down\)" "$OUT/streams_gemv$d.log" | sed "s/^/| $d /" | tee -a "$OUT/streams_gemv.md"
-  done
   r=0
   for d in ${STREAM_DEPTHS:-1 3}; do
     export MINFER_STREAM_STAGES=$d; r=$((r + 1))
@@ -238,7 +232,13 @@ case " $PARTS " in *" streams "*)
     bench "b1_qwen3-30b-a3b_depth${d}_$r" --shape qwen3-30b-a3b --batch1
   done
   unset MINFER_STREAM_STAGES
-  bench_table streams.md ;;
+  bench_table streams.md
+  for d in 1 3; do
+    echo "== gemv at llama-3.1-8b's projections, depth $d ($(left) s left)"
+    MINFER_STREAM_STAGES=$d timeout "$(cap 90)" "$PY" benchmarks/bench_fp8.py --only gemv > "$OUT/streams_gemv$d.log" 2>&1 \
+      || echo "   exit $?"
+    grep "^| \(qkv\|o\|gate_up\|down\)" "$OUT/streams_gemv$d.log" | sed "s/^/| $d /" | tee -a "$OUT/streams_gemv.md"
+  done ;;
 esac
 case " $PARTS " in *" streamsweep "*)
   echo "== gemv configs over pipelining depths ($(left) s left)"

@@ -429,8 +429,8 @@ def test_gemv_pipelined_k_loop_is_bit_equal(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,k", [(28672, 4096), (4096, 14336), (1000, 1000)])
+@pytest.mark.parametrize("n,k", [(28672, 4096), (1000, 1000)])
 @pytest.mark.parametrize("fmt", ["bf16", "channel", "block"])
 def test_gpu_gemv_pipelined_k_loop_is_bit_equal(n, k, fmt):
-    for config in (GemvConfig(8, 512, 4), GemvConfig(4, 1024, 4), GemvConfig(16, 256, 8)):
+    for config in (GemvConfig(8, 512, 4), GemvConfig(4, 1024, 8)):
         _check_pipelined_loop(n, k, fmt, config, "cuda")
