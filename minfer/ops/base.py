@@ -113,7 +113,7 @@ class Ops(ABC):
     @property
     def staging_tokens(self) -> int:
         """The most tokens whose pages a prompt step stages for 8-bit prefill (``TritonOps``; 0: none staged): the
-        start-up memory profile stages as many (``kv_sizing.profile_context_lens``)."""
+        start-up memory profile stages as many (``kv_sizing.profile_step``)."""
         return 0
 
     def forcing_8bit_prefill(self, staged: bool) -> contextlib.AbstractContextManager:

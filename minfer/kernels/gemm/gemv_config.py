@@ -70,9 +70,9 @@ def default_fp8_config(n: int, k: int, prologue: int = PLAIN, scale: int = CHANN
     """The config for an e4m3 weight (``scale``: ``CHANNEL`` or ``BLOCK``, which share it): eight rows by 1024
     columns on four warps, 512 columns under the RMS prologue. The fastest of 7 candidates on llama-3.1-8b's
     projections on an H200 (``bench_fp8.py --sweep``; within 5% of each shape's best). It reaches ~75% of DRAM
-    bandwidth on gate_up against ~89% for bf16 weights (H100, ``dev/ncu_gemv.py``); the conversions, the load width
-    and the layout conversion were each ruled out as the cause (benchmarks/RESULTS.md). A block-scaled K chunk
-    covers whole 128-column groups or lies inside one (any power of two does)."""
+    bandwidth on gate_up against ~89% for bf16 weights (H100, ``dev/ncu_gemv.py``; what was ruled out:
+    benchmarks/RESULTS.md). A block-scaled K chunk covers whole 128-column groups or lies inside one (any power of
+    two does)."""
     block_k = 512 if prologue == RMS_NORM else 1024
     return GemvConfig(block_n=8, block_k=min(block_k, max(next_pow2(k), FP8_GROUP)), num_warps=4,
                       num_stages=STREAM_STAGES)

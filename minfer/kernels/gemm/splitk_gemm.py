@@ -34,10 +34,10 @@ _tickets: dict[torch.device, torch.Tensor] = {}
 
 @dataclass(frozen=True)
 class SplitKConfig:
-    """Tile ``block_m`` x ``block_n`` (``block_k`` deep: 128 FP8 values, 128 bytes of a row), ``split``
-    stretches of K, warps and pipeline depth. ``fast_accum`` (FP8): let the tensor cores accumulate a whole stretch
-    in their reduced-precision adder (sm_90's FP8 MMA keeps ~14 bits of mantissa); by default each ``block_k``-deep
-    product is added to a float32 accumulator, as cuBLAS does by default (sweeps only)."""
+    """Tile ``block_m`` x ``block_n`` (``block_k`` deep), ``split`` stretches of K, warps and pipeline depth.
+    ``fast_accum``: let the tensor cores accumulate a whole stretch in their reduced-precision adder (sm_90's FP8
+    MMA keeps ~14 bits of mantissa); by default each ``block_k``-deep product is added to a float32 accumulator, as
+    cuBLAS does by default (sweeps only)."""
 
     block_m: int
     block_n: int
