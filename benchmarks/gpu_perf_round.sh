@@ -44,6 +44,7 @@
 #           FP8 and MoE decode gpu tests with MINFER_STREAM_STAGES=3 (the default configs pipelined), batch 1 on
 #           llama-3.2-1b, llama-3.1-8b FP8 and qwen3-30b-a3b at each depth of STREAM_DEPTHS (default "1 3"), then the
 #           gemv at llama-3.1-8b's projections at depth 1 and 3 (bench_fp8.py --only gemv: bf16 and e4m3)
+#           (STREAMS_NO_TESTS=1: without the tests, e.g. after base in the same call)
 #           -> $OUT/streams_gemv.md, $OUT/streams.md
 # streamsweep: the same loops' configs swept over depths 1-4: bench_fp8.py --sweep --only gemv (bf16 and e4m3), the
 #           llama-3.2-1b chain (gemv_chain.py, one projection at a time) and the MoE decode kernels at T=1
@@ -219,11 +220,11 @@ case " $PARTS " in *" policyA "*)
   bench_table policyA.md ;;
 esac
 case " $PARTS " in *" streams "*)
-  echo "== gemv / FP8 / MoE decode gpu tests, K loops 3 deep ($(left) s left)"
+  [ -n "${STREAMS_NO_TESTS:-}" ] || { echo "== gemv / FP8 / MoE decode gpu tests, K loops 3 deep ($(left) s left)"
   MINFER_STREAM_STAGES=3 timeout "$(cap 200)" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_kernel_gemv.py tests/kernels/test_kernel_fp8.py tests/kernels/test_kernel_moe_decode_gpu.py \
     > "$OUT/streams_tests.log" 2>&1
-  echo "   exit $?; $(tail -1 "$OUT/streams_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/streams_tests.log" | head -8
+  echo "   exit $?; $(tail -1 "$OUT/streams_tests.log")"; grep -E "^(FAILED|ERROR)" "$OUT/streams_tests.log" | head -8; }
   r=0
   for d in ${STREAM_DEPTHS:-1 3}; do
     export MINFER_STREAM_STAGES=$d; r=$((r + 1))
