@@ -27,10 +27,10 @@ class GemvConfig:
 
 
 # The K loop's pipelining depth in the projections' default configs (this kernel's and the MoE decode kernels'; a
-# LoRA shrink, a few rows over a split K, keeps 1). Triton pipelines
-# a loop without a dot product only when the loop asks for it (``tl.range(num_stages=)``): at 1 each step loads its
-# chunk when it needs it, so a warp has one step's loads in flight and waits for them; at N > 1 Triton copies the
-# chunks N - 1 steps ahead into shared memory (cp.async) while the warps convert and multiply the current one.
+# LoRA shrink, a few rows over a split K, keeps 1). Triton pipelines a loop without a dot product only when the
+# loop asks for it (``tl.range(num_stages=)``): at 1 each step loads its chunk when it needs it; at N > 1 Triton
+# copies the chunks N - 1 steps ahead into shared memory (cp.async) while the warps convert and multiply the
+# current one.
 # The default stays 1: a warp's own 16-byte loads already keep enough bytes in flight, and the copies through shared
 # memory made batch 1 slower on an H100 (benchmarks/RESULTS.md). ``MINFER_STREAM_STAGES`` sets it for the sweeps.
 MAX_STREAM_STAGES = 8
