@@ -23,7 +23,6 @@ from minfer.kernels.quant.mxfp4_ref import quantize_mxfp4
 # name: (H, I, experts, top_k, MXFP4 experts as gpt-oss's)
 LAYERS = {"qwen3-30b-a3b": (2048, 768, 128, 8, False), "qwen3.5-35b-a3b": (2048, 512, 256, 8, False),
           "gpt-oss-20b": (2880, 2880, 32, 4, True), "mixtral-8x7b": (4096, 14336, 8, 2, False)}
-# (gate/up rows, down rows, tile, warps, stages, the down kernel's expert loop)
 # (gate/up rows, down rows, tile, warps, K-loop pipelining depth, experts in turn); a depth above 1 has Triton copy
 # the weight chunks ahead into shared memory (gemm/gemv_config.STREAM_STAGES)
 CANDIDATES = [(8, 4, 8192, 4, 1, False), (8, 4, 8192, 4, 3, False), (8, 8, 8192, 8, 1, False),
